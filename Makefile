@@ -1,0 +1,27 @@
+# `make demo` runs the main job, `make test` the whole test suite; both set up
+# their own virtual environment with the pinned dependencies first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): requirements-dev.txt setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/resume_demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_checkpoint.py
+
+clean:
+	rm -rf $(VENV) runs

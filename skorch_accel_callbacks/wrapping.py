@@ -1,0 +1,87 @@
+"""Unwrap a net's modules for a block and restore the very same wrappers.
+
+skorch's ``AccelerateMixin`` unwraps with ``_unwrap_accelerator`` and wraps
+again with ``_initialize_accelerator``, which calls ``accelerator.prepare``:
+under DDP that rebuilds the wrapper (a broadcast of all weights) and appends
+the module to ``accelerator._models`` once more, so every later
+``accelerator.save_state`` writes one more copy of the model. ``unwrapped``
+keeps the wrapper objects aside and puts them back instead.
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ['unwrapped', 'is_wrapped']
+
+# accelerate's unwrap with keep_fp32_wrapper=False (what skorch uses, so that
+# an unwrapped module pickles) replaces these instance attributes of the inner
+# module under mixed precision; they are put back on exit so the wrapper
+# autocasts exactly as before.
+_FORWARD_ATTRS = ('forward', '_original_forward')
+_MISSING = object()
+
+
+def is_wrapped(net):
+    """Whether the net's modules are currently prepared by accelerate."""
+    return bool(getattr(net, '_wrapped_with_accelerator', False))
+
+
+def _module_names(net):
+    return [name + '_' for name in list(net._modules) + list(net._criteria)]
+
+
+@contextmanager
+def unwrapped(net):
+    """Context manager: inside, every module and criterion of ``net`` is plain.
+
+    Inside the block ``net.module_`` (and every other module and criterion) is
+    the bare ``torch.nn.Module``, without DDP wrapper and without the
+    ``module.`` key prefix, and ``net._wrapped_with_accelerator`` is False, so
+    skorch's ``save_params``/``load_params`` take their plain path. On exit,
+    also when the block raises, the net gets back the very same wrapper
+    objects it had; nothing is prepared again and no collective is run.
+
+    It is a no-op for a net that is not wrapped, for a plain skorch net
+    without accelerate, and for a nested block.
+
+    Parameters loaded into the bare module inside the block are the
+    parameters of the wrapper after it (DDP shares the tensors), so loading the
+    same file on every rank keeps the ranks in sync.
+
+    Examples
+    --------
+    >>> with unwrapped(net):
+    ...     state = net.module_.state_dict()  # no 'module.' prefix
+    >>> net.module_  # the same DistributedDataParallel object as before
+
+    """
+    if not is_wrapped(net):
+        yield net
+        return
+
+    accelerator = net.accelerator
+    wrappers = {}
+    forwards = {}
+    for attr in _module_names(net):
+        wrapper = getattr(net, attr)
+        if not isinstance(wrapper, torch.nn.Module):
+            continue
+        wrappers[attr] = wrapper
+        inner = accelerator.unwrap_model(wrapper, keep_fp32_wrapper=True)
+        forwards[attr] = (inner, {
+            key: inner.__dict__.get(key, _MISSING) for key in _FORWARD_ATTRS})
+        setattr(net, attr, accelerator.unwrap_model(wrapper, keep_fp32_wrapper=False))
+    net._wrapped_with_accelerator = False
+    try:
+        yield net
+    finally:
+        for attr, (inner, saved) in forwards.items():
+            for key, value in saved.items():
+                if value is _MISSING:
+                    inner.__dict__.pop(key, None)
+                else:
+                    inner.__dict__[key] = value
+        for attr, wrapper in wrappers.items():
+            setattr(net, attr, wrapper)
+        net._wrapped_with_accelerator = True

@@ -1,0 +1,36 @@
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / 'workers'))
+
+from launcher import launch  # noqa: E402
+
+
+def read_results(folder, name, world_size):
+    """Each rank's JSON result of a worker script, indexed by rank."""
+    results = []
+    for rank in range(world_size):
+        path = Path(folder) / f'{name}-rank{rank}.json'
+        assert path.exists(), f"rank {rank} wrote no result {path.name}"
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+@pytest.fixture
+def run_workers(tmp_path):
+    """Launch a worker script in ``nproc`` processes; return each rank's result.
+
+    Fails with every rank's output when a rank fails or the launch times out.
+    """
+    def run(script, name, nproc=2, timeout=180, env=None, args=()):
+        out = tmp_path / f'results-{name}-{nproc}'
+        out.mkdir(exist_ok=True)
+        result = launch(script, *args, nproc=nproc, timeout=timeout,
+                        env=dict(env or {}, RESULT_DIR=str(out)))
+        result.check()
+        return read_results(out, name, nproc)
+    return run

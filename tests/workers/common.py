@@ -1,0 +1,78 @@
+"""Shared pieces of the scripts that the tests run in several processes."""
+
+import json
+import os
+from datetime import timedelta
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import InitProcessGroupKwargs
+from skorch import NeuralNetClassifier
+from skorch.hf import AccelerateMixin
+
+from skorch_accel_callbacks import AccelerateFixesMixin
+
+# a hang in a collective fails the run after this many seconds instead of 30 minutes
+COLLECTIVE_TIMEOUT = int(os.environ.get('COLLECTIVE_TIMEOUT', '60'))
+
+
+class FixedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
+    """The net most tests use: skorch's mixin with this package's fixes."""
+
+
+class StockNet(AccelerateMixin, NeuralNetClassifier):
+    """skorch's own mixin, unchanged."""
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, n_in=20, hidden=32, n_out=2, dropout=0.2):
+        super().__init__()
+        self.lin = torch.nn.Linear(n_in, hidden)
+        self.drop = torch.nn.Dropout(dropout)
+        self.out = torch.nn.Linear(hidden, n_out)
+
+    def forward(self, X):
+        return torch.softmax(self.out(self.drop(torch.relu(self.lin(X)))), dim=-1)
+
+
+def make_accelerator(**kwargs):
+    AcceleratorState._reset_state(True)
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))]
+    return Accelerator(cpu=True, kwargs_handlers=handlers, **kwargs)
+
+
+def make_data(n=256, n_features=20, seed=0):
+    rng = np.random.RandomState(seed)
+    X = rng.randn(n, n_features).astype(np.float32)
+    w = rng.randn(n_features)
+    y = (X @ w + 0.5 * rng.randn(n) > 0).astype(np.int64)
+    return X, y
+
+
+def make_net(accelerator, net_cls=FixedNet, **kwargs):
+    params = dict(
+        module=MLP, max_epochs=2, lr=0.1, batch_size=32,
+        optimizer=torch.optim.SGD, optimizer__momentum=0.9,
+        iterator_train__shuffle=True, accelerator=accelerator, verbose=0,
+    )
+    params.update(kwargs)
+    return net_cls(**params)
+
+
+def rank():
+    return int(os.environ.get('RANK', '0'))
+
+
+def write_result(name, obj):
+    """Write this rank's result for the test to read."""
+    out = os.environ.get('RESULT_DIR', '.')
+    with open(os.path.join(out, f'{name}-rank{rank()}.json'), 'w') as f:
+        json.dump(obj, f)
+
+
+def params_digest(module):
+    """A rank-comparable fingerprint of a module's parameters."""
+    return float(sum(p.detach().double().sum() * (i + 1)
+                     for i, p in enumerate(module.parameters())))

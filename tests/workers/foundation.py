@@ -1,0 +1,194 @@
+"""Foundation checks: sync primitives, ``unwrapped`` and the fixed mixin.
+
+One launch runs every check (launches cost seconds); each rank writes what it
+saw to ``foundation-rank<r>.json`` and the test compares across ranks.
+"""
+
+import os
+import tempfile
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from common import (FixedNet, StockNet, make_accelerator, make_data, make_net,
+                    params_digest, rank, write_result)
+from skorch_accel_callbacks import RankError, sync, unwrapped
+
+
+def log_nll(y_pred, y):
+    return F.nll_loss(torch.log(y_pred), y)
+
+
+def plain_criterion():
+    # skorch calls the criterion to build it; a function is not an nn.Module,
+    # so the stock mixin does not try to wrap it in DDP
+    return log_nll
+
+
+def registry_sizes(accelerator):
+    return [len(accelerator._models), len(accelerator._optimizers),
+            len(accelerator._schedulers), len(accelerator._dataloaders)]
+
+
+def check_sync(net, out):
+    out['num_processes'] = sync.num_processes(net)
+    out['broadcast'] = sync.broadcast(net, f"from rank {rank()}")
+    out['gather'] = sync.gather(net, rank() * 10)
+    try:
+        sync.run_on_main(net, lambda: 1 / 0, 'division')
+        out['run_on_main_error'] = None
+    except ZeroDivisionError as exc:
+        out['run_on_main_error'] = f"ZeroDivisionError: {exc}"
+    except RankError as exc:
+        out['run_on_main_error'] = f"RankError: {exc}"
+    out['run_on_main_value'] = sync.run_on_main(net, lambda: rank() + 41, 'answer')
+    last = sync.num_processes(net) - 1
+    try:
+        with sync.agree(net, 'the last rank step'):
+            if rank() == last:
+                raise OSError("disk on fire")
+        out['agree_error'] = None
+    except OSError as exc:
+        out['agree_error'] = f"OSError: {exc}"
+    except RankError as exc:
+        out['agree_error'] = f"RankError: {exc}"
+    # a plain net without accelerate is single-process
+    plain = object()
+    out['plain'] = [sync.num_processes(plain), sync.is_main_process(plain),
+                    sync.broadcast(plain, rank()), sync.gather(plain, 'x')]
+    sync.barrier(plain)
+
+
+def check_unwrapped(accelerator, X, y, tmp, out):
+    net = make_net(accelerator, unwrap_after_train=False, max_epochs=1)
+    net.fit(X, y)
+    out['wrapped_type'] = type(net.module_).__name__
+    out['is_ddp'] = isinstance(net.module_, DistributedDataParallel)
+    before_sizes = registry_sizes(accelerator)
+    module, optimizer = net.module_, net.optimizer_
+
+    for _ in range(3):
+        with unwrapped(net):
+            assert type(net.module_).__name__ == 'MLP', type(net.module_)
+            assert not net._wrapped_with_accelerator
+            keys = list(net.module_.state_dict())
+            # nested block: a no-op
+            with unwrapped(net):
+                assert type(net.module_).__name__ == 'MLP'
+            assert not net._wrapped_with_accelerator
+            net.save_params(f_params=os.path.join(tmp, 'unwrapped.pt'))
+    out['unwrapped_keys'] = keys
+    try:
+        with unwrapped(net):
+            raise KeyError('inside')
+    except KeyError:
+        pass
+    out['same_objects'] = net.module_ is module and net.optimizer_ is optimizer
+    out['rewrapped_flag'] = net._wrapped_with_accelerator
+    out['sizes_before_after'] = [before_sizes, registry_sizes(accelerator)]
+
+    # ranks load different files inside the block; a common file after: same weights
+    torch.manual_seed(100 + rank())
+    with unwrapped(net):
+        own = {k: torch.randn_like(v) for k, v in net.module_.state_dict().items()}
+    if rank() == 0:
+        common = {k: torch.randn_like(v) for k, v in own.items()}
+        torch.save(common, os.path.join(tmp, 'common.pt'))
+    sync.barrier(net)
+    with unwrapped(net):
+        net.module_.load_state_dict(own)
+    out['digest_own'] = params_digest(net.module_)
+    with unwrapped(net):
+        net.module_.load_state_dict(torch.load(os.path.join(tmp, 'common.pt')))
+    out['digest_common'] = params_digest(net.module_)
+    # ranks see different batches; the step only stays in sync if DDP works
+    net.partial_fit(X[rank()::2], y[rank()::2])
+    out['digest_after_step'] = params_digest(net.module_)
+    out['digest_changed'] = out['digest_after_step'] != out['digest_common']
+
+
+def check_upstream_growth(accelerator, X, y, tmp, out):
+    net = make_net(accelerator, net_cls=StockNet, criterion=plain_criterion,
+                   unwrap_after_train=False, max_epochs=1)
+    net.fit(X, y)
+    models = [len(accelerator._models)]
+    for _ in range(3):
+        net.save_params(f_params=os.path.join(tmp, 'stock.pt'))
+        models.append(len(accelerator._models))
+    out['stock_models_per_save'] = models
+
+
+def check_fixed_mixin(accelerator, X, y, tmp, out):
+    net = make_net(accelerator, unwrap_after_train=False, max_epochs=1)
+    net.fit(X, y)
+    models = [len(accelerator._models)]
+    for _ in range(3):
+        net.save_params(f_params=os.path.join(tmp, 'fixed.pt'))
+        models.append(len(accelerator._models))
+    out['fixed_models_per_save'] = models
+    loaders = []
+    for _ in range(3):
+        net.partial_fit(X, y)
+        net.predict(X)
+        loaders.append(len(accelerator._dataloaders))
+    out['fixed_dataloaders'] = loaders
+
+    # a second initialize, then fit: the new module has to be prepared
+    net.initialize()
+    net.fit(X[rank()::2], y[rank()::2])
+    out['reinit_is_ddp'] = isinstance(net.module_, DistributedDataParallel)
+    out['reinit_digest'] = params_digest(net.module_)
+    out['reinit_models'] = len(accelerator._models)
+
+    # warm start after unwrap_after_train=True trains the wrapped module
+    warm = make_net(accelerator, warm_start=True, max_epochs=1)
+    warm.fit(X, y)
+    out['warm_unwrapped_after_train'] = type(warm.module_).__name__
+    warm.fit(X[rank()::2], y[rank()::2])
+    out['warm_digest'] = params_digest(warm.module_)
+
+    # the save and load round trip through the fixed mixin on every rank
+    net.save_params(f_params=os.path.join(tmp, 'round.pt'))
+    fresh = make_net(accelerator, max_epochs=1)
+    fresh.load_params(f_params=os.path.join(tmp, 'round.pt'))
+    out['load_roundtrip'] = params_digest(fresh.module_) == params_digest(net.module_)
+
+
+def check_stock_reinit(accelerator, X, y, out):
+    net = make_net(accelerator, net_cls=StockNet, criterion=plain_criterion,
+                   unwrap_after_train=False, max_epochs=1)
+    net.fit(X, y)
+    net.initialize()
+    net.fit(X[rank()::2], y[rank()::2])
+    out['stock_reinit_is_ddp'] = isinstance(net.module_, DistributedDataParallel)
+    out['stock_reinit_digest'] = params_digest(net.module_)
+
+
+def check_stock_parameterless_criterion(accelerator, X, y, out):
+    net = make_net(accelerator, net_cls=StockNet, max_epochs=1)
+    try:
+        net.fit(X, y)
+        out['stock_nll_error'] = None
+    except Exception as exc:  # pylint: disable=broad-except
+        out['stock_nll_error'] = str(exc)
+
+
+def main():
+    accelerator = make_accelerator()
+    X, y = make_data()
+    out = {}
+    tmp = sync.broadcast(type('Net', (), {'accelerator': accelerator})(),
+                         tempfile.mkdtemp())
+    net = make_net(accelerator)
+    check_sync(net, out)
+    check_unwrapped(accelerator, X, y, tmp, out)
+    check_fixed_mixin(accelerator, X, y, tmp, out)
+    check_stock_reinit(accelerator, X, y, out)
+    check_upstream_growth(accelerator, X, y, tmp, out)
+    check_stock_parameterless_criterion(accelerator, X, y, out)
+    write_result('foundation', out)
+
+
+if __name__ == '__main__':
+    main()
