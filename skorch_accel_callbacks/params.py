@@ -1,0 +1,516 @@
+"""skorch's params-saving callbacks, correct in every process.
+
+:class:`ParamsCheckpoint`, :class:`TrainEndParamsCheckpoint` and
+:class:`LoadInitParams` subclass skorch's ``Checkpoint``,
+``TrainEndCheckpoint`` and ``LoadInitState`` and take the same arguments.
+What they change, for a plain ``NeuralNet`` as for one with skorch's
+``AccelerateMixin``:
+
+- whether to checkpoint is decided on the main process and sent to every
+  rank, so ranks whose own validation scores differ still save together;
+- only the main process writes, each file under a temporary name that is
+  moved into place (a crash mid-save leaves the previous checkpoint whole),
+  and no rank leaves a save before its files are complete on disk;
+- modules are saved and loaded unwrapped: no ``module.`` key prefix and no
+  new ``accelerator.prepare`` call (which would register the model again);
+- a failed save is not silent: a warning, or an exception with
+  ``on_error='raise'``, on every rank;
+- problems visible before training (a folder that cannot be written, a net
+  that cannot be pickled for ``f_pickle``) raise before the first epoch.
+"""
+
+import os
+import pickle
+import uuid
+import warnings
+
+from skorch.callbacks import Checkpoint, LoadInitState, TrainEndCheckpoint
+from skorch.exceptions import SkorchException
+from skorch.utils import _check_f_arguments, noop, open_file_like
+
+from skorch_accel_callbacks import sync
+from skorch_accel_callbacks.storage import TEMP_MARK, atomic_path
+from skorch_accel_callbacks.wrapping import unwrapped
+
+__all__ = ['LoadInitParams', 'ParamsCheckpoint', 'TrainEndParamsCheckpoint']
+
+ON_ERROR_CHOICES = ('warn', 'raise')
+
+
+def _check_on_error(owner):
+    if owner.on_error not in ON_ERROR_CHOICES:
+        raise ValueError(
+            f"{type(owner).__name__}: on_error must be one of "
+            f"{ON_ERROR_CHOICES}, got {owner.on_error!r}")
+
+
+def _creation_error(folder):
+    """Return the ``OSError`` that creating a file in ``folder`` raises, or None.
+
+    An empty file is created and removed: ``os.access`` answers True for
+    root even where nothing can be created (sysfs, some network mounts).
+    """
+    probe = os.path.join(folder or '.', f".probe{TEMP_MARK}{uuid.uuid4().hex[:12]}")
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError as exc:
+        return exc
+    os.close(fd)
+    os.remove(probe)
+    return None
+
+
+class _Discard:
+    """A file-like sink for ``pickle.dump`` that keeps nothing."""
+
+    def write(self, data):
+        return len(data)
+
+
+def _load_everywhere(net, what, **kwargs):
+    """``net.load_params(**kwargs)`` on every rank, into the unwrapped modules.
+
+    Every rank has to call it: skorch's ``AccelerateMixin.load_params`` starts
+    with a barrier. Unwrapped, it takes its plain path (load on this rank,
+    with its temporary ``device='cpu'`` for ``device=None``) instead of
+    preparing the modules again.
+    """
+    with sync.agree(net, what):
+        with unwrapped(net):
+            net.load_params(**kwargs)
+
+
+class ParamsCheckpoint(Checkpoint):
+    """Save the model when the monitored metric improved; correct in every
+    process.
+
+    A drop-in for :class:`skorch.callbacks.Checkpoint`: same arguments,
+    defaults, file name format specifiers (``{last_epoch[epoch]}``,
+    ``{last_batch[...]}``, ``{net}``), ``f_<module>`` for custom modules and
+    the ``event_name`` history column; ``net.load_params(checkpoint=cp)``
+    accepts it. It differs from skorch's ``Checkpoint`` as follows, with one
+    process or many:
+
+    - ``monitor`` is evaluated on the main process only and its answer is
+      sent to every rank, so every rank records the same ``event_name``
+      value and all ranks save together even when their own histories
+      disagree (skorch's scores are computed per rank). Every rank has to
+      take part in a save: ``save_params`` of skorch's ``AccelerateMixin``
+      starts with a barrier.
+    - Only the main process writes, every file (params, optimizer,
+      criterion, history, pickle). A file is written under a temporary name
+      in its own folder and moved into place, so a crash during a save
+      leaves the previous checkpoint loadable. No rank returns from a save
+      before the file is complete on disk.
+    - Modules are saved and loaded unwrapped
+      (:func:`~skorch_accel_callbacks.unwrapped`): the files have no
+      ``module.`` prefix, load into wrapped and unwrapped nets and into a
+      net without accelerate, and the accelerator's registries do not grow.
+      This holds for skorch's stock ``AccelerateMixin`` too.
+    - A failed save is not silent. As in skorch the message goes to
+      ``sink`` and training goes on, but a ``UserWarning`` is also issued on
+      every rank; with ``on_error='raise'`` the error is raised on every
+      rank instead (the rank that failed raises its own exception, with a
+      note naming the file; the others raise
+      :class:`~skorch_accel_callbacks.RankError`).
+    - ``initialize`` raises if a folder to write into cannot be created or
+      written; ``on_train_begin`` raises if ``f_pickle`` is set and the net
+      cannot be pickled (checked by pickling it, without keeping the bytes).
+    - Messages go to ``sink`` on the main process only.
+    - ``load_best=True`` loads the best checkpoint on every rank.
+
+    Parameters
+    ----------
+    monitor : str, callable, None (default='valid_loss_best')
+      History key or callable ``monitor(net)`` that says whether to save in
+      this epoch; ``None`` saves every epoch. Evaluated on the main process.
+
+    f_params : file-like object, str, None (default='params.pt')
+      File for the module parameters; ``None`` to not save them. A string
+      may contain format specifiers with ``net``, ``last_epoch`` and
+      ``last_batch``, e.g. ``'params_{last_epoch[epoch]}.pt'``.
+
+    f_optimizer : file-like object, str, None (default='optimizer.pt')
+      File for the optimizer state; format specifiers as for ``f_params``.
+
+    f_criterion : file-like object, str, None (default='criterion.pt')
+      File for the criterion state; format specifiers as for ``f_params``.
+
+    f_history : file-like object, str, None (default='history.json')
+      File for the training history.
+
+    f_pickle : file-like object, str, None (default=None)
+      File for the whole pickled net (pickled unwrapped); format specifiers
+      as for ``f_params``.
+
+    fn_prefix : str (default='')
+      Prefix of every file name given as a string.
+
+    dirname : str (default='')
+      Folder of the files; created by ``initialize`` if missing.
+
+    event_name : str, None (default='event_cp')
+      History column that records whether a checkpoint was made; ``None``
+      to not record it.
+
+    sink : callable (default=noop)
+      Receives the messages about checkpoints and failed saves, on the main
+      process only. ``print`` is called only when the net is verbose.
+
+    load_best : bool (default=False)
+      Load the last checkpoint made by this callback once training ended,
+      on every rank. Needs ``monitor`` other than ``None``.
+
+    use_safetensors : bool (default=False)
+      Save tensors with ``safetensors`` instead of ``torch.save``; the
+      optimizer cannot be saved then (set ``f_optimizer=None``).
+
+    on_error : {'warn', 'raise'} (default='warn')
+      What a failed save does: ``'warn'`` sends the message to ``sink``,
+      warns on every rank and goes on training; ``'raise'`` raises on every
+      rank.
+
+    **kwargs
+      ``f_<name>`` for a custom module ``net.<name>_``.
+
+    Examples
+    --------
+    Replace the import of skorch's ``Checkpoint``; nothing else changes:
+
+    >>> from skorch_accel_callbacks import ParamsCheckpoint
+    >>> cp = ParamsCheckpoint(dirname='run1', f_params='params_{last_epoch[epoch]}.pt')
+    >>> net = AcceleratedNet(MyModule, accelerator=accelerator, callbacks=[cp])
+    >>> net.fit(X, y)
+
+    Raise instead of warning when a save fails, and load the best
+    parameters after training:
+
+    >>> cp = ParamsCheckpoint(dirname='run1', on_error='raise', load_best=True)
+
+    """
+
+    def __init__(
+            self,
+            monitor='valid_loss_best',
+            f_params='params.pt',
+            f_optimizer='optimizer.pt',
+            f_criterion='criterion.pt',
+            f_history='history.json',
+            f_pickle=None,
+            fn_prefix='',
+            dirname='',
+            event_name='event_cp',
+            sink=noop,
+            load_best=False,
+            use_safetensors=False,
+            on_error='warn',
+            **kwargs
+    ):
+        self.on_error = on_error
+        super().__init__(
+            monitor=monitor, f_params=f_params, f_optimizer=f_optimizer,
+            f_criterion=f_criterion, f_history=f_history, f_pickle=f_pickle,
+            fn_prefix=fn_prefix, dirname=dirname, event_name=event_name,
+            sink=sink, load_best=load_best, use_safetensors=use_safetensors,
+            **kwargs)
+
+    def initialize(self):
+        _check_on_error(self)
+        try:
+            super().initialize()
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"{type(self).__name__} cannot create its folder "
+                f"dirname={self.dirname!r}: {exc.strerror}", self.dirname) from exc
+        self._check_folders()
+        return self
+
+    def _check_folders(self):
+        """Raise if a file of this checkpoint could not be created."""
+        checked = set()
+        for key, val in sorted(self._f_kwargs().items()):
+            if not isinstance(val, str):
+                continue
+            folder = os.path.dirname(os.path.join(self.dirname, self.fn_prefix + val))
+            # a folder named by a format specifier is only known when saving
+            if '{' in folder or folder in checked:
+                continue
+            checked.add(folder)
+            error = _creation_error(folder)
+            if error is not None:
+                raise OSError(
+                    error.errno, f"{type(self).__name__} cannot write "
+                    f"{key}={val!r}: {error.strerror} in folder",
+                    folder or '.') from error
+
+    # pylint: disable=arguments-differ
+    def on_train_begin(self, net, X=None, y=None, **kwargs):
+        if self.f_pickle:
+            sync.run_on_main(
+                net, lambda: self._check_picklable(net),
+                f"{type(self).__name__}: pickling the net for f_pickle")
+
+    def _check_picklable(self, net):
+        with unwrapped(net):
+            try:
+                pickle.dump(net, _Discard())
+            except Exception as exc:  # pylint: disable=broad-except
+                raise pickle.PicklingError(
+                    f"{type(self).__name__}: f_pickle={self.f_pickle!r} is set "
+                    f"but the net cannot be pickled ({type(exc).__name__}: "
+                    f"{exc}); set f_pickle=None or make the net picklable"
+                ) from exc
+
+    def on_epoch_end(self, net, **kwargs):
+        do_checkpoint = sync.run_on_main(
+            net, lambda: bool(self._monitor_says(net)),
+            f"{type(self).__name__}: deciding whether to checkpoint")
+        if self.event_name is not None:
+            net.history.record(self.event_name, do_checkpoint)
+        if do_checkpoint:
+            self.save_model(net)
+            self._sink_main(net, "A checkpoint was triggered in epoch {}.".format(
+                len(net.history) + 1))
+
+    def _monitor_says(self, net):
+        """skorch's decision whether to checkpoint, from this rank's history."""
+        if "{}_best".format(self.monitor) in net.history[-1]:
+            warnings.warn(
+                "Checkpoint monitor parameter is set to '{0}' and the history "
+                "contains '{0}_best'. Perhaps you meant to set the parameter "
+                "to '{0}_best'".format(self.monitor), UserWarning)
+        if self.monitor is None:
+            return True
+        if callable(self.monitor):
+            return self.monitor(net)
+        try:
+            return net.history[-1, self.monitor]
+        except KeyError as e:
+            raise SkorchException(
+                f"{e.args[0]} Make sure you have validation data if you use "
+                "validation scores for checkpointing.") from e
+
+    def save_model(self, net):
+        """Save the model; call it on every process.
+
+        Saves what the ``f_*`` arguments name: module parameters, optimizer
+        and criterion states, custom modules, history and the pickled net.
+        Each file is saved by :meth:`_save_params` (or the pickle by
+        :meth:`_save_pickle`): written by the main process, moved into place,
+        complete on disk before any rank goes on.
+        """
+        kwargs_module, kwargs_other = _check_f_arguments(
+            self.__class__.__name__, **self._f_kwargs())
+        with unwrapped(net):
+            for key, val in kwargs_module.items():
+                if val is None:
+                    continue
+                f = self._format_target(net, val, -1)
+                key = key[:-1]  # remove trailing '_'
+                self._save_params(f, net, 'f_' + key, key + " state")
+
+            if kwargs_other.get('f_history') is not None:
+                self._save_params(self.f_history_, net, "f_history", "history")
+
+            f_pickle = kwargs_other.get('f_pickle')
+            if f_pickle:
+                self._save_pickle(self._format_target(net, f_pickle, -1), net)
+
+    def _save_params(self, f, net, f_name, log_name):
+        # every rank calls save_params: skorch's AccelerateMixin and
+        # AccelerateFixesMixin run collectives in it, and write on main only
+        def write(target):
+            net.save_params(**{f_name: target, 'use_safetensors': self.use_safetensors})
+        self._save_file(net, f, log_name, write, every_rank=True)
+
+    def _save_pickle(self, f, net):
+        def write(target):
+            with open_file_like(target, 'wb') as file:
+                pickle.dump(net, file)
+        self._save_file(net, f, 'pickle', write, every_rank=False)
+
+    def _save_file(self, net, f, log_name, write, every_rank):
+        """Write ``f`` with ``write(target)``; only the main process writes.
+
+        On the main process a path is written atomically; the other ranks
+        call ``write`` with the final path when ``every_rank`` (their
+        ``save_params`` writes nothing but takes part in its collectives).
+        The block is agreed on: any failure is known to every rank, and no
+        rank leaves before the file is in place.
+        """
+        try:
+            with sync.agree(net, f"{type(self).__name__}: saving {log_name} to {f}"):
+                if sync.is_main_process(net) and isinstance(f, (str, os.PathLike)):
+                    with atomic_path(f) as tmp:
+                        write(tmp)
+                elif sync.is_main_process(net) or every_rank:
+                    write(f)
+        except Exception as exc:  # pylint: disable=broad-except
+            message = "Unable to save {} to {}, {}: {}".format(
+                log_name, f, type(exc).__name__, exc)
+            if self.on_error == 'raise':
+                exc.add_note(f"{type(self).__name__} was saving {log_name} to {f}")
+                raise
+            self._sink_main(net, message)
+            warnings.warn(message, UserWarning, stacklevel=2)
+
+    def on_train_end(self, net, **kwargs):
+        if not self.load_best or self.monitor is None:
+            return
+        self._sink_main(net, "Loading best checkpoint after training.")
+        _load_everywhere(
+            net, f"{type(self).__name__}: loading the best checkpoint",
+            checkpoint=self, use_safetensors=self.use_safetensors)
+
+    def _sink_main(self, net, text):
+        if sync.is_main_process(net):
+            self._sink(text, net.verbose)
+
+
+class TrainEndParamsCheckpoint(TrainEndCheckpoint):
+    """Save the model at the end of training; correct in every process.
+
+    A drop-in for :class:`skorch.callbacks.TrainEndCheckpoint` (default
+    ``fn_prefix='train_end_'``) that saves through a
+    :class:`ParamsCheckpoint`, stored as ``checkpoint_``: only the main
+    process writes, files are moved into place atomically and saved
+    unwrapped, every rank waits until they are complete, a failed save
+    warns or (``on_error='raise'``) raises on every rank, and ``f_pickle``
+    on a net that cannot be pickled raises when training begins.
+
+    Parameters
+    ----------
+    f_params, f_optimizer, f_criterion, f_history, f_pickle : file-like object, str, None
+      As for :class:`ParamsCheckpoint` (same defaults).
+
+    fn_prefix : str (default='train_end_')
+      Prefix of every file name given as a string.
+
+    dirname : str (default='')
+      Folder of the files.
+
+    use_safetensors : bool (default=False)
+      Save tensors with ``safetensors`` instead of ``torch.save``.
+
+    sink : callable (default=noop)
+      Receives the messages, on the main process only.
+
+    on_error : {'warn', 'raise'} (default='warn')
+      What a failed save does, see :class:`ParamsCheckpoint`.
+
+    **kwargs
+      ``f_<name>`` for a custom module ``net.<name>_``.
+
+    Examples
+    --------
+    Save at the end of each run and continue from there on the next one:
+
+    >>> train_end_cp = TrainEndParamsCheckpoint(dirname='exp1')
+    >>> load_state = LoadInitParams(train_end_cp)
+    >>> net = AcceleratedNet(..., callbacks=[train_end_cp, load_state])
+    >>> net.fit(X, y)
+
+    """
+
+    def __init__(
+            self,
+            f_params='params.pt',
+            f_optimizer='optimizer.pt',
+            f_criterion='criterion.pt',
+            f_history='history.json',
+            f_pickle=None,
+            fn_prefix='train_end_',
+            dirname='',
+            use_safetensors=False,
+            sink=noop,
+            on_error='warn',
+            **kwargs
+    ):
+        self.on_error = on_error
+        super().__init__(
+            f_params=f_params, f_optimizer=f_optimizer, f_criterion=f_criterion,
+            f_history=f_history, f_pickle=f_pickle, fn_prefix=fn_prefix,
+            dirname=dirname, use_safetensors=use_safetensors, sink=sink, **kwargs)
+
+    def initialize(self):
+        self.checkpoint_ = ParamsCheckpoint(
+            monitor=None,
+            fn_prefix=self.fn_prefix,
+            dirname=self.dirname,
+            event_name=None,
+            sink=self.sink,
+            use_safetensors=self.use_safetensors,
+            on_error=self.on_error,
+            **self._f_kwargs()
+        )
+        self.checkpoint_.initialize()
+        return self
+
+    # pylint: disable=arguments-differ
+    def on_train_begin(self, net, X=None, y=None, **kwargs):
+        self.checkpoint_.on_train_begin(net, X=X, y=y, **kwargs)
+
+    def on_train_end(self, net, **kwargs):
+        self.checkpoint_.save_model(net)
+        self.checkpoint_._sink_main(net, "Final checkpoint triggered")
+        return self
+
+
+class LoadInitParams(LoadInitState):
+    """Load a checkpoint into the net when training begins, on every rank.
+
+    A drop-in for :class:`skorch.callbacks.LoadInitState`. Every rank loads
+    the same files into the unwrapped modules, so the parameters load into
+    a wrapped net without a ``module.`` prefix mismatch and without
+    preparing the modules again. As with skorch, nothing is loaded when the
+    checkpoint's files do not exist yet; but when some ranks find the files
+    and others do not, or loading fails on any rank, every rank raises
+    instead of some training on alone.
+
+    Parameters
+    ----------
+    checkpoint : :class:`skorch.callbacks.Checkpoint` or :class:`skorch.callbacks.TrainEndCheckpoint`
+      Checkpoint to take the file names from, e.g. a
+      :class:`ParamsCheckpoint` or :class:`TrainEndParamsCheckpoint`.
+
+    use_safetensors : bool (default=False)
+      Whether the files were saved with ``safetensors``.
+
+    Examples
+    --------
+    Run this several times; each run continues from the best checkpoint of
+    the previous one:
+
+    >>> cp = ParamsCheckpoint(monitor='valid_loss_best', dirname='exp1')
+    >>> net = AcceleratedNet(..., callbacks=[cp, LoadInitParams(cp)])
+    >>> net.fit(X, y)
+
+    """
+
+    # pylint: disable=arguments-differ
+    def on_train_begin(self, net, X=None, y=None, **kwargs):
+        if self.did_load_:
+            return
+        self.did_load_ = True
+        checkpoint = self.checkpoint
+        if isinstance(checkpoint, TrainEndCheckpoint):
+            checkpoint = checkpoint.checkpoint_
+        error = None
+        try:
+            with unwrapped(net):
+                net.load_params(checkpoint=checkpoint, use_safetensors=self.use_safetensors)
+        except Exception as exc:  # pylint: disable=broad-except
+            error = exc
+        missing = isinstance(error, FileNotFoundError)
+        outcomes = sync.gather(net, 'missing' if missing else (
+            None if error is None else f"{type(error).__name__}: {error}"))
+        if all(outcome == 'missing' for outcome in outcomes):
+            return
+        if error is not None:
+            raise error
+        failures = [f"rank {rank}: {'files not found' if outcome == 'missing' else outcome}"
+                    for rank, outcome in enumerate(outcomes) if outcome is not None]
+        if failures:
+            raise sync.RankError(
+                f"{type(self).__name__}: loading the checkpoint failed on "
+                + "; ".join(failures))
