@@ -8,14 +8,24 @@ file, never a torn one.
 
 import json
 import os
+import shutil
 import uuid
 from contextlib import contextmanager
 
 __all__ = [
+    'CorruptCheckpointError',
+    'MANIFEST_NAME',
+    'PARTIAL_SUFFIX',
     'TEMP_MARK',
     'atomic_path',
+    'commit_folder',
+    'discard',
+    'file_sizes',
+    'fresh_folder',
     'fsync_dir',
     'read_json',
+    'read_manifest',
+    'remove_leftovers',
     'write_json',
 ]
 
@@ -92,3 +102,119 @@ def read_json(path):
             return json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------
+# Checkpoint folders: written under a partial name, committed by a rename.
+
+MANIFEST_NAME = 'manifest.json'
+PARTIAL_SUFFIX = '.partial'
+# a folder being replaced or deleted is renamed to carry this mark first, so
+# that a crash halfway through leaves no complete-looking folder behind
+DISCARD_MARK = '.discard-'
+
+
+def fresh_folder(path):
+    """Create an empty folder at ``path``, removing leftovers of a killed run."""
+    if os.path.lexists(path):
+        discard(path)
+    os.makedirs(path)
+
+
+def discard(path):
+    """Remove a folder (or file) so that no half of it is ever visible."""
+    if not os.path.lexists(path):
+        return
+    folder, name = os.path.split(os.path.normpath(path))
+    doomed = os.path.join(folder, f".{name}{DISCARD_MARK}{uuid.uuid4().hex[:12]}")
+    os.replace(path, doomed)
+    _remove(doomed)
+
+
+def _remove(path):
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+def remove_leftovers(dirname):
+    """Remove temporary files and half-deleted folders of killed runs."""
+    if not os.path.isdir(dirname):
+        return
+    for name in os.listdir(dirname):
+        if DISCARD_MARK in name or TEMP_MARK in name:
+            _remove(os.path.join(dirname, name))
+
+
+def file_sizes(folder):
+    """Relative path -> size of every file below ``folder``."""
+    sizes = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            sizes[os.path.relpath(path, folder)] = os.path.getsize(path)
+    return sizes
+
+
+def commit_folder(partial, final, manifest, durable=True):
+    """Seal ``partial`` with ``manifest`` and move it to ``final`` atomically.
+
+    The manifest (with the size of every file) is written last, after all
+    files were flushed to disk when ``durable``; the rename makes the folder
+    visible under its final name in one step. A folder already at ``final``
+    (an epoch trained again after resuming from an older checkpoint) is
+    replaced only after the new one is complete.
+    """
+    files = file_sizes(partial)
+    files.pop(MANIFEST_NAME, None)
+    if durable:
+        for rel in files:
+            _fsync_file(os.path.join(partial, rel))
+    write_json(os.path.join(partial, MANIFEST_NAME), dict(manifest, files=files))
+    parent = os.path.dirname(os.path.normpath(final))
+    if os.path.lexists(final):
+        name = os.path.basename(os.path.normpath(final))
+        doomed = os.path.join(parent, f".{name}{DISCARD_MARK}{uuid.uuid4().hex[:12]}")
+        os.replace(final, doomed)
+        os.replace(partial, final)
+        fsync_dir(parent)
+        _remove(doomed)
+    else:
+        os.replace(partial, final)
+        fsync_dir(parent)
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint folder is incomplete, damaged or not a checkpoint."""
+
+
+def read_manifest(folder):
+    """Read and verify a committed folder's manifest.
+
+    Raises :class:`CorruptCheckpointError` naming the file at fault when the
+    manifest is missing or unreadable, or when a file it lists is missing or
+    has another size than when it was written.
+    """
+    path = os.path.join(folder, MANIFEST_NAME)
+    if not os.path.isdir(folder):
+        raise CorruptCheckpointError(f"{folder} is not a folder")
+    if not os.path.isfile(path):
+        raise CorruptCheckpointError(
+            f"{path} is missing: {folder} is not a complete checkpoint")
+    try:
+        manifest = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(str(exc)) from exc
+    files = manifest.get('files') if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CorruptCheckpointError(f"{path} lists no files")
+    for rel, size in files.items():
+        file = os.path.join(folder, rel)
+        if not os.path.isfile(file):
+            raise CorruptCheckpointError(f"{file} is missing (listed in {path})")
+        actual = os.path.getsize(file)
+        if actual != size:
+            raise CorruptCheckpointError(
+                f"{file} has {actual} bytes, {path} says {size}: the file is damaged")
+    return manifest

@@ -1,0 +1,288 @@
+"""What a resume needs beside ``accelerator.save_state``, one function per artefact.
+
+- the skorch history (JSON);
+- the state of the net's callbacks by name (JSON, tensors in safetensors);
+- per rank: the training loader's shuffling generator and epoch counter,
+  which accelerate creates when the loader is prepared and does not save.
+
+Nothing here is pickled, so loading executes no code.
+"""
+
+import math
+import random
+import warnings
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from skorch.callbacks import EpochScoring, PrintLog
+from skorch.history import History
+
+from skorch_accel_callbacks.storage import atomic_path, read_json, write_json
+
+__all__ = [
+    'HISTORY_NAME',
+    'CALLBACKS_NAME',
+    'CALLBACK_TENSORS_NAME',
+    'rank_state_name',
+    'capture_rng',
+    'restore_rng',
+    'find_train_loader',
+    'save_history',
+    'load_history',
+    'save_callback_states',
+    'load_callback_states',
+    'apply_callback_states',
+    'save_rank_state',
+    'load_rank_state',
+    'apply_rank_state',
+]
+
+HISTORY_NAME = 'history.json'
+CALLBACKS_NAME = 'callbacks.json'
+CALLBACK_TENSORS_NAME = 'callbacks.safetensors'
+
+
+def rank_state_name(rank):
+    return f'loader_state_{rank}.safetensors'
+
+
+# Fitted attributes that are scratch space of one epoch, not state: saving
+# them would only cost disk (they are reset when the next epoch begins).
+_TRANSIENT = {
+    EpochScoring: ('y_trues_', 'y_preds_'),
+}
+# Callbacks with nothing to resume: restoring PrintLog would only suppress
+# the table header of the resumed run.
+_SKIPPED = (PrintLog,)
+# key under which a callback's own state_dict() is stored
+_OWN_STATE = '<state_dict>'
+
+
+# ---------------------------------------------------------------- history
+
+def save_history(folder, net):
+    with atomic_path(f"{folder}/{HISTORY_NAME}") as tmp:
+        net.history.to_file(tmp)
+
+
+def load_history(folder):
+    return History.from_file(f"{folder}/{HISTORY_NAME}")
+
+
+# ---------------------------------------------------------------- RNG
+
+def capture_rng():
+    """The global random states of this process (Python, numpy, torch, CUDA)."""
+    state = {
+        'python': random.getstate(),
+        'numpy': np.random.get_state(),
+        'torch': torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state['cuda'] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state):
+    random.setstate(state['python'])
+    np.random.set_state(state['numpy'])
+    torch.set_rng_state(state['torch'])
+    if 'cuda' in state:
+        torch.cuda.set_rng_state_all(state['cuda'])
+
+
+# ---------------------------------------------------------------- loader
+
+def find_train_loader(net, dataset_train):
+    """The loader that accelerate prepared for ``dataset_train``, if any."""
+    accelerator = getattr(net, 'accelerator', None)
+    if accelerator is None or dataset_train is None:
+        return None
+    for loader in reversed(accelerator._dataloaders):
+        if getattr(loader, 'dataset', None) is dataset_train:
+            return loader
+    return None
+
+
+def save_rank_state(folder, rank, loader):
+    """Save the shuffling state of this rank's training loader.
+
+    With more than one process accelerate gives the sampler a generator of
+    its own, seeded when the loader is prepared; ``save_state`` writes no
+    file for it with map-style data sets.
+    """
+    tensors = {}
+    metadata = {'loader_iteration': '0'}
+    if loader is not None:
+        metadata['loader_iteration'] = str(getattr(loader, 'iteration', 0))
+        generator = getattr(loader, 'synchronized_generator', None)
+        if generator is not None:
+            tensors['generator'] = generator.get_state()
+    # safetensors refuses an empty file
+    tensors.setdefault('_', torch.zeros(0))
+    with atomic_path(f"{folder}/{rank_state_name(rank)}") as tmp:
+        save_file(tensors, tmp, metadata=metadata)
+
+
+def load_rank_state(folder, rank):
+    path = f"{folder}/{rank_state_name(rank)}"
+    from safetensors import safe_open
+    with safe_open(path, framework='pt') as f:
+        metadata = f.metadata() or {}
+        state = {'loader_iteration': int(metadata.get('loader_iteration', 0))}
+        if 'generator' in f.keys():
+            state['generator'] = f.get_tensor('generator')
+    return state
+
+
+def apply_rank_state(loader, state):
+    if loader is None:
+        return
+    loader.iteration = state['loader_iteration']
+    generator = getattr(loader, 'synchronized_generator', None)
+    if generator is not None and 'generator' in state:
+        generator.set_state(state['generator'])
+
+
+# ---------------------------------------------------------------- callbacks
+
+class _Encoder:
+    """JSON for scalars and containers; tensors go to a safetensors file."""
+
+    def __init__(self):
+        self.tensors = {}
+
+    def encode(self, value, key):
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, (int, np.integer)):
+            return int(value)
+        if isinstance(value, (float, np.floating)):
+            value = float(value)
+            return value if math.isfinite(value) else {'__float__': repr(value)}
+        if isinstance(value, torch.Tensor):
+            self.tensors[key] = value.detach().cpu().clone().contiguous()
+            return {'__tensor__': key}
+        if isinstance(value, np.ndarray):
+            self.tensors[key] = torch.from_numpy(np.ascontiguousarray(value)).clone()
+            return {'__ndarray__': key}
+        if isinstance(value, (list, tuple)):
+            return {'__' + type(value).__name__ + '__': [
+                self.encode(v, f"{key}.{i}") for i, v in enumerate(value)]}
+        if isinstance(value, dict):
+            return {'__dict__': [
+                [self.encode(k, f"{key}.k{i}"), self.encode(v, f"{key}.{i}")]
+                for i, (k, v) in enumerate(value.items())]}
+        raise TypeError(type(value).__name__)
+
+
+def _decode(obj, tensors):
+    if not isinstance(obj, dict):
+        return obj
+    (kind, value), = obj.items()
+    if kind == '__float__':
+        return float(value)
+    if kind == '__tensor__':
+        return tensors[value]
+    if kind == '__ndarray__':
+        return tensors[value].numpy()
+    if kind == '__list__':
+        return [_decode(v, tensors) for v in value]
+    if kind == '__tuple__':
+        return tuple(_decode(v, tensors) for v in value)
+    if kind == '__dict__':
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in value}
+    raise ValueError(f"unknown encoding {kind!r}")
+
+
+def _is_configuration(value):
+    # classes and functions are set up by the user's code, not learned
+    return isinstance(value, type) or (
+        callable(value) and not hasattr(value, 'state_dict'))
+
+
+def _callback_state(callback):
+    """The attributes of a callback that a resumed run needs."""
+    if hasattr(callback, 'state_dict') and hasattr(callback, 'load_state_dict'):
+        return {_OWN_STATE: {'state_dict': callback.state_dict()}}
+    transient = ()
+    for cls, names in _TRANSIENT.items():
+        if isinstance(callback, cls):
+            transient = names
+    state = {}
+    for attr, value in vars(callback).items():
+        if not attr.endswith('_') or attr.startswith('_') or attr in transient:
+            continue
+        if _is_configuration(value):
+            continue
+        if hasattr(value, 'state_dict') and not isinstance(value, type):
+            state[attr] = {'state_dict': value.state_dict()}
+        else:
+            state[attr] = {'value': value}
+    return state
+
+
+def save_callback_states(folder, net, skip=()):
+    """Save the state of every callback of ``net`` by name.
+
+    A callback with ``state_dict()``/``load_state_dict()`` methods decides
+    itself what is saved; for the others, the fitted attributes (names ending
+    in ``_``) are saved, and objects with a ``state_dict`` (such as the
+    scheduler of skorch's ``LRScheduler``) through it. An attribute that is
+    neither data nor has a ``state_dict`` is left out with a warning.
+    """
+    encoder = _Encoder()
+    states = {}
+    for name, callback in net.callbacks_:
+        if isinstance(callback, _SKIPPED) or any(callback is s for s in skip):
+            continue
+        encoded = {}
+        for attr, entry in _callback_state(callback).items():
+            key = f"{name}/{attr}"
+            try:
+                encoded[attr] = {kind: encoder.encode(value, key)
+                                 for kind, value in entry.items()}
+            except TypeError as exc:
+                warnings.warn(
+                    f"callback {name!r}: attribute {attr!r} of type {exc} cannot "
+                    "be saved without pickle and is not restored on resume; give "
+                    "the callback state_dict()/load_state_dict() methods to "
+                    "control what is saved", UserWarning, stacklevel=2)
+        states[name] = encoded
+    write_json(f"{folder}/{CALLBACKS_NAME}", states)
+    tensors = encoder.tensors or {'_': torch.zeros(0)}
+    with atomic_path(f"{folder}/{CALLBACK_TENSORS_NAME}") as tmp:
+        save_file(tensors, tmp)
+
+
+def load_callback_states(folder):
+    """Read what :func:`save_callback_states` wrote: name -> attr -> entry."""
+    states = read_json(f"{folder}/{CALLBACKS_NAME}")
+    tensors = load_file(f"{folder}/{CALLBACK_TENSORS_NAME}")
+    return {
+        name: {attr: {kind: _decode(value, tensors) for kind, value in entry.items()}
+               for attr, entry in attrs.items()}
+        for name, attrs in states.items()
+    }
+
+
+def apply_callback_states(net, states):
+    """Give the net's callbacks the state they had when it was saved."""
+    for name, callback in net.callbacks_:
+        attrs = states.get(name)
+        if attrs is None:
+            continue
+        if _OWN_STATE in attrs:
+            callback.load_state_dict(attrs[_OWN_STATE]['state_dict'])
+            continue
+        for attr, entry in attrs.items():
+            if 'state_dict' in entry:
+                target = getattr(callback, attr, None)
+                if target is None or not hasattr(target, 'load_state_dict'):
+                    raise ValueError(
+                        f"callback {name!r} has no {attr!r} to load the saved "
+                        "state into")
+                target.load_state_dict(entry['state_dict'])
+            else:
+                setattr(callback, attr, entry['value'])

@@ -1,0 +1,163 @@
+"""Train with AccelerateCheckpoint + AccelerateLoadInitState; optionally die.
+
+usage: resume.py DIRNAME TAG
+
+Environment:
+- SCENARIO: ``basic`` (StepLR, dropout, momentum), ``earlystop`` (plus
+  EarlyStopping and ReduceLROnPlateau), ``accumulate`` (gradient
+  accumulation over 2 batches), ``twomodules`` (two modules, two
+  optimizers), ``novalid`` (no validation data);
+- KILL: ``batch:E:B`` SIGKILLs every rank after batch B of epoch E;
+  ``save:E`` SIGKILLs the committing rank inside the save at the end of
+  epoch E, after every file is written and before the commit (the other
+  ranks then fail in the next collective);
+- CKPT_OPTIONS: JSON of extra AccelerateCheckpoint arguments.
+
+Rank 0 writes ``<TAG>-rank0.pt`` (parameters, optimizer state, history) to
+RESULT_DIR when training ends, and every rank writes ``<TAG>-rank<r>.json``.
+"""
+
+import json
+import os
+import signal
+import sys
+
+import torch
+from skorch.callbacks import Callback, EarlyStopping, LRScheduler
+from skorch.dataset import ValidSplit
+from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
+
+from common import (MLP, FixedNet, make_accelerator, make_data, make_net,
+                    params_digest, rank, write_result)
+from skorch_accel_callbacks import (AccelerateCheckpoint, AccelerateLoadInitState,
+                                    storage, sync, training_state)
+
+
+class KillAt(Callback):
+    """Die like a preempted node: SIGKILL, no cleanup, no Python exit."""
+
+    def __init__(self, epoch, batch):
+        self.epoch = epoch
+        self.batch = batch
+
+    def initialize(self):
+        self.batches_ = 0
+        return self
+
+    def on_epoch_begin(self, net, **kwargs):
+        self.batches_ = 0
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training:
+            self.batches_ += 1
+            if len(net.history) == self.epoch and self.batches_ == self.batch:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_inside_save(epoch):
+    """SIGKILL the committer after the checkpoint files are written, before commit."""
+    original = storage.commit_folder
+
+    def commit_then_die(partial, final, manifest, **kwargs):
+        if manifest['epoch'] == epoch:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(partial, final, manifest, **kwargs)
+
+    storage.commit_folder = commit_then_die
+
+
+class RecordWrapping(Callback):
+    def on_epoch_end(self, net, **kwargs):
+        self.module_type_ = type(net.module_).__name__
+
+
+class TwoModuleNet(FixedNet):
+    """A second module with its own optimizer, as in skorch's docs."""
+
+    def initialize_module(self):
+        super().initialize_module()
+        self.head2_ = MLP(n_in=2, hidden=4, n_out=2, dropout=0.0)
+        return self
+
+    def initialize_optimizer(self, *args, **kwargs):
+        super().initialize_optimizer(*args, **kwargs)
+        self.optimizer2_ = torch.optim.SGD(self.head2_.parameters(), lr=0.05, momentum=0.9)
+        return self
+
+    def infer(self, x, **fit_params):
+        return self.head2_(super().infer(x, **fit_params))
+
+
+def build(dirname, scenario, ckpt_options):
+    accelerator_kwargs = {}
+    if scenario == 'accumulate':
+        accelerator_kwargs['gradient_accumulation_steps'] = 2
+    accelerator = make_accelerator(**accelerator_kwargs)
+    cp = AccelerateCheckpoint(dirname=dirname, **ckpt_options)
+    callbacks = [AccelerateLoadInitState(cp), cp]
+    kwargs = dict(max_epochs=6, train_split=ValidSplit(5))
+    if scenario == 'earlystop':
+        # listed before the checkpoint's own hooks on purpose: the callbacks
+        # reorder themselves so that the saved state is the end-of-epoch one
+        callbacks = [
+            AccelerateLoadInitState(cp),
+            cp,
+            LRScheduler(policy=ReduceLROnPlateau, monitor='valid_loss',
+                        patience=0, factor=0.5),
+            EarlyStopping(patience=2, threshold=0.02),
+        ]
+        kwargs.update(max_epochs=30, lr=0.5)
+    else:
+        callbacks.append(LRScheduler(policy=StepLR, step_size=2, gamma=0.5))
+    if scenario == 'novalid':
+        kwargs['train_split'] = None
+    net_cls = TwoModuleNet if scenario == 'twomodules' else FixedNet
+    net = make_net(accelerator, net_cls=net_cls, callbacks=callbacks, **kwargs)
+    return net, accelerator, cp
+
+
+def main():
+    dirname, tag = sys.argv[1], sys.argv[2]
+    scenario = os.environ.get('SCENARIO', 'basic')
+    kill = os.environ.get('KILL', '')
+    ckpt_options = json.loads(os.environ.get('CKPT_OPTIONS', '{}'))
+    torch.manual_seed(0)
+    net, accelerator, cp = build(dirname, scenario, ckpt_options)
+    recorder = RecordWrapping()
+    net.callbacks.append(recorder)
+    if kill.startswith('batch:'):
+        _, epoch, batch = kill.split(':')
+        net.callbacks.append(KillAt(int(epoch), int(batch)))
+    elif kill.startswith('save:'):
+        kill_inside_save(int(kill.split(':')[1]))
+
+    X, y = make_data(n=320)
+    net.fit(X, y)
+
+    history = [{key: row.get(key) for key in
+                ('epoch', 'train_loss', 'valid_loss', 'event_acp', 'event_lr')}
+               for row in net.history]
+    write_result(tag, {
+        'num_processes': sync.num_processes(net),
+        'module_type': getattr(recorder, 'module_type_', None),
+        'digest': params_digest(net.module_),
+        'history': history,
+        'registry': [len(accelerator._models), len(accelerator._optimizers)],
+        'committed': cp.committed(),
+        'loaded_from': [cb.loaded_from_ for _, cb in net.callbacks_
+                        if isinstance(cb, AccelerateLoadInitState)][0],
+        'max_epochs_after': net.max_epochs,
+    })
+    if rank() == 0:
+        modules = {name: getattr(net, name + '_') for name in net._modules}
+        torch.save({
+            'params': {name: accelerator.unwrap_model(m).state_dict()
+                       for name, m in modules.items()},
+            'optimizers': {name: getattr(net, name + '_').state_dict()
+                           for name in net._optimizers},
+            'history': history,
+        }, os.path.join(os.environ.get('RESULT_DIR', '.'), f'{tag}-rank0.pt'))
+
+
+if __name__ == '__main__':
+    main()
