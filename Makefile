@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) examples/resume_demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --dist loadfile tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py

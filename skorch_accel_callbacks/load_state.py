@@ -104,12 +104,14 @@ class AccelerateLoadInitState(Callback):
                 raise CheckpointError(
                     f"{path} could not be loaded: {type(exc).__name__}: {exc}") from exc
             rng = training_state.capture_rng()
+            hyperparameters = training_state.optimizer_hyperparameters(
+                net.accelerator._optimizers)
             history = training_state.load_history(path)
             callbacks = training_state.load_callback_states(path)
             rank_state = training_state.load_rank_state(path, rank)
 
         net.history = history
-        self._pending = (rng, rank_state, callbacks)
+        self._pending = (rng, rank_state, callbacks, hyperparameters)
         self.loaded_from_ = path
         self.checkpoint.resumed_from_ = os.path.basename(os.path.normpath(path))
         done = len(history)
@@ -124,16 +126,30 @@ class AccelerateLoadInitState(Callback):
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
         if self._pending is None:
             return
-        rng, rank_state, callbacks = self._pending
-        self._pending = None
-        training_state.apply_callback_states(net, callbacks)
+        rng, rank_state = self._restore_callbacks(net)
         training_state.apply_rank_state(
             training_state.find_train_loader(net, dataset_train), rank_state)
         # preparing the training loader drew from the global generator to seed
         # the sampler; the uninterrupted run had not drawn at this point
         training_state.restore_rng(rng)
 
+    def _restore_callbacks(self, net):
+        """Give the callbacks and optimizer settings their saved state, once.
+
+        Done after every callback's on_train_begin, which may reset state
+        (EarlyStopping) or build and step a new LR scheduler.
+        """
+        rng, rank_state, callbacks, hyperparameters = self._pending
+        self._pending = None
+        training_state.apply_callback_states(net, callbacks)
+        training_state.restore_optimizer_hyperparameters(
+            net.accelerator._optimizers, hyperparameters)
+        return rng, rank_state
+
     def on_train_end(self, net, **kwargs):
+        if self._pending is not None:
+            # a finished run trained no epoch; end with the state it was saved with
+            self._restore_callbacks(net)
         if self.requested_epochs_ is not None:
             net.max_epochs = self.requested_epochs_
             self.requested_epochs_ = None

@@ -28,6 +28,8 @@ __all__ = [
     'capture_rng',
     'restore_rng',
     'find_train_loader',
+    'optimizer_hyperparameters',
+    'restore_optimizer_hyperparameters',
     'save_history',
     'load_history',
     'save_callback_states',
@@ -90,6 +92,23 @@ def restore_rng(state):
     torch.set_rng_state(state['torch'])
     if 'cuda' in state:
         torch.cuda.set_rng_state_all(state['cuda'])
+
+
+# ---------------------------------------------------------------- optimizer
+
+def optimizer_hyperparameters(optimizers):
+    """Each optimizer's param-group settings (lr, momentum, ...) without the params."""
+    return [[{key: value for key, value in group.items() if key != 'params'}
+             for group in optimizer.param_groups] for optimizer in optimizers]
+
+
+def restore_optimizer_hyperparameters(optimizers, saved):
+    """Undo what was done to the loaded settings since, e.g. by skorch's
+    LRScheduler, which steps a new scheduler (changing the lr) when it is
+    created at the start of training."""
+    for optimizer, groups in zip(optimizers, saved):
+        for group, settings in zip(optimizer.param_groups, groups):
+            group.update(settings)
 
 
 # ---------------------------------------------------------------- loader

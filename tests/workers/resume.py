@@ -11,7 +11,9 @@ Environment:
   ``save:E`` SIGKILLs the committing rank inside the save at the end of
   epoch E, after every file is written and before the commit (the other
   ranks then fail in the next collective);
-- CKPT_OPTIONS: JSON of extra AccelerateCheckpoint arguments.
+- CKPT_OPTIONS: JSON of extra AccelerateCheckpoint arguments;
+- PER_NODE=1: ``save_on_each_node=True`` and a folder per node
+  (``DIRNAME/node<k>``), as on machines without a shared filesystem.
 
 Rank 0 writes ``<TAG>-rank0.pt`` (parameters, optimizer state, history) to
 RESULT_DIR when training ends, and every rank writes ``<TAG>-rank<r>.json``.
@@ -23,6 +25,7 @@ import signal
 import sys
 
 import torch
+from accelerate.utils import ProjectConfiguration
 from skorch.callbacks import Callback, EarlyStopping, LRScheduler
 from skorch.dataset import ValidSplit
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
@@ -90,6 +93,9 @@ class TwoModuleNet(FixedNet):
 
 def build(dirname, scenario, ckpt_options):
     accelerator_kwargs = {}
+    if os.environ.get('PER_NODE') == '1':
+        accelerator_kwargs['project_config'] = ProjectConfiguration(save_on_each_node=True)
+        dirname = os.path.join(dirname, f"node{os.environ['GROUP_RANK']}")
     if scenario == 'accumulate':
         accelerator_kwargs['gradient_accumulation_steps'] = 2
     accelerator = make_accelerator(**accelerator_kwargs)
@@ -108,7 +114,8 @@ def build(dirname, scenario, ckpt_options):
         ]
         kwargs.update(max_epochs=30, lr=0.5)
     else:
-        callbacks.append(LRScheduler(policy=StepLR, step_size=2, gamma=0.5))
+        # step_size=3: a scheduler rebuilt at resume after epoch 3 would step the lr
+        callbacks.append(LRScheduler(policy=StepLR, step_size=3, gamma=0.5))
     if scenario == 'novalid':
         kwargs['train_split'] = None
     net_cls = TwoModuleNet if scenario == 'twomodules' else FixedNet

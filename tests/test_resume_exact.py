@@ -1,0 +1,93 @@
+"""Bit-exact resume after a SIGKILL, in 1 and in 2 real processes.
+
+Each case trains 6 epochs uninterrupted, then the same command is killed
+(SIGKILL on every rank) after batch 2 of epoch 4 and launched again
+unchanged; both must end with identical parameters, optimizer state and
+per-epoch losses.
+"""
+
+import os
+
+import pytest
+
+from resume_runs import assert_identical, final_state, run
+
+CASES = [
+    ('basic', 1), ('basic', 2),
+    ('earlystop', 1), ('earlystop', 2),
+    ('accumulate', 2), ('twomodules', 2), ('novalid', 2),
+]
+
+
+@pytest.fixture(scope='module', params=CASES, ids=[f'{s}-{n}proc' for s, n in CASES])
+def case(request, tmp_path_factory):
+    scenario, nproc = request.param
+    folder = tmp_path_factory.mktemp(f'{scenario}{nproc}')
+    full = run(folder, 'full', nproc, dirname='full', SCENARIO=scenario)
+    killed = run(folder, 'killed', nproc, expect_ok=False, SCENARIO=scenario,
+                 KILL='batch:4:2')
+    resumed = run(folder, 'resumed', nproc, SCENARIO=scenario)
+    return dict(scenario=scenario, nproc=nproc, folder=folder, full=full,
+                killed=killed, resumed=resumed)
+
+
+def test_runs_are_really_distributed(case):
+    for res in case['full'] + case['resumed']:
+        assert res['num_processes'] == case['nproc']
+        expected = 'DistributedDataParallel' if case['nproc'] == 2 else 'MLP'
+        assert res['module_type'] == expected
+
+
+def test_kill_was_a_sigkill_of_every_rank(case):
+    assert case['killed'].returncodes == [-9] * case['nproc']
+
+
+def test_resumed_from_the_last_complete_epoch(case):
+    for res in case['resumed']:
+        assert res['loaded_from'].endswith('epoch-0003')
+
+
+def test_resumed_run_is_bit_identical(case):
+    assert_identical(final_state(case['folder'], 'full'),
+                     final_state(case['folder'], 'resumed'))
+
+
+def test_ranks_agree(case):
+    assert len({res['digest'] for res in case['resumed']}) == 1
+
+
+@pytest.mark.parametrize('case', [('earlystop', 1), ('earlystop', 2)],
+                         ids=['earlystop-1proc', 'earlystop-2proc'], indirect=True)
+def test_early_stopping_stops_at_the_same_epoch(case):
+    full = case['full'][0]['history']
+    resumed = case['resumed'][0]['history']
+    assert len(full) == len(resumed) < 30  # stopped early, at the same epoch
+
+
+def test_registries_and_files_do_not_grow(case):
+    n_models = 2 if case['scenario'] == 'twomodules' else 1
+    for res in case['full'] + case['resumed']:
+        assert res['registry'] == [n_models, n_models]
+    ckpt = os.path.join(case['folder'], 'ckpt')
+    latest = os.path.join(ckpt, case['resumed'][0]['committed'][-1])
+    model_files = sorted(f for f in os.listdir(latest) if f.startswith('model'))
+    expected = ['model.safetensors', 'model_1.safetensors'][:n_models]
+    assert model_files == expected
+
+
+def test_retention_keeps_the_last_two_and_the_one_resumed_from(case):
+    committed = case['resumed'][0]['committed']
+    n_epochs = len(case['full'][0]['history'])
+    assert committed == ['epoch-0003', f'epoch-{n_epochs - 1:04d}', f'epoch-{n_epochs:04d}']
+    assert sorted(os.listdir(os.path.join(case['folder'], 'full'))) == [
+        f'epoch-{n_epochs - 1:04d}', f'epoch-{n_epochs:04d}', 'latest.json']
+
+
+@pytest.mark.parametrize('case', [('basic', 1), ('basic', 2)],
+                         ids=['basic-1proc', 'basic-2proc'], indirect=True)
+def test_finished_run_trains_nothing_more(case):
+    again = run(case['folder'], 'again', case['nproc'], SCENARIO='basic')
+    assert again[0]['loaded_from'].endswith('epoch-0006')
+    assert again[0]['max_epochs_after'] == 6
+    assert_identical(final_state(case['folder'], 'full'),
+                     final_state(case['folder'], 'again'))
