@@ -139,11 +139,12 @@ def _remove(path):
 
 
 def remove_leftovers(dirname):
-    """Remove temporary files and half-deleted folders of killed runs."""
+    """Remove partial folders, temporary files and half-deleted folders of
+    killed runs."""
     if not os.path.isdir(dirname):
         return
     for name in os.listdir(dirname):
-        if DISCARD_MARK in name or TEMP_MARK in name:
+        if DISCARD_MARK in name or TEMP_MARK in name or name.endswith(PARTIAL_SUFFIX):
             _remove(os.path.join(dirname, name))
 
 

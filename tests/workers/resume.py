@@ -11,6 +11,8 @@ Environment:
   ``save:E`` SIGKILLs the committing rank inside the save at the end of
   epoch E, after every file is written and before the commit (the other
   ranks then fail in the next collective);
+- FAIL: ``R:E`` makes rank R's write of its own checkpoint file fail with
+  ENOSPC at the end of epoch E;
 - CKPT_OPTIONS: JSON of extra AccelerateCheckpoint arguments;
 - PER_NODE=1: ``save_on_each_node=True`` and a folder per node
   (``DIRNAME/node<k>``), as on machines without a shared filesystem.
@@ -19,6 +21,7 @@ Rank 0 writes ``<TAG>-rank0.pt`` (parameters, optimizer state, history) to
 RESULT_DIR when training ends, and every rank writes ``<TAG>-rank<r>.json``.
 """
 
+import errno
 import json
 import os
 import signal
@@ -67,6 +70,18 @@ def kill_inside_save(epoch):
         return original(partial, final, manifest, **kwargs)
 
     storage.commit_folder = commit_then_die
+
+
+def fail_save(failing_rank, epoch):
+    """Make one rank's write fail as on a full disk."""
+    original = training_state.save_rank_state
+
+    def no_space(folder, rank_, loader):
+        if rank_ == failing_rank and folder.endswith(f'epoch-{epoch:04d}.partial'):
+            raise OSError(errno.ENOSPC, 'No space left on device', folder)
+        return original(folder, rank_, loader)
+
+    training_state.save_rank_state = no_space
 
 
 class RecordWrapping(Callback):
@@ -137,6 +152,8 @@ def main():
         net.callbacks.append(KillAt(int(epoch), int(batch)))
     elif kill.startswith('save:'):
         kill_inside_save(int(kill.split(':')[1]))
+    if os.environ.get('FAIL'):
+        fail_save(*map(int, os.environ['FAIL'].split(':')))
 
     X, y = make_data(n=320)
     net.fit(X, y)
