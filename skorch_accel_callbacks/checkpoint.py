@@ -252,6 +252,8 @@ class AccelerateCheckpoint(Callback):
                 storage.remove_leftovers(self.dirname)
                 if not os.access(self.dirname, os.W_OK | os.X_OK):
                     raise PermissionError(f"checkpoint folder {self.dirname} is not writable")
+        if self._save_on_each_node(net) and sync.is_distributed(net):
+            self._check_folder_per_node(net)
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
         self._train_loader = training_state.find_train_loader(net, dataset_train)
@@ -270,6 +272,32 @@ class AccelerateCheckpoint(Callback):
         if name in (self.last_saved_, self.resumed_from_):
             return
         self.save_model(net, finished=True)
+
+    def _check_folder_per_node(self, net):
+        """With save_on_each_node, two nodes committing into one shared folder
+        would race; each committer leaves a probe file and looks for others'."""
+        rank = sync.process_index(net)
+        committer = self.is_committer(net)
+        probe = os.path.join(self.dirname, f'.node-probe-{rank}')
+        with sync.agree(net, f"probing checkpoint folder {self.dirname}"):
+            if committer:
+                storage.write_json(probe, {'rank': rank})
+        shared_with = []
+        if committer:
+            shared_with = [
+                int(name.rsplit('-', 1)[1]) for name in os.listdir(self.dirname)
+                if name.startswith('.node-probe-') and name != os.path.basename(probe)]
+        seen = sync.gather(net, shared_with)
+        with sync.agree(net, f"removing probe files in {self.dirname}"):
+            if committer:
+                storage.discard(probe)
+        clashes = [(rank_, others) for rank_, others in enumerate(seen) if others]
+        if clashes:
+            rank_, others = clashes[0]
+            raise CheckpointError(
+                f"save_on_each_node=True, but rank {rank_} and rank(s) {others} "
+                f"commit into the same folder {self.dirname}: give each node its own "
+                "dirname, or set save_on_each_node=False on a shared filesystem")
 
     # ------------------------------------------------------------ policy
 

@@ -255,3 +255,13 @@ def test_two_nodes(tmp_path, per_node):
         latest = tmp_path / 'ckpt' / 'epoch-0006'
         assert sorted(p.name for p in latest.glob('random_states_*')) == [
             'random_states_0.pkl', 'random_states_1.pkl']
+
+
+def test_folder_per_node_is_required_with_save_on_each_node(tmp_path):
+    """save_on_each_node with one shared folder: two committers would race."""
+    result = run(tmp_path, 'clash', nproc=1, nnodes=2, expect_ok=False,
+                 SHARED_PER_NODE='1')
+    assert all(rc not in (0, None) for rc in result.returncodes), result.report()
+    for out in result.outputs:
+        assert 'commit into the same folder' in out
+    assert not (tmp_path / 'ckpt' / 'epoch-0001').exists()

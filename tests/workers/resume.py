@@ -15,7 +15,8 @@ Environment:
   ENOSPC at the end of epoch E;
 - CKPT_OPTIONS: JSON of extra AccelerateCheckpoint arguments;
 - PER_NODE=1: ``save_on_each_node=True`` and a folder per node
-  (``DIRNAME/node<k>``), as on machines without a shared filesystem.
+  (``DIRNAME/node<k>``), as on machines without a shared filesystem;
+  SHARED_PER_NODE=1: ``save_on_each_node=True`` with one shared folder (an error).
 
 Rank 0 writes ``<TAG>-rank0.pt`` (parameters, optimizer state, history) to
 RESULT_DIR when training ends, and every rank writes ``<TAG>-rank<r>.json``.
@@ -108,8 +109,9 @@ class TwoModuleNet(FixedNet):
 
 def build(dirname, scenario, ckpt_options):
     accelerator_kwargs = {}
-    if os.environ.get('PER_NODE') == '1':
+    if os.environ.get('PER_NODE') == '1' or os.environ.get('SHARED_PER_NODE') == '1':
         accelerator_kwargs['project_config'] = ProjectConfiguration(save_on_each_node=True)
+    if os.environ.get('PER_NODE') == '1':
         dirname = os.path.join(dirname, f"node{os.environ['GROUP_RANK']}")
     if scenario == 'accumulate':
         accelerator_kwargs['gradient_accumulation_steps'] = 2
