@@ -6,9 +6,7 @@ check and also loads what the killed run left. The drop-in checks run here,
 with plain skorch nets.
 """
 
-import fcntl
 import inspect
-import json
 import os
 import pickle
 from types import SimpleNamespace
@@ -42,26 +40,11 @@ def _launch_both(base, nproc):
 
 @pytest.fixture(scope='module', params=[1, 2], ids=['1proc', '2proc'])
 def runs(request, tmp_path_factory):
-    """Both launches for ``nproc`` processes, run once per test session.
-
-    Under pytest-xdist every worker builds module fixtures itself; the
-    launches are shared through a folder of the run (locked while one worker
-    launches), so they cost their seconds once.
-    """
+    """Both launches for ``nproc`` processes, once per module (the suite runs
+    with ``--dist loadfile``, so one worker builds it)."""
     nproc = request.param
-    uid = os.environ.get('PYTEST_XDIST_TESTRUNUID')
-    if uid is None:
-        base = tmp_path_factory.mktemp(f'params{nproc}')
-        meta = _launch_both(base, nproc)
-    else:
-        shared = tmp_path_factory.getbasetemp().parent / f'params-{uid}-{nproc}'
-        with open(f'{shared}.lock', 'w') as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (shared / 'meta.json').exists():
-                shared.mkdir()
-                (shared / 'meta.json').write_text(json.dumps(_launch_both(shared, nproc)))
-        base = shared
-        meta = json.loads((shared / 'meta.json').read_text())
+    base = tmp_path_factory.mktemp(f'params{nproc}')
+    meta = _launch_both(base, nproc)
     results = base / 'results'
     return SimpleNamespace(
         nproc=nproc, results=read_results(results, 'params', nproc),
