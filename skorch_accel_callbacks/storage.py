@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     'file_sizes',
     'fresh_folder',
     'fsync_dir',
+    'fsync_files',
     'read_json',
     'read_manifest',
     'remove_leftovers',
@@ -52,6 +54,18 @@ def _fsync_file(path):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_files(paths):
+    """Flush files to disk, in parallel: one slow fsync (the model file)
+    does not hold up the others, and the disk gets several requests at once."""
+    if len(paths) < 2:
+        for path in paths:
+            _fsync_file(path)
+        return
+    with ThreadPoolExecutor(max_workers=min(8, len(paths))) as pool:
+        # list() re-raises the first failure
+        list(pool.map(_fsync_file, paths))
 
 
 @contextmanager
@@ -170,8 +184,7 @@ def commit_folder(partial, final, manifest, durable=True):
     files = file_sizes(partial)
     files.pop(MANIFEST_NAME, None)
     if durable:
-        for rel in files:
-            _fsync_file(os.path.join(partial, rel))
+        fsync_files([os.path.join(partial, rel) for rel in files])
     write_json(os.path.join(partial, MANIFEST_NAME), dict(manifest, files=files))
     parent = os.path.dirname(os.path.normpath(final))
     if os.path.lexists(final):

@@ -5,9 +5,13 @@
 - per rank: the training loader's shuffling generator and epoch counter,
   which accelerate creates when the loader is prepared and does not save.
 
-Nothing here is pickled, so loading executes no code.
+Nothing here is pickled, so loading executes no code. The files are written
+into a checkpoint's partial folder, which nobody reads before it is
+committed, and the commit flushes every file of the folder to disk: so they
+are written plainly, without a temporary name and a flush of their own each.
 """
 
+import json
 import math
 import random
 import warnings
@@ -18,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from skorch.callbacks import EpochScoring, PrintLog
 from skorch.history import History
 
-from skorch_accel_callbacks.storage import atomic_path, read_json, write_json
+from skorch_accel_callbacks.storage import read_json
 
 __all__ = [
     'HISTORY_NAME',
@@ -64,8 +68,7 @@ _OWN_STATE = '<state_dict>'
 # ---------------------------------------------------------------- history
 
 def save_history(folder, net):
-    with atomic_path(f"{folder}/{HISTORY_NAME}") as tmp:
-        net.history.to_file(tmp)
+    net.history.to_file(f"{folder}/{HISTORY_NAME}")
 
 
 def load_history(folder):
@@ -140,8 +143,7 @@ def save_rank_state(folder, rank, loader):
             tensors['generator'] = generator.get_state()
     # safetensors refuses an empty file
     tensors.setdefault('_', torch.zeros(0))
-    with atomic_path(f"{folder}/{rank_state_name(rank)}") as tmp:
-        save_file(tensors, tmp, metadata=metadata)
+    save_file(tensors, f"{folder}/{rank_state_name(rank)}", metadata=metadata)
 
 
 def load_rank_state(folder, rank):
@@ -269,10 +271,9 @@ def save_callback_states(folder, net, skip=()):
                     "the callback state_dict()/load_state_dict() methods to "
                     "control what is saved", UserWarning, stacklevel=2)
         states[name] = encoded
-    write_json(f"{folder}/{CALLBACKS_NAME}", states)
-    tensors = encoder.tensors or {'_': torch.zeros(0)}
-    with atomic_path(f"{folder}/{CALLBACK_TENSORS_NAME}") as tmp:
-        save_file(tensors, tmp)
+    with open(f"{folder}/{CALLBACKS_NAME}", 'w', encoding='utf-8') as f:
+        json.dump(states, f, indent=1, sort_keys=True)
+    save_file(encoder.tensors or {'_': torch.zeros(0)}, f"{folder}/{CALLBACK_TENSORS_NAME}")
 
 
 def load_callback_states(folder):
