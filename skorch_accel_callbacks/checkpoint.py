@@ -1,5 +1,6 @@
 """AccelerateCheckpoint: the whole training state, committed atomically."""
 
+import functools
 import os
 import re
 import warnings
@@ -10,7 +11,7 @@ from accelerate.utils import load as accelerate_load
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
-from skorch_accel_callbacks import storage, sync, training_state
+from skorch_accel_callbacks import async_save as background, storage, sync, training_state
 from skorch_accel_callbacks.callback_order import move_callback
 
 __all__ = ['AccelerateCheckpoint', 'CheckpointError', 'FORMAT_VERSION']
@@ -29,6 +30,7 @@ def _rng_name(rank):
     return f'random_states_{rank}.pkl'
 
 
+@functools.cache  # importlib.metadata reads files; versions do not change
 def _package_versions():
     versions = {}
     for name in ('torch', 'accelerate', 'skorch', 'skorch-accel-callbacks'):
@@ -188,6 +190,23 @@ class AccelerateCheckpoint(Callback):
     safe_serialization : bool (default=True)
       Save models with safetensors (``accelerator.save_state`` argument).
 
+    durable : bool (default=True)
+      Flush every file of a checkpoint to disk (``fsync``) before it is
+      committed, so that a power loss or a crash of the machine (not only of
+      the process) cannot leave a committed checkpoint with missing data.
+      ``False`` leaves the writing to the operating system: faster, and
+      still safe against a killed process.
+
+    async_save : bool (default=False)
+      Write checkpoints in the background. Training waits only while the
+      model and optimizer states are copied into host memory (buffers kept
+      for the next save, about the size of the checkpoint); a thread on the
+      committing process writes them and commits the folder as above, so a
+      crash during the write leaves the previous checkpoint as ``latest``.
+      At most one save is in flight: the next save, and the end of
+      training, wait for it, and raise on every rank if it failed. Not for
+      FSDP, DeepSpeed or Megatron-LM.
+
     Examples
     --------
     >>> from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
@@ -197,6 +216,10 @@ class AccelerateCheckpoint(Callback):
     ...     callbacks=[cp, AccelerateLoadInitState(cp)],
     ... )
     >>> net.fit(X, y)  # killed? run the same command again to resume
+
+    Let training go on while a checkpoint is written:
+
+    >>> cp = AccelerateCheckpoint(dirname='run1', async_save=True)
 
     """
 
@@ -209,6 +232,8 @@ class AccelerateCheckpoint(Callback):
             event_name='event_acp',
             sink=noop,
             safe_serialization=True,
+            durable=True,
+            async_save=False,
     ):
         self.dirname = dirname
         self.monitor = monitor
@@ -217,6 +242,8 @@ class AccelerateCheckpoint(Callback):
         self.event_name = event_name
         self.sink = sink
         self.safe_serialization = safe_serialization
+        self.durable = durable
+        self.async_save = async_save
 
     def initialize(self):
         if not isinstance(self.dirname, (str, os.PathLike)) or not str(self.dirname):
@@ -225,6 +252,9 @@ class AccelerateCheckpoint(Callback):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ('durable', 'async_save'):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (self.monitor is None or isinstance(self.monitor, str)
                 or callable(self.monitor)):
             raise ValueError(
@@ -232,6 +262,9 @@ class AccelerateCheckpoint(Callback):
         self.last_saved_ = None
         self.resumed_from_ = None
         self._train_loader = None
+        self._saver = background.BackgroundSaver() if self.async_save else None
+        # (folder, message) of the save in the background
+        self._in_flight = None
         return self
 
     # The checkpoint's own state is on disk; nothing to carry in callbacks.json.
@@ -245,6 +278,8 @@ class AccelerateCheckpoint(Callback):
 
     def on_train_begin(self, net, **kwargs):
         self._check_net(net)
+        if self.async_save:
+            background.check_supported(net.accelerator)
         move_callback(net, self, 'last')
         with sync.agree(net, f"preparing checkpoint folder {self.dirname}"):
             if self.is_committer(net):
@@ -266,12 +301,13 @@ class AccelerateCheckpoint(Callback):
             self.save_model(net, best=self.monitor is not None)
 
     def on_train_end(self, net, **kwargs):
-        if not net.history or 'train_loss' not in net.history[-1]:
-            return  # interrupted inside an epoch: the last checkpoint stands
-        name = self.checkpoint_name(net)
-        if name in (self.last_saved_, self.resumed_from_):
-            return
-        self.save_model(net, finished=True)
+        # interrupted inside an epoch: the last checkpoint stands
+        if (net.history and 'train_loss' in net.history[-1]
+                and self.checkpoint_name(net) not in (self.last_saved_, self.resumed_from_)):
+            self.save_model(net, finished=True)
+        self.wait_for_saves(net)
+        if self._saver is not None:
+            self._saver.close()
 
     def _check_folder_per_node(self, net):
         """With save_on_each_node, two nodes committing into one shared folder
@@ -353,7 +389,11 @@ class AccelerateCheckpoint(Callback):
         """Save a checkpoint of the whole training state on every rank.
 
         Every process must call it. Raises on every rank if any rank fails.
+        With ``async_save``, it first waits for the previous save, and
+        returns once the states are copied; the files are written and
+        committed in the background.
         """
+        self.wait_for_saves(net)
         name = self.checkpoint_name(net)
         final = os.path.join(self.dirname, name)
         partial = final + storage.PARTIAL_SUFFIX
@@ -363,21 +403,60 @@ class AccelerateCheckpoint(Callback):
         with sync.agree(net, f"preparing {partial}"):
             if committer:
                 storage.fresh_folder(partial)
+        snapshot = None
         with sync.agree(net, f"writing checkpoint {partial}"):
-            net.accelerator.save_state(partial, safe_serialization=self.safe_serialization)
+            if self.async_save:
+                snapshot = self._saver.snapshot(
+                    net.accelerator, partial, self.safe_serialization, writer=committer)
+            else:
+                net.accelerator.save_state(partial, safe_serialization=self.safe_serialization)
             training_state.save_rank_state(partial, rank, self._train_loader)
             if committer:
                 training_state.save_history(partial, net)
                 training_state.save_callback_states(partial, net)
+        manifest = self._manifest(net, name, best, finished) if committer else None
+        message = f"Saved checkpoint {final}" + (" (finished)" if finished else '')
+        if self.async_save:
+            # every other rank's files are complete: the others agreed above
+            if committer:
+                self._saver.start(
+                    partial, snapshot, lambda: self._commit(partial, final, manifest, best))
+            self._in_flight = (final, message)
+            self.last_saved_ = name
+            return
         with sync.agree(net, f"committing checkpoint {final}"):
             if committer:
-                storage.commit_folder(partial, final, self._manifest(net, name, best, finished))
-                storage.write_json(self._pointer('latest'), {'name': name})
-                if best:
-                    storage.write_json(self._pointer('best'), {'name': name})
-                self._retire_old(name)
+                self._commit(partial, final, manifest, best)
         self.last_saved_ = name
-        self._sink(f"Saved checkpoint {final}" + (" (finished)" if finished else ''), net)
+        self._sink(message, net)
+
+    def wait_for_saves(self, net):
+        """Wait for the checkpoint written in the background, if any.
+
+        Every process must call it. If writing or committing it failed,
+        raises on every rank: the committing one raises the error, the
+        others :class:`~skorch_accel_callbacks.RankError`.
+        """
+        if self._in_flight is None:
+            return
+        final, message = self._in_flight
+        self._in_flight = None
+        with sync.agree(net, f"writing checkpoint {final} in the background"):
+            self._saver.join()
+        self._sink(message, net)
+
+    def _commit(self, partial, final, manifest, best):
+        """Seal, rename and point at a written folder; retire old ones.
+
+        Runs on the committing process, in the background with
+        ``async_save``: it must not touch the net or run a collective.
+        """
+        name = manifest['name']
+        storage.commit_folder(partial, final, manifest, durable=self.durable)
+        storage.write_json(self._pointer('latest'), {'name': name})
+        if best:
+            storage.write_json(self._pointer('best'), {'name': name})
+        self._retire_old(name)
 
     def _manifest(self, net, name, best, finished):
         return {

@@ -1,0 +1,79 @@
+"""resume.py with ``AccelerateCheckpoint(async_save=True)``, with hooks in
+its background writer.
+
+usage: async_resume.py DIRNAME TAG
+
+Environment, beside resume.py's:
+- SLOW_WRITE=E:S: the background write of epoch E sleeps S seconds after
+  the model file, before the optimizer file (a SIGKILL then hits a write in
+  flight);
+- BG_FAIL=E: the background write of epoch E fails with ENOSPC.
+
+Every rank also writes ``<TAG>-threads-rank<r>.json``: the names of the
+threads that called a torch.distributed collective from Python.
+"""
+
+import errno
+import json
+import os
+import re
+import sys
+import threading
+import time
+
+import torch.distributed as dist
+
+import resume
+from common import write_result
+from skorch_accel_callbacks import async_save
+
+COLLECTIVES = ('barrier', 'broadcast', 'broadcast_object_list', 'all_gather',
+               'all_gather_object', 'gather_object', 'all_reduce', 'reduce', 'gather')
+
+
+def epoch_of(path):
+    return int(re.search(r'epoch-(\d+)\.partial', str(path)).group(1))
+
+
+def hook_writer():
+    original = async_save.save
+    slow_epoch, seconds = map(float, os.environ.get('SLOW_WRITE', '0:0').split(':'))
+    fail_epoch = int(os.environ.get('BG_FAIL', '0'))
+
+    def save(obj, f, **kwargs):
+        if epoch_of(f) == fail_epoch:
+            raise OSError(errno.ENOSPC, 'No space left on device', str(f))
+        original(obj, f, **kwargs)
+        if epoch_of(f) == slow_epoch and str(f).endswith('model.safetensors'):
+            time.sleep(seconds)
+
+    async_save.save = save
+
+
+def record_collective_threads():
+    threads = set()
+
+    def wrap(fn):
+        def collective(*args, **kwargs):
+            threads.add(threading.current_thread().name)
+            return fn(*args, **kwargs)
+        return collective
+
+    for name in COLLECTIVES:
+        setattr(dist, name, wrap(getattr(dist, name)))
+    return threads
+
+
+def main():
+    options = json.loads(os.environ.get('CKPT_OPTIONS', '{}'))
+    os.environ['CKPT_OPTIONS'] = json.dumps(dict(options, async_save=True))
+    hook_writer()
+    threads = record_collective_threads()
+    try:
+        resume.main()
+    finally:
+        write_result(f"{sys.argv[2]}-threads", sorted(threads))
+
+
+if __name__ == '__main__':
+    main()
