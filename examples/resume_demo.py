@@ -102,6 +102,8 @@ class Progress(Callback):
         # the checkpoint saves the history, so a resumed run knows which
         # launch trained the epochs before the kill
         net.history.record('launch_pid', os.getpid())
+        # skorch unwraps the module after training; this is what trained
+        self.module_type_ = type(net.module_).__name__
 
 
 def _tell(kind, **values):
@@ -136,9 +138,8 @@ def build_net(run_dir, epochs, accelerator):
             LRScheduler(policy=CosineAnnealingLR, T_max=epochs),
             Progress(accelerator.is_main_process),
         ],
+        # skorch's AccelerateMixin prints the epoch log on the main process only
         callbacks__print_log__keys_ignored=['launch_pid'],
-        # the epoch log of rank 0 is the log of the run
-        verbose=int(accelerator.is_main_process),
     )
 
 
@@ -154,8 +155,10 @@ def train(run_dir, epochs, cpu):
     net.fit(*load_digits_data())
 
     if accelerator.is_main_process:
-        loader = next(cb for _, cb in net.callbacks_
+        callbacks = dict(net.callbacks_)
+        loader = next(cb for cb in callbacks.values()
                       if isinstance(cb, AccelerateLoadInitState))
+        progress = next(cb for cb in callbacks.values() if isinstance(cb, Progress))
         module = accelerator.unwrap_model(net.module_)
         torch.save({'module': module.state_dict(), 'optimizer': net.optimizer_.state_dict()},
                    os.path.join(run_dir, FINAL_STATE))
@@ -165,7 +168,7 @@ def train(run_dir, epochs, cpu):
                 'history': [{key: row.get(key) for key in keys} for row in net.history],
                 'resumed_from': loader.loaded_from_,
                 'num_processes': accelerator.num_processes,
-                'module_type': type(net.module_).__name__,
+                'module_type': getattr(progress, 'module_type_', None),
                 'device': str(accelerator.device),
             }, f)
 
@@ -448,7 +451,8 @@ def demo(args):
     plot(full, resumed, kill, verdict.upper(), path)
     with open(os.path.join(args.out, SUMMARY), 'w') as f:
         json.dump({'verdict': verdict, 'differences': differences, 'kill': kill,
-                   'nproc': args.nproc, 'epochs': args.epochs, 'device': full['device'],
+                   'nproc': args.nproc, 'num_processes': full['num_processes'],
+                   'epochs': args.epochs, 'device': full['device'],
                    'module_type': full['module_type'], 'tensors_compared': n_tensors}, f,
                   indent=1)
     print()
