@@ -147,6 +147,13 @@ class AccelerateCheckpoint(Callback):
     checkpoints. A crash at any moment leaves the previous checkpoint intact
     and a ``.partial`` folder that resuming ignores.
 
+    One job at a time uses a folder: from the start of training to its end
+    the committing process holds a lock on ``<dirname>/.lock``, and a second
+    job on the same folder fails when training begins, naming the holder's
+    pid and host. The lock ends with the holder's process, also when it is
+    killed. (After ``fit`` raised, the callback keeps the lock until it
+    trains again or is garbage-collected.)
+
     The decision to save is taken on the main process and broadcast, so all
     ranks agree even when their metrics differ. A save that fails raises on
     every rank: a run that believes it is protected but is not is the worst
@@ -262,9 +269,14 @@ class AccelerateCheckpoint(Callback):
         self.last_saved_ = None
         self.resumed_from_ = None
         self._train_loader = None
+        self._unlock()
+        # storage.FolderLock on dirname while training: one job per folder
+        self._lock = None
         self._saver = background.BackgroundSaver() if self.async_save else None
         # (folder, message) of the save in the background
         self._in_flight = None
+        # threads removing retired checkpoints
+        self._removals = []
         return self
 
     # The checkpoint's own state is on disk; nothing to carry in callbacks.json.
@@ -283,12 +295,42 @@ class AccelerateCheckpoint(Callback):
         move_callback(net, self, 'last')
         with sync.agree(net, f"preparing checkpoint folder {self.dirname}"):
             if self.is_committer(net):
-                os.makedirs(self.dirname, exist_ok=True)
-                storage.remove_leftovers(self.dirname)
-                if not os.access(self.dirname, os.W_OK | os.X_OK):
-                    raise PermissionError(f"checkpoint folder {self.dirname} is not writable")
+                self._prepare_folder()
         if self._save_on_each_node(net) and sync.is_distributed(net):
             self._check_folder_per_node(net)
+        # after the check above, so that two nodes of one job sharing a folder
+        # get its message, not the lock's "another running job"
+        with sync.agree(net, f"locking checkpoint folder {self.dirname}"):
+            if self.is_committer(net):
+                self._lock_folder()
+
+    def _prepare_folder(self):
+        if os.path.lexists(self.dirname) and not os.path.isdir(self.dirname):
+            raise NotADirectoryError(
+                f"checkpoint folder {self.dirname} is a file, not a folder")
+        os.makedirs(self.dirname, exist_ok=True)
+        if not os.access(self.dirname, os.W_OK | os.X_OK):
+            raise PermissionError(f"checkpoint folder {self.dirname} is not writable")
+
+    def _lock_folder(self):
+        # held until training ends (or this process ends: the kernel frees it)
+        if self._lock is None:
+            self._lock = storage.FolderLock(self.dirname).acquire()
+        # only the job that holds the lock may remove what a killed one left:
+        # another job's partial folder is still being written
+        storage.remove_leftovers(self.dirname)
+
+    def _unlock(self):
+        if getattr(self, '_lock', None) is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __getstate__(self):
+        # a lock belongs to this process; a copy (pickle, deepcopy) holds none
+        state = self.__dict__.copy()
+        if '_lock' in state:
+            state['_lock'] = None
+        return state
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
         self._train_loader = training_state.find_train_loader(net, dataset_train)
@@ -301,13 +343,16 @@ class AccelerateCheckpoint(Callback):
             self.save_model(net, best=self.monitor is not None)
 
     def on_train_end(self, net, **kwargs):
-        # interrupted inside an epoch: the last checkpoint stands
-        if (net.history and 'train_loss' in net.history[-1]
-                and self.checkpoint_name(net) not in (self.last_saved_, self.resumed_from_)):
-            self.save_model(net, finished=True)
-        self.wait_for_saves(net)
-        if self._saver is not None:
-            self._saver.close()
+        try:
+            # interrupted inside an epoch: the last checkpoint stands
+            if (net.history and 'train_loss' in net.history[-1]
+                    and self.checkpoint_name(net) not in (self.last_saved_, self.resumed_from_)):
+                self.save_model(net, finished=True)
+            self.wait_for_saves(net)
+            if self._saver is not None:
+                self._saver.close()
+        finally:
+            self._unlock()
 
     def _check_folder_per_node(self, net):
         """With save_on_each_node, two nodes committing into one shared folder
@@ -431,19 +476,23 @@ class AccelerateCheckpoint(Callback):
         self._sink(message, net)
 
     def wait_for_saves(self, net):
-        """Wait for the checkpoint written in the background, if any.
+        """Wait for the checkpoint written in the background, if any, and
+        for the removal of retired checkpoints.
 
-        Every process must call it. If writing or committing it failed,
-        raises on every rank: the committing one raises the error, the
-        others :class:`~skorch_accel_callbacks.RankError`.
+        Every process must call it. If writing or committing the checkpoint
+        failed, raises on every rank: the committing one raises the error,
+        the others :class:`~skorch_accel_callbacks.RankError`.
         """
-        if self._in_flight is None:
-            return
-        final, message = self._in_flight
-        self._in_flight = None
-        with sync.agree(net, f"writing checkpoint {final} in the background"):
-            self._saver.join()
-        self._sink(message, net)
+        if self._in_flight is not None:
+            final, message = self._in_flight
+            self._in_flight = None
+            with sync.agree(net, f"writing checkpoint {final} in the background"):
+                self._saver.join()
+            self._sink(message, net)
+        # after the writer: with async_save, it starts them
+        for thread in self._removals:
+            thread.join()
+        self._removals = []
 
     def _commit(self, partial, final, manifest, best):
         """Seal, rename and point at a written folder; retire old ones.
@@ -502,11 +551,15 @@ class AccelerateCheckpoint(Callback):
         for name in names:
             if name in keep:
                 continue
+            # training need not wait for the files to be deleted
             try:
-                storage.discard(os.path.join(self.dirname, name))
+                thread = storage.discard_in_background(os.path.join(self.dirname, name))
             except OSError as exc:
                 warnings.warn(f"could not remove old checkpoint "
                               f"{os.path.join(self.dirname, name)}: {exc}", UserWarning)
+            else:
+                if thread is not None:
+                    self._removals.append(thread)
 
     # ------------------------------------------------------------ finding
 

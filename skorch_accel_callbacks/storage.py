@@ -6,21 +6,29 @@ run after a crash) sees either the old complete file or the new complete
 file, never a torn one.
 """
 
+import fcntl
 import json
 import os
 import shutil
+import threading
+import socket
 import uuid
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 __all__ = [
     'CorruptCheckpointError',
+    'FolderInUseError',
+    'FolderLock',
+    'LOCK_NAME',
     'MANIFEST_NAME',
     'PARTIAL_SUFFIX',
     'TEMP_MARK',
     'atomic_path',
     'commit_folder',
     'discard',
+    'discard_in_background',
     'file_sizes',
     'fresh_folder',
     'fsync_dir',
@@ -137,12 +145,41 @@ def fresh_folder(path):
 
 def discard(path):
     """Remove a folder (or file) so that no half of it is ever visible."""
+    if os.path.lexists(path):
+        _remove(_mark_discarded(path))
+
+
+def discard_in_background(path):
+    """Like :func:`discard`, but the files are removed by a thread.
+
+    Only the rename happens before it returns; the started thread is
+    returned, or None if there was nothing to remove. Removing a large
+    folder takes a while (0.3 s for 1.1 GiB on an ext4 disk mounted with
+    ``discard``) that nobody needs to wait for. A crash meanwhile leaves a
+    folder marked discarded, which :func:`remove_leftovers` removes; a
+    failure to remove is a warning.
+    """
     if not os.path.lexists(path):
-        return
+        return None
+    doomed = _mark_discarded(path)
+
+    def remove():
+        try:
+            _remove(doomed)
+        except OSError as exc:
+            warnings.warn(f"could not remove old checkpoint {path} ({doomed}): {exc}",
+                          UserWarning)
+
+    thread = threading.Thread(target=remove, name=f'discard-{doomed}')
+    thread.start()
+    return thread
+
+
+def _mark_discarded(path):
     folder, name = os.path.split(os.path.normpath(path))
     doomed = os.path.join(folder, f".{name}{DISCARD_MARK}{uuid.uuid4().hex[:12]}")
     os.replace(path, doomed)
-    _remove(doomed)
+    return doomed
 
 
 def _remove(path):
@@ -197,6 +234,63 @@ def commit_folder(partial, final, manifest, durable=True):
     else:
         os.replace(partial, final)
         fsync_dir(parent)
+
+
+LOCK_NAME = '.lock'
+
+
+class FolderInUseError(RuntimeError):
+    """Another running job holds the lock of a checkpoint folder."""
+
+
+class FolderLock:
+    """An exclusive lock on a folder for one job: ``flock`` on ``<folder>/.lock``.
+
+    The kernel releases the lock when the holder's process ends, however it
+    ends, so a job that was killed leaves no stale lock behind. The file
+    keeps the holder's pid and host, so that a refused job can say who holds
+    it; it stays on disk (it is the lock's anchor, not its state).
+    """
+
+    def __init__(self, folder):
+        self.folder = os.fspath(folder)
+        self.path = os.path.join(self.folder, LOCK_NAME)
+        self._file = None
+
+    def acquire(self):
+        """Take the lock or raise :class:`FolderInUseError` naming the holder."""
+        lock_file = open(self.path, 'a+', encoding='utf-8')
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock_file.seek(0)
+            try:
+                holder = json.loads(lock_file.read())
+                holder = f"pid {holder['pid']} on host {holder['host']}"
+            except (ValueError, KeyError, TypeError):
+                # the holder is between taking the lock and writing its name
+                holder = 'a job that is starting'
+            lock_file.close()
+            raise FolderInUseError(
+                f"checkpoint folder {self.folder} is in use by another running job "
+                f"({holder}, lock file {self.path}): two jobs committing into one "
+                "folder would retire each other's checkpoints; wait for it to end "
+                "or give this job its own folder") from None
+        except BaseException:
+            lock_file.close()
+            raise
+        lock_file.seek(0)
+        lock_file.truncate()
+        json.dump({'pid': os.getpid(), 'host': socket.gethostname()}, lock_file)
+        lock_file.flush()
+        self._file = lock_file
+        return self
+
+    def release(self):
+        """Release the lock (closing the file releases the flock)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 class CorruptCheckpointError(ValueError):

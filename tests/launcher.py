@@ -64,12 +64,14 @@ def _kill(proc):
 
 
 def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
-           grace=10.0, _retries=1):
+           grace=10.0, user=None, _retries=1):
     """Run ``script`` in ``nnodes * nproc`` processes and wait for them.
 
     ``script`` is a path, or a name of a file in ``tests/workers``. When a
     rank fails, the others get ``grace`` seconds to end (as torchrun would
-    stop them) before they are killed. Returns a :class:`LaunchResult`.
+    stop them) before they are killed. ``user`` (a uid; needs root) runs the
+    ranks as that user, e.g. so that permission bits apply to them. Returns a
+    :class:`LaunchResult`.
     """
     script = Path(script)
     if not script.is_absolute() and not script.exists():
@@ -110,7 +112,8 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
         procs.append(subprocess.Popen(
             [sys.executable, str(script), *map(str, args)], env=rank_env,
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True))
+            start_new_session=True, user=user, group=user,
+            extra_groups=None if user is None else []))
 
     deadline = start + timeout
     first_failure = None
@@ -140,5 +143,5 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
                      for out in outputs)
     if not result.ok and port_clash and _retries > 0:
         return launch(script, *args, nproc=nproc, nnodes=nnodes, timeout=timeout,
-                      env=env, grace=grace, _retries=_retries - 1)
+                      env=env, grace=grace, user=user, _retries=_retries - 1)
     return result

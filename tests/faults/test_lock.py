@@ -1,0 +1,72 @@
+"""One job per checkpoint folder: a second job is refused, naming the folder
+and the holder; a holder that was SIGKILLed leaves no stale lock.
+
+The holder is the fault job in its own process, stopped inside its save of
+epoch 2 (its partial folder written, not committed); the second job runs in
+this process.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from faultsuite import WORKERS
+import faultjob  # noqa: E402 (faultsuite puts the workers on sys.path)
+from launcher import REPO
+from skorch_accel_callbacks import storage
+
+DEADLINE_S = 180
+
+
+def start_holder(tmp_path, ckpt):
+    env = {key: value for key, value in os.environ.items()
+           if key not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')}
+    env.update(RESULT_DIR=str(tmp_path), HOLD='2:before-manifest:0', OMP_NUM_THREADS='1',
+               PYTHONPATH=os.pathsep.join([str(WORKERS), str(REPO / 'tests' / 'workers'),
+                                           str(REPO)]))
+    holder = subprocess.Popen(
+        [sys.executable, str(WORKERS / 'killable.py'), str(ckpt), 'holder'], env=env,
+        stdout=open(tmp_path / 'holder.log', 'wb'), stderr=subprocess.STDOUT)
+    held = tmp_path / 'held-holder-before-manifest-rank0'
+    deadline = time.monotonic() + DEADLINE_S
+    while not held.exists():
+        if holder.poll() is not None or time.monotonic() > deadline:
+            holder.kill()
+            pytest.fail("the holder never reached its save:\n"
+                        + (tmp_path / 'holder.log').read_text())
+        time.sleep(0.1)
+    return holder
+
+
+def test_second_job_refused_and_killed_holder_leaves_no_stale_lock(tmp_path):
+    ckpt = tmp_path / 'ckpt'
+    holder = start_holder(tmp_path, ckpt)
+    try:
+        net, _ = faultjob.build(str(ckpt))
+        with pytest.raises(storage.FolderInUseError,
+                           match=f"checkpoint folder {ckpt} is in use by another running "
+                                 rf"job \(pid {holder.pid} on host {socket.gethostname()}"):
+            net.fit(*faultjob.data())
+        # it had read the holder's committed epoch 1 (resuming comes first), and
+        # trained nothing
+        assert len(net.history) == 1
+        # the refused job removed nothing of the running one's
+        assert (ckpt / 'epoch-0002.partial').is_dir()
+        assert storage.read_json(ckpt / 'latest.json') == {'name': 'epoch-0001'}
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the kernel released the dead holder's flock; the lock file stays
+    assert (ckpt / storage.LOCK_NAME).exists()
+    net, cp = faultjob.build(str(ckpt))
+    net.fit(*faultjob.data())
+    assert faultjob.loaded_from(net) == str(ckpt / 'epoch-0001')
+    assert len(net.history) == faultjob.EPOCHS
+    assert not (ckpt / 'epoch-0002.partial').exists()
+    # and this job released it at the end of training
+    storage.FolderLock(ckpt).acquire().release()

@@ -1,0 +1,115 @@
+"""The small training job that every fault test runs, and its kill points.
+
+Three epochs of 2 batches per rank, checkpointed every epoch with
+``keep_last=1`` (so that retention discards a folder from the second epoch
+on), with dropout, momentum and an LR scheduler: a resume that restored any
+of them wrongly would not end bit-identical.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+from skorch.callbacks import Callback, LRScheduler
+from torch.optim.lr_scheduler import StepLR
+
+from common import make_accelerator, make_data, make_net, rank, write_result
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+
+EPOCHS = 3
+
+# Where a kill can land, in the order they happen within an epoch. ``rank``
+# is who dies there: the committer (rank 0) for the commit, either rank for
+# a batch end or for the rank's own files.
+BATCH_POINTS = ('batch-1', 'batch-2')
+SAVE_POINTS = (
+    'model-half',        # accelerate wrote half of model.safetensors
+    'optimizer-half',    # ... half of optimizer.bin
+    'rng-half',          # ... half of this rank's random_states_<r>.pkl
+    'rank-state',        # this rank wrote its loader state file
+    'before-manifest',
+    'after-manifest',
+    'before-rename',     # epoch-NNNN.partial -> epoch-NNNN
+    'after-rename',
+    'before-pointer',    # latest.json
+    'after-pointer',
+    'before-discard',    # retention starts removing an old folder
+    'in-discard',        # ... and has removed part of it
+)
+RANK_POINTS = BATCH_POINTS + ('rng-half', 'rank-state')
+
+
+def build(dirname, callbacks=(), resume='latest', async_save=False, **net_kwargs):
+    """The job's net and its checkpoint; the same in every test and launch."""
+    accelerator = make_accelerator()
+    cp = AccelerateCheckpoint(dirname=dirname, keep_last=1, async_save=async_save)
+    torch.manual_seed(0)
+    params = dict(max_epochs=EPOCHS, batch_size=16, train_split=None)
+    params.update(net_kwargs)
+    net = make_net(
+        accelerator, callbacks=[
+            AccelerateLoadInitState(cp, resume=resume), cp,
+            LRScheduler(policy=StepLR, step_size=2, gamma=0.5), *callbacks],
+        **params)
+    return net, cp
+
+
+def data():
+    return make_data(n=64)
+
+
+def note(what, point):
+    """Leave ``<WHAT>-<TAG>-<POINT>-rank<R>`` in RESULT_DIR for the test
+    (TAG: the launch's tag)."""
+    out = os.environ.get('RESULT_DIR', '.')
+    with open(os.path.join(out, f'{what}-{sys.argv[2]}-{point}-rank{rank()}'), 'w') as f:
+        f.write(point)
+
+
+def die(point):
+    """SIGKILL this process, after leaving a note of where for the test."""
+    note('killed', point)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold(point):
+    """Stay at ``point`` (a job that is busy there) until the test kills it."""
+    note('held', point)
+    time.sleep(600)
+
+
+class EpochTracker(Callback):
+    """Knows the current epoch, so that a kill point fires in its epoch only."""
+
+    epoch = 0
+
+    def on_epoch_begin(self, net, **kwargs):
+        type(self).epoch = len(net.history)
+
+
+def write_final_state(net, tag):
+    """Rank 0's parameters, optimizer state and history, for bit-comparison."""
+    if rank() != 0:
+        return
+    accelerator = net.accelerator
+    torch.save({
+        'params': {'module': accelerator.unwrap_model(net.module_).state_dict()},
+        'optimizers': {'optimizer': net.optimizer_.state_dict()},
+        'history': [{key: row.get(key) for key in
+                     ('epoch', 'train_loss', 'valid_loss', 'event_lr')}
+                    for row in net.history],
+    }, os.path.join(os.environ.get('RESULT_DIR', '.'), f'{tag}-rank0.pt'))
+
+
+def loaded_from(net):
+    for _, callback in net.callbacks_:
+        if isinstance(callback, AccelerateLoadInitState):
+            return callback.loaded_from_
+    return None
+
+
+def finish(net, tag, **extra):
+    write_final_state(net, tag)
+    write_result(tag, dict(loaded_from=loaded_from(net), epochs=len(net.history), **extra))

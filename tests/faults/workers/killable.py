@@ -1,0 +1,204 @@
+"""The fault job, killed with SIGKILL at a numbered point.
+
+usage: killable.py DIRNAME TAG
+
+Environment:
+- KILL=EPOCH:POINT:RANK: rank RANK SIGKILLs itself at POINT (one of
+  faultjob.BATCH_POINTS or SAVE_POINTS) of epoch EPOCH; before it dies it
+  leaves ``killed-<TAG>-<POINT>-rank<RANK>`` in RESULT_DIR;
+- HOLD=EPOCH:POINT:RANK: as KILL, but the rank waits there (notes
+  ``held-...``) until it is killed;
+- ASYNC=1: ``AccelerateCheckpoint(async_save=True)`` (the kill points of the
+  commit then fire in its writer thread);
+- FREEZE=EPOCH:RANK: rank RANK stops itself (SIGSTOP) after batch 1 of
+  EPOCH, as a hung node would, instead of dying.
+
+Every rank writes ``<TAG>-rank<r>.json`` (the folder it resumed from), and
+rank 0 ``<TAG>-rank0.pt`` (final state) when training ends; each rank writes
+``resumed-<TAG>-rank<r>.json`` as soon as its first epoch begins.
+"""
+
+import json
+import os
+import signal
+import sys
+
+import accelerate.checkpointing
+import torch
+from skorch.callbacks import Callback
+
+import faultjob
+from common import rank
+from faultjob import EpochTracker, die, hold
+from skorch_accel_callbacks import async_save, storage, training_state
+
+
+def half_written(path, write):
+    """Write the file aside and put only its first half at ``path``."""
+    tmp = f'{path}.whole'
+    write(tmp)
+    with open(tmp, 'rb') as f:
+        data = f.read()
+    os.remove(tmp)
+    with open(path, 'wb') as f:
+        f.write(data[:len(data) // 2])
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class Instrument:
+    """Wraps the functions that the save goes through; ``fire`` dies at the
+    chosen point of the chosen epoch on the chosen rank."""
+
+    def __init__(self, epoch, point, who, action=die):
+        self.epoch, self.point, self.who = epoch, point, who
+        self.action = action
+
+    def due(self, point):
+        return (point == self.point and EpochTracker.epoch == self.epoch
+                and rank() == self.who)
+
+    def fire(self, point):
+        if self.due(point):
+            self.action(point)
+
+    def install(self):
+        fire, due, die = self.fire, self.due, self.action
+
+        save = accelerate.checkpointing.save
+
+        # the partly written file, for the points inside save_state
+        def accelerate_save(obj, f, **kwargs):
+            name = os.path.basename(str(f))
+            point = {'model.safetensors': 'model-half',
+                     'optimizer.bin': 'optimizer-half'}.get(name)
+            if point is not None and due(point):
+                half_written(f, lambda tmp: save(obj, tmp, **kwargs))
+                die(point)
+            return save(obj, f, **kwargs)
+
+        accelerate.checkpointing.save = accelerate_save
+        async_save.save = accelerate_save
+
+        torch_save = torch.save
+
+        def rng_save(obj, f, *args, **kwargs):
+            if 'random_states_' in str(f) and due('rng-half'):
+                half_written(f, lambda tmp: torch_save(obj, tmp, *args, **kwargs))
+                die('rng-half')
+            return torch_save(obj, f, *args, **kwargs)
+
+        accelerate.checkpointing.torch.save = rng_save
+
+        save_file = training_state.save_file
+
+        def rank_state_save(tensors, path, **kwargs):
+            save_file(tensors, path, **kwargs)
+            if 'loader_state' not in str(path):
+                return
+            fire('rank-state')
+
+        training_state.save_file = rank_state_save
+
+        write_json = storage.write_json
+
+        def json_write(path, obj):
+            name = os.path.basename(path)
+            which = {storage.MANIFEST_NAME: 'manifest', 'latest.json': 'pointer'}.get(name)
+            if which:
+                fire(f'before-{which}')
+            write_json(path, obj)
+            if which:
+                fire(f'after-{which}')
+
+        storage.write_json = json_write
+
+        replace = os.replace
+
+        def os_replace(src, dst):
+            renaming = str(src).endswith(storage.PARTIAL_SUFFIX)
+            if renaming:
+                fire('before-rename')
+            replace(src, dst)
+            if renaming:
+                fire('after-rename')
+
+        os.replace = os_replace
+
+        discard = storage.discard
+
+        def discard_folder(path):
+            fire('before-discard')
+            return discard(path)
+
+        storage.discard = discard_folder
+
+        remove = storage._remove
+
+        def remove_part(path):
+            if storage.DISCARD_MARK in path and due('in-discard'):
+                # remove some of the files, as rmtree would before the kill
+                for name in sorted(os.listdir(path))[:3]:
+                    os.remove(os.path.join(path, name))
+                die('in-discard')
+            return remove(path)
+
+        storage._remove = remove_part
+
+
+class BatchKiller(Callback):
+    def __init__(self, instrument):
+        self.instrument = instrument
+
+    def initialize(self):
+        self.batches_ = 0
+        return self
+
+    def on_epoch_begin(self, net, **kwargs):
+        self.batches_ = 0
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training:
+            self.batches_ += 1
+            self.instrument.fire(f'batch-{self.batches_}')
+
+
+class Freeze(Callback):
+    def __init__(self, epoch, who):
+        self.epoch, self.who = epoch, who
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training and len(net.history) == self.epoch and rank() == self.who:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class RecordResume(Callback):
+    def on_epoch_begin(self, net, **kwargs):
+        tag = sys.argv[2]
+        out = os.environ.get('RESULT_DIR', '.')
+        path = os.path.join(out, f'resumed-{tag}-rank{rank()}.json')
+        if not os.path.exists(path):
+            with open(path, 'w') as f:
+                json.dump({'loaded_from': faultjob.loaded_from(net),
+                           'epoch': len(net.history)}, f)
+
+
+def main():
+    dirname, tag = sys.argv[1], sys.argv[2]
+    callbacks = [EpochTracker(), RecordResume()]
+    for name, action in (('KILL', die), ('HOLD', hold)):
+        if os.environ.get(name):
+            epoch, point, who = os.environ[name].split(':')
+            instrument = Instrument(int(epoch), point, int(who), action)
+            instrument.install()
+            callbacks.append(BatchKiller(instrument))
+    if os.environ.get('FREEZE'):
+        callbacks.append(Freeze(*map(int, os.environ['FREEZE'].split(':'))))
+    net, _ = faultjob.build(dirname, callbacks=callbacks,
+                            async_save=os.environ.get('ASYNC') == '1')
+    net.fit(*faultjob.data())
+    faultjob.finish(net, tag)
+
+
+if __name__ == '__main__':
+    main()
