@@ -2,6 +2,8 @@
 
 import os
 
+from accelerate.utils import load as accelerate_load
+from safetensors.torch import load_file
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
@@ -11,6 +13,60 @@ from skorch_accel_callbacks.checkpoint import (
     CheckpointError, check_compatible, check_rank_files)
 
 __all__ = ['AccelerateLoadInitState']
+
+
+# the files accelerator.save_state writes, by how they are read
+_TORCH_SUFFIXES = ('.bin', '.pkl', '.pt')
+
+
+def _loads(file):
+    """Read ``file`` as accelerate's load_state would, without executing code."""
+    if file.endswith('.safetensors'):
+        load_file(file)
+    else:
+        accelerate_load(file)  # torch.load with weights_only=True
+
+
+def _file_at_fault(folder):
+    """The first file of ``folder`` that does not load, or None.
+
+    Only called after ``load_state`` failed, to name the file in the error:
+    the files are read a second time on that path only.
+    """
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(_TORCH_SUFFIXES + ('.safetensors',)):
+            continue
+        file = os.path.join(folder, name)
+        try:
+            _loads(file)
+        except Exception:  # pylint: disable=broad-except
+            return file
+    return None
+
+
+def _read_own(folder, names, load):
+    """``load(folder)`` for this package's own files ``names``; an error names
+    the file (JSON and safetensors readers do not always say which)."""
+    try:
+        return load(folder)
+    except Exception as exc:  # pylint: disable=broad-except
+        names = (names,) if isinstance(names, str) else names
+        files = [os.path.join(folder, name) for name in names]
+        if len(files) > 1:
+            files = [file for file in files if not _readable(file)] or files
+        raise storage.CorruptCheckpointError(
+            f"{' or '.join(files)} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+
+
+def _readable(file):
+    try:
+        if file.endswith('.json'):
+            storage.read_json(file)
+        else:
+            load_file(file)
+        return True
+    except Exception:  # pylint: disable=broad-except
+        return False
 
 
 class AccelerateLoadInitState(Callback):
@@ -101,14 +157,20 @@ class AccelerateLoadInitState(Callback):
             try:
                 net.accelerator.load_state(path)
             except Exception as exc:
+                at_fault = _file_at_fault(path)
                 raise CheckpointError(
-                    f"{path} could not be loaded: {type(exc).__name__}: {exc}") from exc
+                    f"{at_fault or path} could not be loaded: {type(exc).__name__}: {exc}"
+                ) from exc
             rng = training_state.capture_rng()
             hyperparameters = training_state.optimizer_hyperparameters(
                 net.accelerator._optimizers)
-            history = training_state.load_history(path)
-            callbacks = training_state.load_callback_states(path)
-            rank_state = training_state.load_rank_state(path, rank)
+            history = _read_own(path, training_state.HISTORY_NAME,
+                                training_state.load_history)
+            callbacks = _read_own(
+                path, (training_state.CALLBACKS_NAME, training_state.CALLBACK_TENSORS_NAME),
+                training_state.load_callback_states)
+            rank_state = _read_own(path, training_state.rank_state_name(rank),
+                                   lambda folder: training_state.load_rank_state(folder, rank))
 
         net.history = history
         self._pending = (rng, rank_state, callbacks, hyperparameters)

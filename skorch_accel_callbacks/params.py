@@ -24,12 +24,15 @@ import pickle
 import uuid
 import warnings
 
+import safetensors.torch
+import torch
 from skorch.callbacks import Checkpoint, LoadInitState, TrainEndCheckpoint
 from skorch.exceptions import SkorchException
+from skorch.history import History
 from skorch.utils import _check_f_arguments, noop, open_file_like
 
 from skorch_accel_callbacks import sync
-from skorch_accel_callbacks.storage import TEMP_MARK, atomic_path
+from skorch_accel_callbacks.storage import TEMP_MARK, CorruptCheckpointError, atomic_path
 from skorch_accel_callbacks.wrapping import unwrapped
 
 __all__ = ['LoadInitParams', 'ParamsCheckpoint', 'TrainEndParamsCheckpoint']
@@ -499,8 +502,10 @@ class LoadInitParams(LoadInitState):
         try:
             with unwrapped(net):
                 net.load_params(checkpoint=checkpoint, use_safetensors=self.use_safetensors)
-        except Exception as exc:  # pylint: disable=broad-except
+        except FileNotFoundError as exc:
             error = exc
+        except Exception as exc:  # pylint: disable=broad-except
+            error = self._naming_the_file(net, checkpoint, exc)
         missing = isinstance(error, FileNotFoundError)
         outcomes = sync.gather(net, 'missing' if missing else (
             None if error is None else f"{type(error).__name__}: {error}"))
@@ -514,3 +519,36 @@ class LoadInitParams(LoadInitState):
             raise sync.RankError(
                 f"{type(self).__name__}: loading the checkpoint failed on "
                 + "; ".join(failures))
+
+    def _naming_the_file(self, net, checkpoint, exc):
+        """The error of a failed load, as one that names the file at fault.
+
+        skorch's errors (torch's weights-only unpickler, JSON, safetensors)
+        do not say which file they were reading; each file is read again,
+        on this error path only, to find it.
+        """
+        def files():
+            # the history first: the names of the others may depend on it
+            if checkpoint.f_history is not None:
+                yield 'f_history', checkpoint.f_history_
+            for key, file in checkpoint.get_formatted_files(net).items():
+                # load_params does not read the pickled net
+                if key not in ('f_history', 'f_pickle'):
+                    yield key, file
+
+        for key, file in files():
+            if not isinstance(file, (str, os.PathLike)):
+                continue
+            try:
+                if key == 'f_history':
+                    History.from_file(file)
+                elif self.use_safetensors:
+                    safetensors.torch.load_file(file)
+                else:
+                    torch.load(file, map_location='cpu', weights_only=True)
+            except Exception as reason:  # pylint: disable=broad-except
+                error = CorruptCheckpointError(
+                    f"{file} cannot be loaded: {type(reason).__name__}: {reason}")
+                error.__cause__ = exc
+                return error
+        return exc
