@@ -292,6 +292,10 @@ class FolderLock:
             self._file.close()
             self._file = None
 
+    # a lock dropped without release (a fit that raised, then forgotten)
+    # closes its file itself, without a ResourceWarning
+    __del__ = release
+
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint folder is incomplete, damaged or not a checkpoint."""

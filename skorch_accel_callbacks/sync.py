@@ -121,8 +121,9 @@ def run_on_main(net, fn, what):
 def agree(net, what):
     """Run the block on every process; if it raises anywhere, raise everywhere.
 
-    The failing process re-raises its own exception; the others raise
-    :class:`RankError` naming the failing rank(s) and ``what``. The exchange at
+    The failing process re-raises its own exception, with a note naming
+    ``what`` and its rank; the others raise :class:`RankError` naming the
+    failing rank(s) and ``what``. The exchange at
     the end is also a barrier: no process leaves before all finished the block.
     """
     error = None
@@ -132,6 +133,8 @@ def agree(net, what):
         error = exc
     outcomes = gather(net, None if error is None else _describe(error))
     if error is not None:
+        # the error of a writer (torch, safetensors) rarely names its file
+        error.add_note(f"while {what} (rank {process_index(net)})")
         raise error
     failures = [
         f"rank {rank}: {message}" for rank, message in enumerate(outcomes)

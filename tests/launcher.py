@@ -64,13 +64,13 @@ def _kill(proc):
 
 
 def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
-           grace=10.0, user=None, _retries=1):
+           grace=10.0, preexec_fn=None, _retries=1):
     """Run ``script`` in ``nnodes * nproc`` processes and wait for them.
 
     ``script`` is a path, or a name of a file in ``tests/workers``. When a
     rank fails, the others get ``grace`` seconds to end (as torchrun would
-    stop them) before they are killed. ``user`` (a uid; needs root) runs the
-    ranks as that user, e.g. so that permission bits apply to them. Returns a
+    stop them) before they are killed. ``preexec_fn`` runs in each rank's
+    process before the script starts (e.g. to drop privileges). Returns a
     :class:`LaunchResult`.
     """
     script = Path(script)
@@ -112,8 +112,7 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
         procs.append(subprocess.Popen(
             [sys.executable, str(script), *map(str, args)], env=rank_env,
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, user=user, group=user,
-            extra_groups=None if user is None else []))
+            start_new_session=True, preexec_fn=preexec_fn))
 
     deadline = start + timeout
     first_failure = None
@@ -143,5 +142,6 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
                      for out in outputs)
     if not result.ok and port_clash and _retries > 0:
         return launch(script, *args, nproc=nproc, nnodes=nnodes, timeout=timeout,
-                      env=env, grace=grace, user=user, _retries=_retries - 1)
+                      env=env, grace=grace, preexec_fn=preexec_fn,
+                      _retries=_retries - 1)
     return result

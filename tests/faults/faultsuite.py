@@ -26,12 +26,12 @@ COLLECTIVE_TIMEOUT = 20
 
 
 def run_job(script, folder, dirname, tag, *, nproc=2, timeout=180, grace=10.0,
-            user=None, **env):
+            preexec_fn=None, **env):
     """Launch ``tests/faults/workers/<script>`` on ``dirname``; results go to ``folder``."""
     env = dict(env, RESULT_DIR=str(folder))
     env.setdefault('COLLECTIVE_TIMEOUT', str(COLLECTIVE_TIMEOUT))
     return launch(WORKERS / script, dirname, tag, nproc=nproc, timeout=timeout,
-                  grace=grace, user=user, env=env)
+                  grace=grace, preexec_fn=preexec_fn, env=env)
 
 
 def final_state(folder, tag):
