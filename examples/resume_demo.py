@@ -181,6 +181,7 @@ class Launch:
     def __init__(self, args, run_dir, label):
         self.label = label
         self.run_dir = run_dir
+        self.nproc = args.nproc
         command = [
             sys.executable, '-m', 'torch.distributed.run', '--standalone',
             '--nproc_per_node', str(args.nproc), os.path.abspath(__file__),
@@ -240,6 +241,11 @@ class Launch:
             if (not self.killed and values['epoch'] == kill_epoch
                     and values['batch'] == KILL_AFTER_BATCH):
                 self._check_checkpoint_exists(kill_epoch - 1)
+                if len(self.worker_pids) != self.nproc:
+                    self.kill()
+                    raise DemoError(
+                        f"{self.label}: {len(self.worker_pids)} of {self.nproc} ranks "
+                        "reported their pid; a kill would miss the others")
                 self.kill()
                 self.killed = True
                 print(f"  {self.label} | >>> SIGKILL to torchrun and every rank "

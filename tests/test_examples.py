@@ -13,7 +13,6 @@ import re
 import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
