@@ -1,0 +1,118 @@
+"""ParamsCheckpoint + LoadInitParams, SIGKILLed at a numbered point.
+
+usage: params_killable.py DIRNAME TAG
+
+Each launch loads what the previous one left (skorch's LoadInitState
+semantics) and trains 2 epochs, saving params, optimizer and history every
+epoch. KILL=EPOCH:POINT:RANK as in killable.py, with the points of
+PARAMS_POINTS. Rank 0 appends the digest of the parameters it is about to
+save to ``digests.jsonl``; every rank writes what it loaded to
+``loaded-<TAG>-rank<r>.json`` when training begins.
+"""
+
+import json
+import os
+import sys
+
+from skorch import NeuralNetClassifier
+from skorch.callbacks import Callback
+from skorch.hf import AccelerateMixin
+
+from common import make_accelerator, make_data, make_net, params_digest, rank
+from faultjob import EpochTracker, die
+from skorch_accel_callbacks import (AccelerateFixesMixin, LoadInitParams, ParamsCheckpoint,
+                                    unwrapped)
+from skorch_accel_callbacks.storage import TEMP_MARK
+
+FILES = ('params.pt', 'optimizer.pt', 'history.json')
+PARAMS_POINTS = ('batch-1', 'batch-2', 'params-half') + tuple(
+    f'{when}-rename-{name}' for name in FILES for when in ('before', 'after'))
+KILL = os.environ.get('KILL', '::').split(':')
+# epochs in the loaded history, set when training begins
+LOADED = {'epochs': 0}
+
+
+def due(point):
+    return (point == KILL[1] and str(EpochTracker.epoch - LOADED['epochs']) == KILL[0]
+            and str(rank()) == KILL[2])
+
+
+class HalfWrite:
+    """Below AccelerateMixin: runs where the bytes are written (rank 0, the
+    temporary path); writes half of the params file and dies."""
+
+    def save_params(self, **kwargs):
+        target = kwargs.get('f_module')
+        if target is not None and due('params-half'):
+            super().save_params(**kwargs)
+            with open(target, 'r+b') as f:
+                f.truncate(os.path.getsize(target) // 2)
+            die('params-half')
+        return super().save_params(**kwargs)
+
+
+class Net(AccelerateFixesMixin, AccelerateMixin, HalfWrite, NeuralNetClassifier):
+    pass
+
+
+def install_rename_points():
+    replace = os.replace
+
+    def os_replace(src, dst):
+        name = os.path.basename(str(dst))
+        ours = TEMP_MARK in str(src) and name in FILES
+        if ours and due(f'before-rename-{name}'):
+            die(f'before-rename-{name}')
+        replace(src, dst)
+        if ours and due(f'after-rename-{name}'):
+            die(f'after-rename-{name}')
+
+    os.replace = os_replace
+
+
+def digest(net):
+    with unwrapped(net):
+        return params_digest(net.module_)
+
+
+class LogDigest(Callback):
+    """Before the checkpoint's save: the parameters about to be saved."""
+
+    def on_epoch_end(self, net, **kwargs):
+        if rank() == 0:
+            with open(os.path.join(os.environ['RESULT_DIR'], 'digests.jsonl'), 'a') as f:
+                f.write(json.dumps(digest(net)) + '\n')
+
+
+class RecordLoad(Callback):
+    def on_train_begin(self, net, **kwargs):
+        LOADED['epochs'] = len(net.history)
+        path = os.path.join(os.environ['RESULT_DIR'], f'loaded-{sys.argv[2]}-rank{rank()}.json')
+        with open(path, 'w') as f:
+            json.dump({'history_len': len(net.history), 'digest': digest(net)}, f)
+
+
+class BatchKiller(Callback):
+    def on_epoch_begin(self, net, **kwargs):
+        self.batches_ = 0
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training:
+            self.batches_ += 1
+            if due(f'batch-{self.batches_}'):
+                die(f'batch-{self.batches_}')
+
+
+def main():
+    dirname = sys.argv[1]
+    install_rename_points()
+    cp = ParamsCheckpoint(monitor=None, dirname=dirname, f_criterion=None, on_error='raise')
+    net = make_net(make_accelerator(), net_cls=Net, max_epochs=2, batch_size=16,
+                   train_split=None, callbacks=[
+                       EpochTracker(), LoadInitParams(cp), RecordLoad(), BatchKiller(),
+                       LogDigest(), cp])
+    net.fit(*make_data(n=64))
+
+
+if __name__ == '__main__':
+    main()
