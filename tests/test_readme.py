@@ -9,6 +9,7 @@ they name must exist.
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -82,8 +83,10 @@ def test_python_blocks_run_in_order_in_one_process(tmp_path):
     blocks = tmp_path / 'blocks.json'
     blocks.write_text(json.dumps(
         [{'line': line, 'source': source} for _, _, line, source in PYTHON]))
+    # Accelerator() of the blocks then runs on CPU on a GPU machine too
+    env = dict(os.environ, ACCELERATE_USE_CPU='true')
     proc = subprocess.run(
-        [sys.executable, '-c', RUNNER, str(blocks), str(README)], cwd=tmp_path,
+        [sys.executable, '-c', RUNNER, str(blocks), str(README)], cwd=tmp_path, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-6000:]
     ran = re.findall(r'README block at line (\d+): ran', proc.stdout)
