@@ -34,3 +34,21 @@ def run_workers(tmp_path):
         result.check()
         return read_results(out, name, nproc)
     return run
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print what tests recorded with ``record_property('summary', text)``.
+
+    Works with and without ``-s`` and under pytest-xdist (the reports carry
+    their user properties to the controlling process), so figures such as
+    the fault suite's trial counts can be read from a CI log.
+    """
+    lines = [value for category in ('passed', 'failed')
+             for report in terminalreporter.stats.get(category, [])
+             if getattr(report, 'when', None) == 'call'
+             for name, value in getattr(report, 'user_properties', ())
+             if name == 'summary']
+    if lines:
+        terminalreporter.section('figures recorded by tests')
+        for line in lines:
+            terminalreporter.write_line(line)

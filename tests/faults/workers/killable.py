@@ -20,6 +20,7 @@ rank 0 ``<TAG>-rank0.pt`` (final state) when training ends; each rank writes
 
 import json
 import os
+import re
 import signal
 import sys
 
@@ -53,17 +54,28 @@ class Instrument:
     def __init__(self, epoch, point, who, action=die):
         self.epoch, self.point, self.who = epoch, point, who
         self.action = action
+        # the epoch whose latest.json was written last: retention runs after
+        self.committed = None
 
-    def due(self, point):
-        return (point == self.point and EpochTracker.epoch == self.epoch
-                and rank() == self.who)
+    def due(self, point, path=None):
+        """Whether to act at ``point``. The epoch of a save point is read from
+        the checkpoint path it writes (with async_save the commit of epoch E
+        runs while epoch E+1 trains); a batch end's is the current epoch."""
+        if path is not None:
+            found = re.search(r'epoch-(\d+)', os.fspath(path))
+            epoch = int(found.group(1)) if found else None
+        elif 'discard' in point:
+            epoch = self.committed
+        else:
+            epoch = EpochTracker.epoch
+        return point == self.point and epoch == self.epoch and rank() == self.who
 
-    def fire(self, point):
-        if self.due(point):
+    def fire(self, point, path=None):
+        if self.due(point, path):
             self.action(point)
 
     def install(self):
-        fire, due, die = self.fire, self.due, self.action
+        instrument, fire, due, die = self, self.fire, self.due, self.action
 
         save = accelerate.checkpointing.save
 
@@ -72,7 +84,7 @@ class Instrument:
             name = os.path.basename(str(f))
             point = {'model.safetensors': 'model-half',
                      'optimizer.bin': 'optimizer-half'}.get(name)
-            if point is not None and due(point):
+            if point is not None and due(point, f):
                 half_written(f, lambda tmp: save(obj, tmp, **kwargs))
                 die(point)
             return save(obj, f, **kwargs)
@@ -83,7 +95,7 @@ class Instrument:
         torch_save = torch.save
 
         def rng_save(obj, f, *args, **kwargs):
-            if 'random_states_' in str(f) and due('rng-half'):
+            if 'random_states_' in str(f) and due('rng-half', f):
                 half_written(f, lambda tmp: torch_save(obj, tmp, *args, **kwargs))
                 die('rng-half')
             return torch_save(obj, f, *args, **kwargs)
@@ -96,7 +108,7 @@ class Instrument:
             save_file(tensors, path, **kwargs)
             if 'loader_state' not in str(path):
                 return
-            fire('rank-state')
+            fire('rank-state', path)
 
         training_state.save_file = rank_state_save
 
@@ -105,11 +117,15 @@ class Instrument:
         def json_write(path, obj):
             name = os.path.basename(path)
             which = {storage.MANIFEST_NAME: 'manifest', 'latest.json': 'pointer'}.get(name)
+            # the manifest's path names the epoch; the pointer's content does
+            epoch_path = path if which == 'manifest' else obj.get('name', '')
             if which:
-                fire(f'before-{which}')
+                fire(f'before-{which}', epoch_path)
             write_json(path, obj)
+            if which == 'pointer':
+                instrument.committed = int(obj['name'].split('-')[1])
             if which:
-                fire(f'after-{which}')
+                fire(f'after-{which}', epoch_path)
 
         storage.write_json = json_write
 
@@ -118,10 +134,10 @@ class Instrument:
         def os_replace(src, dst):
             renaming = str(src).endswith(storage.PARTIAL_SUFFIX)
             if renaming:
-                fire('before-rename')
+                fire('before-rename', src)
             replace(src, dst)
             if renaming:
-                fire('after-rename')
+                fire('after-rename', src)
 
         os.replace = os_replace
 

@@ -1,0 +1,108 @@
+"""Random SIGKILLs of the 2-process fault job, relaunched until it finishes.
+
+Each run draws (seeded) up to three kill points, one per launch, among the
+batch ends and the numbered points inside the save, the commit and the
+retention of the epochs still to train (tests/faults/workers/faultjob.py);
+the process at that point SIGKILLs itself, the launcher kills the other rank
+a second later (as torchrun would), and the same command is launched again
+until a launch trains to the end. Odd-numbered runs save with
+``async_save=True`` (commit in a writer thread, while the next epoch trains).
+Every run must end bit-identical to the
+uninterrupted reference run, every launch must resume from exactly the
+complete checkpoint that ``latest.json`` named when it started, and no launch
+may hang (launch deadline).
+"""
+
+import os
+import random
+
+from faultsuite import final_state, read_json, reference, run_job  # noqa: F401 (fixture)
+from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
+from resume_runs import assert_identical
+from skorch_accel_callbacks import storage
+
+KILLS_PER_RUN = 3
+MIN_KILLS = 20
+# runs go on until MIN_KILLS kills landed (a run can finish before its third
+# kill); this many runs at most
+MAX_RUNS = 12
+
+
+def draw(rng, resumed_epoch):
+    """A kill point in an epoch that the next launch trains."""
+    options = []
+    for epoch in range(resumed_epoch + 1, EPOCHS + 1):
+        for point in BATCH_POINTS + SAVE_POINTS:
+            # retention removes a folder only from the second epoch this
+            # launch commits (it keeps the one it resumed from)
+            if 'discard' in point and epoch < max(2, resumed_epoch + 2):
+                continue
+            options.append((epoch, point))
+    epoch, point = rng.choice(options)
+    who = rng.randrange(2) if point in RANK_POINTS else 0
+    return epoch, point, who
+
+
+def pointed(ckpt):
+    """The checkpoint that latest.json names, checked complete; None if none."""
+    try:
+        name = read_json(ckpt / 'latest.json')['name']
+    except FileNotFoundError:
+        return None
+    path = ckpt / name
+    storage.read_manifest(path)  # raises naming the file if it is not complete
+    return str(path)
+
+
+def one_run(seed, folder, reference, figures):
+    rng = random.Random(seed)
+    ckpt = folder / 'ckpt'
+    kills = 0
+    mode = {'ASYNC': '1'} if seed % 2 else {}
+    for launch_no in range(KILLS_PER_RUN + 1):
+        tag = f'launch{launch_no}'
+        expected = pointed(ckpt)
+        epoch_done = read_json(os.path.join(expected, storage.MANIFEST_NAME))['epoch'] \
+            if expected else 0
+        env = dict(mode)
+        if kills < KILLS_PER_RUN and epoch_done < EPOCHS:
+            epoch, point, who = draw(rng, epoch_done)
+            env['KILL'] = f'{epoch}:{point}:{who}'
+        result = run_job('killable.py', folder, ckpt, tag, grace=1.0, timeout=120, **env)
+        where = f"run {seed}, {tag}, KILL={env.get('KILL')}"
+        assert not result.timed_out, f"{where} hung\n{result.report()}"
+        started = [folder / f'resumed-{tag}-rank{r}.json' for r in (0, 1)]
+        for path in started:
+            if path.exists():
+                assert read_json(path)['loaded_from'] == expected, where
+        landed = sorted(folder.glob(f'killed-{tag}-*'))
+        if landed:
+            assert len(landed) == 1 and result.returncodes[who] == -9, result.report()
+            kills += 1
+            figures['kills'] += 1
+            figures['inside save'] += point in SAVE_POINTS
+            figures['resumes'] += expected is not None
+            continue
+        result.check()
+        assert read_json(folder / f'{tag}-rank0.json')['loaded_from'] == expected, where
+        figures['resumes'] += expected is not None
+        break
+    else:
+        raise AssertionError(f"run {seed} did not finish in {KILLS_PER_RUN + 1} launches")
+    assert_identical(final_state(reference, 'ref'), final_state(folder, tag))
+    assert not [name for name in os.listdir(ckpt) if name.endswith(storage.PARTIAL_SUFFIX)]
+
+
+def test_random_kills_lose_nothing(reference, tmp_path, record_property):
+    figures = {'runs': 0, 'kills': 0, 'inside save': 0, 'resumes': 0}
+    for seed in range(MAX_RUNS):
+        if figures['kills'] >= MIN_KILLS:
+            break
+        folder = tmp_path / f'run{seed}'
+        folder.mkdir()
+        one_run(seed, folder, reference, figures)
+        figures['runs'] += 1
+    record_property('summary', 'random kills: {runs} runs, {kills} kills ({inside save} '
+                               'inside a save), {resumes} resumes; every run bit-identical '
+                               'to the uninterrupted one'.format(**figures))
+    assert figures['kills'] >= MIN_KILLS, figures
