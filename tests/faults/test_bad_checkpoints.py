@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from faultsuite import read_json, reference, run_job  # noqa: F401 (fixture)
+from faultsuite import reference, run_job  # noqa: F401 (reference: a fixture)
 import faultjob  # noqa: E402 (faultsuite puts the workers on sys.path)
 from skorch_accel_callbacks import CheckpointError, CorruptCheckpointError
 

@@ -19,7 +19,7 @@ import pytest
 from skorch import NeuralNetClassifier
 
 from common import MLP, make_data
-from faultsuite import read_json  # noqa: F401 (puts the workers on sys.path)
+from faultsuite import read_json  # also puts the workers on sys.path
 import faultjob  # noqa: E402
 from skorch_accel_callbacks import (CheckpointError, CorruptCheckpointError, LoadInitParams,
                                     ParamsCheckpoint)
