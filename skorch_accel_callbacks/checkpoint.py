@@ -293,6 +293,17 @@ class AccelerateCheckpoint(Callback):
         if self.async_save:
             background.check_supported(net.accelerator)
         move_callback(net, self, 'last')
+        self.claim_folder(net)
+
+    def claim_folder(self, net):
+        """Create ``dirname`` and lock it for this job until training ends.
+
+        Every rank calls it; it acts once per training, whichever of this
+        callback and :class:`AccelerateLoadInitState` (which must hold the
+        lock before it reads a checkpoint) calls it first.
+        """
+        if self._claimed:
+            return
         with sync.agree(net, f"preparing checkpoint folder {self.dirname}"):
             if self.is_committer(net):
                 self._prepare_folder()
@@ -303,6 +314,7 @@ class AccelerateCheckpoint(Callback):
         with sync.agree(net, f"locking checkpoint folder {self.dirname}"):
             if self.is_committer(net):
                 self._lock_folder()
+        self._claimed = True
 
     def _prepare_folder(self):
         if os.path.lexists(self.dirname) and not os.path.isdir(self.dirname):
@@ -321,6 +333,7 @@ class AccelerateCheckpoint(Callback):
         storage.remove_leftovers(self.dirname)
 
     def _unlock(self):
+        self._claimed = False
         if getattr(self, '_lock', None) is not None:
             self._lock.release()
             self._lock = None

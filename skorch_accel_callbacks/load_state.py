@@ -141,6 +141,8 @@ class AccelerateLoadInitState(Callback):
 
     def on_train_begin(self, net, **kwargs):
         move_callback(net, self, 'first')
+        # a job refused by the lock must not have read another job's checkpoint
+        self.checkpoint.claim_folder(net)
         if self.did_load_:
             return
         self.did_load_ = True
