@@ -128,7 +128,7 @@ def check_rank_files(path, manifest, rank):
         ) from exc
 
 
-class AccelerateCheckpoint(Callback):
+class AccelerateCheckpoint(training_state.StateOnDisk, Callback):
     """Checkpoint the whole training state with ``accelerator.save_state``.
 
     Saves everything a run needs to continue exactly where it stopped: the
@@ -278,13 +278,6 @@ class AccelerateCheckpoint(Callback):
         # threads removing retired checkpoints
         self._removals = []
         return self
-
-    # The checkpoint's own state is on disk; nothing to carry in callbacks.json.
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
     # ------------------------------------------------------------ hooks
 

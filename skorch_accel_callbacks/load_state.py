@@ -69,7 +69,7 @@ def _readable(file):
         return False
 
 
-class AccelerateLoadInitState(Callback):
+class AccelerateLoadInitState(training_state.StateOnDisk, Callback):
     """Resume training from the checkpoints of an :class:`AccelerateCheckpoint`.
 
     When training begins, every rank loads the checkpoint with
@@ -131,13 +131,6 @@ class AccelerateLoadInitState(Callback):
         self.requested_epochs_ = None
         self._pending = None
         return self
-
-    # What it restores is on disk; nothing to carry in callbacks.json.
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
     def on_train_begin(self, net, **kwargs):
         move_callback(net, self, 'first')

@@ -25,6 +25,7 @@ from skorch.history import History
 from skorch_accel_callbacks.storage import read_json
 
 __all__ = [
+    'StateOnDisk',
     'HISTORY_NAME',
     'CALLBACKS_NAME',
     'CALLBACK_TENSORS_NAME',
@@ -167,6 +168,17 @@ def apply_rank_state(loader, state):
 
 
 # ---------------------------------------------------------------- callbacks
+
+class StateOnDisk:
+    """Mixin for a callback whose state is its checkpoint folder: resuming
+    carries nothing for it in callbacks.json."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
 
 class _Encoder:
     """JSON for scalars and containers; tensors go to a safetensors file."""
