@@ -7,7 +7,6 @@ launches.
 
 import json
 import os
-import warnings
 
 import pytest
 import torch

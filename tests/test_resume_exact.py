@@ -15,7 +15,7 @@ from resume_runs import assert_identical, final_state, run
 CASES = [
     ('basic', 1), ('basic', 2),
     ('earlystop', 1), ('earlystop', 2),
-    ('accumulate', 2), ('twomodules', 2), ('novalid', 2),
+    ('accumulate', 2), ('twomodules', 2), ('novalid', 2), ('stock', 2),
 ]
 
 

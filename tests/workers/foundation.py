@@ -8,22 +8,12 @@ import os
 import tempfile
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from common import (FixedNet, StockNet, make_accelerator, make_data, make_net,
-                    params_digest, rank, write_result)
+from common import (StockNet, make_accelerator, make_data, make_net,
+                    params_digest, plain_criterion, rank, write_result)
 from skorch_accel_callbacks import RankError, sync, unwrapped
 
-
-def log_nll(y_pred, y):
-    return F.nll_loss(torch.log(y_pred), y)
-
-
-def plain_criterion():
-    # skorch calls the criterion to build it; a function is not an nn.Module,
-    # so the stock mixin does not try to wrap it in DDP
-    return log_nll
 
 
 def registry_sizes(accelerator):

@@ -16,7 +16,6 @@ import warnings
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
 from skorch.dataset import Dataset
@@ -26,7 +25,7 @@ from skorch.hf import AccelerateMixin
 from torch.nn.parallel import DistributedDataParallel
 
 from common import (MLP, make_accelerator, make_data, make_net,
-                    params_digest, rank, write_result)
+                    params_digest, plain_criterion, rank, write_result)
 from skorch_accel_callbacks import (LoadInitParams, ParamsCheckpoint,
                                     TrainEndParamsCheckpoint, sync, unwrapped)
 from skorch_accel_callbacks.wrapping import is_wrapped
@@ -52,15 +51,6 @@ def audit(event, args):
             AUDIT['events'].append(['rename', os.path.relpath(src, root),
                                     os.path.relpath(dst, root)])
 
-
-def log_nll(y_pred, y):
-    return F.nll_loss(torch.log(y_pred), y)
-
-
-def plain_criterion():
-    # a function, not an nn.Module: the stock mixin does not wrap it in DDP
-    # (skorch's default NLLLoss has no parameters and DDP refuses it)
-    return log_nll
 
 
 def never(net):

@@ -6,7 +6,8 @@ Environment:
 - SCENARIO: ``basic`` (StepLR, dropout, momentum), ``earlystop`` (plus
   EarlyStopping and ReduceLROnPlateau), ``accumulate`` (gradient
   accumulation over 2 batches), ``twomodules`` (two modules, two
-  optimizers), ``novalid`` (no validation data);
+  optimizers), ``novalid`` (no validation data), ``stock`` (skorch's own
+  AccelerateMixin without this package's fixes);
 - KILL: ``batch:E:B`` SIGKILLs every rank after batch B of epoch E;
   ``save:E`` SIGKILLs the committing rank inside the save at the end of
   epoch E, after every file is written and before the commit (the other
@@ -34,8 +35,8 @@ from skorch.callbacks import Callback, EarlyStopping, LRScheduler
 from skorch.dataset import ValidSplit
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 
-from common import (MLP, FixedNet, make_accelerator, make_data, make_net,
-                    params_digest, rank, write_result)
+from common import (MLP, FixedNet, StockNet, make_accelerator, make_data, make_net,
+                    params_digest, plain_criterion, rank, write_result)
 from skorch_accel_callbacks import (AccelerateCheckpoint, AccelerateLoadInitState,
                                     storage, sync, training_state)
 
@@ -136,6 +137,9 @@ def build(dirname, scenario, ckpt_options):
     if scenario == 'novalid':
         kwargs['train_split'] = None
     net_cls = TwoModuleNet if scenario == 'twomodules' else FixedNet
+    if scenario == 'stock':
+        net_cls = StockNet
+        kwargs['criterion'] = plain_criterion
     net = make_net(accelerator, net_cls=net_cls, callbacks=callbacks, **kwargs)
     return net, accelerator, cp
 
