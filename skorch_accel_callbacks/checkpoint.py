@@ -6,13 +6,13 @@ import re
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 
-import torch
 from accelerate.utils import load as accelerate_load
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
 from skorch_accel_callbacks import async_save as background, storage, sync, training_state
 from skorch_accel_callbacks.callback_order import move_callback
+from skorch_accel_callbacks.wrapping import bare_modules
 
 __all__ = ['AccelerateCheckpoint', 'CheckpointError', 'FORMAT_VERSION']
 
@@ -47,14 +47,9 @@ def model_layout(net):
     ``accelerator.save_state`` numbers its model files by the position of a
     model in ``accelerator._models``; the names make the order checkable.
     """
-    accelerator = net.accelerator
-    by_id = {}
-    for name in list(net._modules) + list(net._criteria):
-        module = getattr(net, name + '_', None)
-        if isinstance(module, torch.nn.Module):
-            by_id[id(accelerator.unwrap_model(module))] = name
+    by_id = {id(module): name for name, module in bare_modules(net).items()}
     layout = []
-    for index, model in enumerate(accelerator._models):
+    for index, model in enumerate(net.accelerator._models):
         name = by_id.get(id(model))
         if name is None:
             raise CheckpointError(

@@ -3,7 +3,7 @@
 import torch
 
 from skorch_accel_callbacks import sync
-from skorch_accel_callbacks.wrapping import unwrapped
+from skorch_accel_callbacks.wrapping import bare_modules, unwrapped
 
 __all__ = ['AccelerateFixesMixin']
 
@@ -79,11 +79,7 @@ class AccelerateFixesMixin:
         return False
 
     def _prepared_objects(self):
-        objects = []
-        for name in list(self._modules) + list(self._criteria):
-            module = getattr(self, name + '_', None)
-            if isinstance(module, torch.nn.Module):
-                objects.append(self.accelerator.unwrap_model(module))
+        objects = list(bare_modules(self).values())
         for name in self._optimizers:
             objects.append(getattr(self, name + '_', None))
         return objects

@@ -110,11 +110,18 @@ def atomic_path(path):
     fsync_dir(folder)
 
 
-def write_json(path, obj):
-    """Write ``obj`` as JSON to ``path`` atomically."""
-    with atomic_path(path) as tmp:
-        with open(tmp, 'w', encoding='utf-8') as f:
+def write_json(path, obj, atomic=True):
+    """Write ``obj`` as JSON to ``path``, atomically unless told otherwise.
+
+    ``atomic=False`` is for files inside a partial checkpoint folder, which
+    becomes visible (and is flushed) as a whole when it is committed.
+    """
+    if not atomic:
+        with open(path, 'w', encoding='utf-8') as f:
             json.dump(obj, f, indent=1, sort_keys=True)
+        return
+    with atomic_path(path) as tmp:
+        write_json(tmp, obj, atomic=False)
 
 
 def read_json(path):

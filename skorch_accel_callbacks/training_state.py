@@ -11,7 +11,6 @@ committed, and the commit flushes every file of the folder to disk: so they
 are written plainly, without a temporary name and a flush of their own each.
 """
 
-import json
 import math
 import random
 import warnings
@@ -22,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from skorch.callbacks import EpochScoring, PrintLog
 from skorch.history import History
 
-from skorch_accel_callbacks.storage import read_json
+from skorch_accel_callbacks.storage import read_json, write_json
 
 __all__ = [
     'StateOnDisk',
@@ -283,8 +282,7 @@ def save_callback_states(folder, net, skip=()):
                     "the callback state_dict()/load_state_dict() methods to "
                     "control what is saved", UserWarning, stacklevel=2)
         states[name] = encoded
-    with open(f"{folder}/{CALLBACKS_NAME}", 'w', encoding='utf-8') as f:
-        json.dump(states, f, indent=1, sort_keys=True)
+    write_json(f"{folder}/{CALLBACKS_NAME}", states, atomic=False)
     save_file(encoder.tensors or {'_': torch.zeros(0)}, f"{folder}/{CALLBACK_TENSORS_NAME}")
 
 

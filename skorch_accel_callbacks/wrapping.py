@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ['unwrapped', 'is_wrapped']
+__all__ = ['bare_modules', 'is_wrapped', 'unwrapped']
 
 # accelerate's unwrap with keep_fp32_wrapper=False (what skorch uses, so that
 # an unwrapped module pickles) replaces these instance attributes of the inner
@@ -29,6 +29,19 @@ def is_wrapped(net):
 
 def _module_names(net):
     return [name + '_' for name in list(net._modules) + list(net._criteria)]
+
+
+def bare_modules(net):
+    """Name -> the bare ``nn.Module`` of each module and criterion of ``net``.
+
+    These are the objects that accelerate keeps in ``accelerator._models``,
+    whether the net is wrapped or not.
+    """
+    return {
+        attr[:-1]: net.accelerator.unwrap_model(getattr(net, attr))
+        for attr in _module_names(net)
+        if isinstance(getattr(net, attr, None), torch.nn.Module)
+    }
 
 
 @contextmanager
