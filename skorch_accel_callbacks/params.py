@@ -498,27 +498,17 @@ class LoadInitParams(LoadInitState):
         checkpoint = self.checkpoint
         if isinstance(checkpoint, TrainEndCheckpoint):
             checkpoint = checkpoint.checkpoint_
-        error = None
-        try:
-            with unwrapped(net):
-                net.load_params(checkpoint=checkpoint, use_safetensors=self.use_safetensors)
-        except FileNotFoundError as exc:
-            error = exc
-        except Exception as exc:  # pylint: disable=broad-except
-            error = self._naming_the_file(net, checkpoint, exc)
-        missing = isinstance(error, FileNotFoundError)
-        outcomes = sync.gather(net, 'missing' if missing else (
-            None if error is None else f"{type(error).__name__}: {error}"))
-        if all(outcome == 'missing' for outcome in outcomes):
-            return
-        if error is not None:
-            raise error
-        failures = [f"rank {rank}: {'files not found' if outcome == 'missing' else outcome}"
-                    for rank, outcome in enumerate(outcomes) if outcome is not None]
-        if failures:
-            raise sync.RankError(
-                f"{type(self).__name__}: loading the checkpoint failed on "
-                + "; ".join(failures))
+        # as with skorch, no files yet (on every rank) means nothing to load
+        with sync.agree(net, f"{type(self).__name__}: loading the checkpoint",
+                        unless_everywhere=FileNotFoundError):
+            try:
+                with unwrapped(net):
+                    net.load_params(
+                        checkpoint=checkpoint, use_safetensors=self.use_safetensors)
+            except FileNotFoundError:
+                raise
+            except Exception as exc:  # pylint: disable=broad-except
+                raise self._naming_the_file(net, checkpoint, exc)
 
     def _naming_the_file(self, net, checkpoint, exc):
         """The error of a failed load, as one that names the file at fault.

@@ -118,26 +118,33 @@ def run_on_main(net, fn, what):
 
 
 @contextmanager
-def agree(net, what):
+def agree(net, what, unless_everywhere=()):
     """Run the block on every process; if it raises anywhere, raise everywhere.
 
     The failing process re-raises its own exception, with a note naming
     ``what`` and its rank; the others raise :class:`RankError` naming the
-    failing rank(s) and ``what``. The exchange at
-    the end is also a barrier: no process leaves before all finished the block.
+    failing rank(s) and ``what``. The exchange at the end is also a barrier:
+    no process leaves before all finished the block.
+
+    An exception of a type in ``unless_everywhere`` that every process
+    raised is swallowed on all of them (a checkpoint that no rank finds yet);
+    raised on some ranks only, it counts as a failure like any other.
     """
     error = None
     try:
         yield
     except Exception as exc:  # pylint: disable=broad-except
         error = exc
-    outcomes = gather(net, None if error is None else _describe(error))
+    tolerated = isinstance(error, unless_everywhere) if unless_everywhere else False
+    outcomes = gather(net, (tolerated, None if error is None else _describe(error)))
+    if all(ok for ok, _ in outcomes):
+        return
     if error is not None:
         # the error of a writer (torch, safetensors) rarely names its file
         error.add_note(f"while {what} (rank {process_index(net)})")
         raise error
     failures = [
-        f"rank {rank}: {message}" for rank, message in enumerate(outcomes)
+        f"rank {rank}: {message}" for rank, (_, message) in enumerate(outcomes)
         if message is not None
     ]
     if failures:
