@@ -117,11 +117,15 @@ def write_json(path, obj, atomic=True):
     becomes visible (and is flushed) as a whole when it is committed.
     """
     if not atomic:
-        with open(path, 'w', encoding='utf-8') as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
+        _dump_json(path, obj)
         return
     with atomic_path(path) as tmp:
-        write_json(tmp, obj, atomic=False)
+        _dump_json(tmp, obj)
+
+
+def _dump_json(path, obj):
+    with open(path, 'w', encoding='utf-8') as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
 
 
 def read_json(path):

@@ -114,14 +114,14 @@ class Instrument:
 
         write_json = storage.write_json
 
-        def json_write(path, obj):
+        def json_write(path, obj, **kwargs):
             name = os.path.basename(path)
             which = {storage.MANIFEST_NAME: 'manifest', 'latest.json': 'pointer'}.get(name)
             # the manifest's path names the epoch; the pointer's content does
             epoch_path = path if which == 'manifest' else obj.get('name', '')
             if which:
                 fire(f'before-{which}', epoch_path)
-            write_json(path, obj)
+            write_json(path, obj, **kwargs)
             if which == 'pointer':
                 instrument.committed = int(obj['name'].split('-')[1])
             if which:
