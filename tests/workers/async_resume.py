@@ -5,8 +5,9 @@ usage: async_resume.py DIRNAME TAG
 
 Environment, beside resume.py's:
 - SLOW_WRITE=E:S: the background write of epoch E sleeps S seconds after
-  the model file, before the optimizer file (a SIGKILL then hits a write in
-  flight);
+  the model file, before the optimizer file; a KILL=batch:... waits until
+  that model file is on disk, so the SIGKILL hits a write in flight however
+  slowly the machine runs;
 - BG_FAIL=E: the background write of epoch E fails with ENOSPC.
 
 Every rank also writes ``<TAG>-threads-rank<r>.json``: the names of the
@@ -50,6 +51,26 @@ def hook_writer():
     async_save.save = save
 
 
+def kill_only_after_model_file(dirname):
+    """Hold KillAt's SIGKILL until the slow epoch's model file exists.
+
+    Every rank polls the file, rank 0 writes it: without this, a loaded
+    machine can reach the kill batch before the writer thread has started.
+    """
+    slow_epoch = int(os.environ['SLOW_WRITE'].split(':')[0])
+    model_file = os.path.join(dirname, f'epoch-{slow_epoch:04d}.partial', 'model.safetensors')
+    original = resume.KillAt.on_batch_end
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training and len(net.history) == self.epoch and self.batches_ + 1 == self.batch:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(model_file) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        original(self, net, training=training, **kwargs)
+
+    resume.KillAt.on_batch_end = on_batch_end
+
+
 def record_collective_threads():
     threads = set()
 
@@ -68,6 +89,8 @@ def main():
     options = json.loads(os.environ.get('CKPT_OPTIONS', '{}'))
     os.environ['CKPT_OPTIONS'] = json.dumps(dict(options, async_save=True))
     hook_writer()
+    if 'SLOW_WRITE' in os.environ:
+        kill_only_after_model_file(sys.argv[1])
     threads = record_collective_threads()
     try:
         resume.main()
