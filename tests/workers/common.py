@@ -51,7 +51,14 @@ def plain_criterion():
 def make_accelerator(**kwargs):
     AcceleratorState._reset_state(True)
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))]
-    return Accelerator(cpu=True, kwargs_handlers=handlers, **kwargs)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=handlers, **kwargs)
+    # a launched worker that fell back to one process would pass its test
+    # without exercising DDP
+    launched = int(os.environ.get('WORLD_SIZE', '1'))
+    if accelerator.num_processes != launched:
+        raise RuntimeError(f"launched with WORLD_SIZE={launched}, but the accelerator "
+                           f"runs {accelerator.num_processes} process(es)")
+    return accelerator
 
 
 def make_data(n=256, n_features=20, seed=0):
