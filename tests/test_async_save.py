@@ -61,6 +61,7 @@ def test_kill_during_background_write_then_resume_is_bit_identical(tmp_path, npr
 def test_failed_background_write_raises_on_every_rank(tmp_path, epoch):
     result = run(tmp_path, 'fail', expect_ok=False, BG_FAIL=str(epoch))
     assert not result.timed_out, result.report()
+    assert [r['num_processes'] for r in read_results(tmp_path, 'fail-started', 2)] == [2, 2]
     assert all(rc not in (0, None) for rc in result.returncodes), result.report()
     assert 'No space left on device' in result.outputs[0]
     assert 'RankError' in result.outputs[1] and 'failed on rank 0' in result.outputs[1]

@@ -15,6 +15,7 @@ from skorch import NeuralNetClassifier
 from sklearn.base import clone
 
 from common import MLP, make_accelerator, make_data, make_net
+from conftest import read_results
 from resume_runs import assert_identical, final_state, run
 from skorch_accel_callbacks import (AccelerateCheckpoint, AccelerateLoadInitState,
                                     CheckpointError)
@@ -224,6 +225,7 @@ def test_kill_inside_the_save_leaves_a_partial_folder_that_is_ignored(tmp_path):
 def test_failed_save_on_one_rank_raises_on_every_rank(tmp_path):
     result = run(tmp_path, 'fail', expect_ok=False, FAIL='1:2')
     assert not result.timed_out
+    assert [r['num_processes'] for r in read_results(tmp_path, 'fail-started', 2)] == [2, 2]
     assert all(rc not in (0, None) for rc in result.returncodes), result.report()
     assert 'No space left on device' in result.outputs[1]
     assert 'RankError' in result.outputs[0] and 'failed on rank 1' in result.outputs[0]
@@ -261,6 +263,7 @@ def test_folder_per_node_is_required_with_save_on_each_node(tmp_path):
     result = run(tmp_path, 'clash', nproc=1, nnodes=2, expect_ok=False,
                  SHARED_PER_NODE='1')
     assert all(rc not in (0, None) for rc in result.returncodes), result.report()
+    assert [r['num_processes'] for r in read_results(tmp_path, 'clash-started', 2)] == [2, 2]
     for out in result.outputs:
         assert 'commit into the same folder' in out
     assert not (tmp_path / 'ckpt' / 'epoch-0001').exists()

@@ -16,8 +16,10 @@ from skorch_accel_callbacks import storage
 GRACE = 3 * COLLECTIVE_TIMEOUT
 
 
-def assert_rank0_failed_on_its_own(result):
+def assert_rank0_failed_on_its_own(result, folder, tag):
     assert not result.timed_out, result.report()
+    for rank in (0, 1):
+        assert read_json(folder / f'resumed-{tag}-rank{rank}.json')['num_processes'] == 2
     # -9 would be the launcher's kill after GRACE; an exit code is its own end
     assert result.returncodes[0] not in (0, -9), result.report()
 
@@ -33,7 +35,7 @@ def test_rank1_killed(reference, tmp_path):
     result = run_job('killable.py', tmp_path, ckpt, 'killed', grace=GRACE,
                      KILL='2:batch-1:1')
     assert result.returncodes[1] == -9, result.report()
-    assert_rank0_failed_on_its_own(result)
+    assert_rank0_failed_on_its_own(result, tmp_path, 'killed')
     assert_epoch1_intact(ckpt)
     run_job('killable.py', tmp_path, ckpt, 'resumed').check()
     assert read_json(tmp_path / 'resumed-rank0.json')['loaded_from'] == str(ckpt / 'epoch-0001')
@@ -43,7 +45,7 @@ def test_rank1_killed(reference, tmp_path):
 def test_rank1_hangs(tmp_path):
     ckpt = tmp_path / 'ckpt'
     result = run_job('killable.py', tmp_path, ckpt, 'frozen', grace=GRACE, FREEZE='2:1')
-    assert_rank0_failed_on_its_own(result)
+    assert_rank0_failed_on_its_own(result, tmp_path, 'frozen')
     # rank 1 was stopped; only the launcher could end it
     assert result.returncodes[1] == -9, result.report()
     assert 'timeout' in result.outputs[0].lower() or 'timed out' in result.outputs[0].lower(), \

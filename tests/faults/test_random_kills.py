@@ -75,6 +75,7 @@ def one_run(seed, folder, reference, figures):
         for path in started:
             if path.exists():
                 assert read_json(path)['loaded_from'] == expected, where
+                assert read_json(path)['num_processes'] == 2, where
         landed = sorted(folder.glob(f'killed-{tag}-*'))
         if landed:
             assert len(landed) == 1 and result.returncodes[who] == -9, result.report()

@@ -151,6 +151,9 @@ def main():
     ckpt_options = json.loads(os.environ.get('CKPT_OPTIONS', '{}'))
     torch.manual_seed(0)
     net, accelerator, cp = build(dirname, scenario, ckpt_options)
+    # written before training, so a launch that ends in an expected error
+    # still shows how many processes it ran in
+    write_result(f'{tag}-started', {'num_processes': accelerator.num_processes})
     recorder = RecordWrapping()
     net.callbacks.append(recorder)
     if kill.startswith('batch:'):

@@ -15,7 +15,8 @@ Environment:
 
 Every rank writes ``<TAG>-rank<r>.json`` (the folder it resumed from), and
 rank 0 ``<TAG>-rank0.pt`` (final state) when training ends; each rank writes
-``resumed-<TAG>-rank<r>.json`` as soon as its first epoch begins.
+``resumed-<TAG>-rank<r>.json`` (the folder it resumed from, the epoch, the
+number of processes) as soon as its first epoch begins.
 """
 
 import json
@@ -31,7 +32,7 @@ from skorch.callbacks import Callback
 import faultjob
 from common import rank
 from faultjob import EpochTracker, die, hold
-from skorch_accel_callbacks import async_save, storage, training_state
+from skorch_accel_callbacks import async_save, storage, sync, training_state
 
 
 def half_written(path, write):
@@ -196,7 +197,8 @@ class RecordResume(Callback):
         if not os.path.exists(path):
             with open(path, 'w') as f:
                 json.dump({'loaded_from': faultjob.loaded_from(net),
-                           'epoch': len(net.history)}, f)
+                           'epoch': len(net.history),
+                           'num_processes': sync.num_processes(net)}, f)
 
 
 def main():
