@@ -79,9 +79,12 @@ class AccelerateLoadInitState(training_state.StateOnDisk, Callback):
     random state and its loader's shuffling state, and the callbacks their
     state; this callback moves itself before the net's other callbacks for
     that. ``fit`` then trains only the epochs that are left to reach
-    ``max_epochs`` in total (``net.max_epochs`` holds that number while
-    training and is restored after), and nothing at all if the checkpoint
-    belongs to a run that had finished.
+    ``max_epochs`` in total, and nothing at all if the checkpoint belongs to
+    a run that had finished. skorch's ``fit`` reads the number of epochs to
+    train from ``net.max_epochs``, so from this callback's ``on_train_begin``
+    until the first epoch begins, ``net.max_epochs`` holds the epochs left;
+    the other callbacks' ``on_train_begin`` see that number, every epoch
+    sees the user's total.
 
     Without a checkpoint, training starts fresh. A checkpoint written by
     another number of processes, from another model (parameter names or
@@ -181,6 +184,7 @@ class AccelerateLoadInitState(training_state.StateOnDisk, Callback):
                else f"training {net.max_epochs} more epoch(s)."), net)
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
+        self._restore_max_epochs(net)
         if self._pending is None:
             return
         rng, rank_state = self._restore_callbacks(net)
@@ -207,6 +211,15 @@ class AccelerateLoadInitState(training_state.StateOnDisk, Callback):
         if self._pending is not None:
             # a finished run trained no epoch; end with the state it was saved with
             self._restore_callbacks(net)
+        self._restore_max_epochs(net)
+
+    def _restore_max_epochs(self, net):
+        """Give ``net.max_epochs`` back the number the user set.
+
+        skorch's ``fit_loop`` has read the epochs left by the time the first
+        epoch begins; from then on, and if that epoch raises, the net holds
+        the user's total again.
+        """
         if self.requested_epochs_ is not None:
             net.max_epochs = self.requested_epochs_
             self.requested_epochs_ = None

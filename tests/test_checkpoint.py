@@ -12,6 +12,7 @@ import pytest
 import torch
 from accelerate.utils import ProjectConfiguration
 from skorch import NeuralNetClassifier
+from skorch.callbacks import Callback
 from sklearn.base import clone
 
 from common import MLP, make_accelerator, make_data, make_net
@@ -73,6 +74,40 @@ def test_resume_continues_to_max_epochs(tmp_path):
     assert load.loaded_from_.endswith('epoch-0002')
     assert len(net.history) == 5 and net.max_epochs == 5
     assert [row['epoch'] for row in net.history] == [1, 2, 3, 4, 5]
+
+
+class SeeMaxEpochs(Callback):
+    """Records net.max_epochs in each epoch; raises in epoch ``fail_at``."""
+
+    def __init__(self, fail_at=None):
+        self.fail_at = fail_at
+
+    def initialize(self):
+        self.seen_ = []
+        return self
+
+    def on_epoch_begin(self, net, **kwargs):
+        self.seen_.append(net.max_epochs)
+        if len(net.history) == self.fail_at:
+            raise RuntimeError('stop here')
+
+
+def test_epochs_see_the_users_max_epochs_also_when_fit_raises(tmp_path):
+    fit(tmp_path / 'ck', max_epochs=2)
+    see = SeeMaxEpochs()
+    cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'))
+    net = make_net(make_accelerator(), callbacks=[cp, AccelerateLoadInitState(cp), see],
+                   max_epochs=5)
+    net.fit(*make_data(n=160))
+    assert len(net.history) == 5 and see.seen_ == [5, 5, 5]
+
+    raising = SeeMaxEpochs(fail_at=6)
+    net = make_net(make_accelerator(), callbacks=[cp, AccelerateLoadInitState(cp), raising],
+                   max_epochs=8)
+    with pytest.raises(RuntimeError, match='stop here'):
+        net.fit(*make_data(n=160))
+    # seen_ is callback state: the first three came back from the checkpoint
+    assert raising.seen_ == [5, 5, 5, 8] and net.max_epochs == 8
 
 
 @pytest.mark.parametrize('change, message', [
@@ -192,7 +227,6 @@ def test_callback_order_does_not_matter(tmp_path):
 
 
 def test_saving_warns_about_unsaveable_callback_state(tmp_path):
-    from skorch.callbacks import Callback
 
     class Holder(Callback):
         def initialize(self):
