@@ -8,9 +8,10 @@ What they change, for a plain ``NeuralNet`` as for one with skorch's
 
 - whether to checkpoint is decided on the main process and sent to every
   rank, so ranks whose own validation scores differ still save together;
-- only the main process writes, each file under a temporary name that is
-  moved into place (a crash mid-save leaves the previous checkpoint whole),
-  and no rank leaves a save before its files are complete on disk;
+- only the main process writes, every file under a temporary name; the
+  files of a save are moved into place together, with a journal that
+  completes the moves after a crash, so a checkpoint is always the files of
+  one complete save; no rank leaves a save before they are on disk;
 - modules are saved and loaded unwrapped: no ``module.`` key prefix and no
   new ``accelerator.prepare`` call (which would register the model again);
 - a failed save is not silent: a warning, or an exception with
@@ -31,7 +32,7 @@ from skorch.exceptions import SkorchException
 from skorch.history import History
 from skorch.utils import _check_f_arguments, noop, open_file_like
 
-from skorch_accel_callbacks import sync
+from skorch_accel_callbacks import storage, sync
 from skorch_accel_callbacks.storage import TEMP_MARK, CorruptCheckpointError, atomic_path
 from skorch_accel_callbacks.wrapping import unwrapped
 
@@ -61,6 +62,10 @@ def _creation_error(folder):
     os.close(fd)
     os.remove(probe)
     return None
+
+
+class _SaveFailed(Exception):
+    """Ends a save whose failure was already reported (``on_error='warn'``)."""
 
 
 class _Discard:
@@ -101,21 +106,32 @@ class ParamsCheckpoint(Checkpoint):
       take part in a save: ``save_params`` of skorch's ``AccelerateMixin``
       starts with a barrier.
     - Only the main process writes, every file (params, optimizer,
-      criterion, history, pickle). A file is written under a temporary name
-      in its own folder and moved into place, so a crash during a save
-      leaves the previous checkpoint loadable. No rank returns from a save
-      before the file is complete on disk.
+      criterion, history, pickle). The files of a save are written under
+      temporary names in their own folders and moved into place together:
+      a journal (``<dirname>/.<fn_prefix>commit.json``) lists the moves
+      while they happen, and the next training (or :class:`LoadInitParams`)
+      completes them if a crash interrupted them. A crash during a save thus
+      leaves the previous checkpoint whole, never the params of one epoch
+      beside the optimizer of another. No rank returns from a save before
+      the files are complete on disk.
     - Modules are saved and loaded unwrapped
       (:func:`~skorch_accel_callbacks.unwrapped`): the files have no
       ``module.`` prefix, load into wrapped and unwrapped nets and into a
       net without accelerate, and the accelerator's registries do not grow.
       This holds for skorch's stock ``AccelerateMixin`` too.
-    - A failed save is not silent. As in skorch the message goes to
-      ``sink`` and training goes on, but a ``UserWarning`` is also issued on
-      every rank; with ``on_error='raise'`` the error is raised on every
-      rank instead (the rank that failed raises its own exception, with a
-      note naming the file; the others raise
-      :class:`~skorch_accel_callbacks.RankError`).
+    - A failed save is not silent. As in skorch the message (naming the
+      file) goes to ``sink`` and training goes on, but a ``UserWarning`` is
+      also issued on every rank; with ``on_error='raise'`` the error is
+      raised on every rank instead (the rank that failed raises its own
+      exception, with a note naming the file; the others raise
+      :class:`~skorch_accel_callbacks.RankError`). Either way none of the
+      save's files replaces the previous checkpoint's.
+    - While training, the job holds a lock on ``dirname``
+      (``<dirname>/.lock``, see :class:`AccelerateCheckpoint`): a second
+      job started on the same folder is refused when its training begins,
+      naming the holder. A killed job leaves no stale lock.
+    - When training begins, the main process completes a save that a crash
+      interrupted and removes the temporary files killed saves left.
     - ``initialize`` raises if a folder to write into cannot be created or
       written; ``on_train_begin`` raises if ``f_pickle`` is set and the net
       cannot be pickled (checked by pickling it, without keeping the bytes).
@@ -219,6 +235,7 @@ class ParamsCheckpoint(Checkpoint):
 
     def initialize(self):
         _check_on_error(self)
+        self._unlock()
         try:
             super().initialize()
         except OSError as exc:
@@ -246,8 +263,67 @@ class ParamsCheckpoint(Checkpoint):
                     f"{key}={val!r}: {error.strerror} in folder",
                     folder or '.') from error
 
+    # the StagedFiles of the save in progress, on every rank; None between saves
+    _staged = None
+    # storage.FolderLock on dirname while training, on the main process
+    _lock = None
+
+    def __getstate__(self):
+        # a net pickled for f_pickle during a save must not carry that save;
+        # a lock belongs to this process, a copy holds none
+        state = self.__dict__.copy()
+        state.pop('_staged', None)
+        state.pop('_lock', None)
+        return state
+
+    @property
+    def journal_path(self):
+        """Where a save lists its file moves while it makes them."""
+        return os.path.join(self.dirname, f".{self.fn_prefix}commit.json")
+
+    def finish_interrupted_save(self, net):
+        """Complete the file moves of a save that a crash interrupted and
+        remove the temporary files of killed saves; call it on every rank.
+
+        Nothing is done while another running job holds the folder's lock:
+        the save in flight is that job's. Training and
+        :class:`LoadInitParams` call it before they read or write; call it
+        yourself before ``net.load_params(checkpoint=cp)`` on files that a
+        killed job may have left.
+        """
+        def finish():
+            if not os.path.isdir(self.dirname or '.'):
+                return
+            try:
+                lock = storage.FolderLock(self.dirname).acquire()
+            except storage.FolderInUseError:
+                return
+            try:
+                finished = storage.finish_staged(self.journal_path)
+                storage.remove_temp_files(self.dirname, self.fn_prefix)
+            finally:
+                lock.release()
+            if finished:
+                self._sink(f"Completed the interrupted save of {', '.join(finished)}.",
+                           net.verbose)
+        sync.run_on_main(net, finish, f"{type(self).__name__}: completing an interrupted "
+                                      f"save ({self.journal_path})")
+
     # pylint: disable=arguments-differ
+    def _lock_folder(self):
+        # held until training ends (or this process ends: the kernel frees it)
+        if self._lock is None:
+            self._lock = storage.FolderLock(self.dirname).acquire()
+
+    def _unlock(self):
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     def on_train_begin(self, net, X=None, y=None, **kwargs):
+        sync.run_on_main(net, self._lock_folder,
+                         f"{type(self).__name__}: locking folder {self.dirname or '.'}")
+        self.finish_interrupted_save(net)
         if self.f_pickle:
             sync.run_on_main(
                 net, lambda: self._check_picklable(net),
@@ -298,26 +374,41 @@ class ParamsCheckpoint(Checkpoint):
 
         Saves what the ``f_*`` arguments name: module parameters, optimizer
         and criterion states, custom modules, history and the pickled net.
-        Each file is saved by :meth:`_save_params` (or the pickle by
-        :meth:`_save_pickle`): written by the main process, moved into place,
-        complete on disk before any rank goes on.
+        Each file is written by :meth:`_save_params` (or the pickle by
+        :meth:`_save_pickle`) on the main process under a temporary name;
+        then all of them are moved into place together, complete on disk
+        before any rank goes on. The first file that fails ends the save;
+        the previous checkpoint stays as it was.
         """
         kwargs_module, kwargs_other = _check_f_arguments(
             self.__class__.__name__, **self._f_kwargs())
-        with unwrapped(net):
-            for key, val in kwargs_module.items():
-                if val is None:
-                    continue
-                f = self._format_target(net, val, -1)
-                key = key[:-1]  # remove trailing '_'
-                self._save_params(f, net, 'f_' + key, key + " state")
+        self._staged = storage.StagedFiles(self.journal_path)
+        try:
+            with unwrapped(net):
+                self._write_files(net, kwargs_module, kwargs_other)
+            self._save_file(net, self.journal_path, "the checkpoint's files",
+                            lambda _: self._staged.commit(), every_rank=False,
+                            stage=False)
+        except _SaveFailed:
+            pass
+        finally:
+            self._staged.abort()
+            self._staged = None
 
-            if kwargs_other.get('f_history') is not None:
-                self._save_params(self.f_history_, net, "f_history", "history")
+    def _write_files(self, net, kwargs_module, kwargs_other):
+        for key, val in kwargs_module.items():
+            if val is None:
+                continue
+            f = self._format_target(net, val, -1)
+            key = key[:-1]  # remove trailing '_'
+            self._save_params(f, net, 'f_' + key, key + " state")
 
-            f_pickle = kwargs_other.get('f_pickle')
-            if f_pickle:
-                self._save_pickle(self._format_target(net, f_pickle, -1), net)
+        if kwargs_other.get('f_history') is not None:
+            self._save_params(self.f_history_, net, "f_history", "history")
+
+        f_pickle = kwargs_other.get('f_pickle')
+        if f_pickle:
+            self._save_pickle(self._format_target(net, f_pickle, -1), net)
 
     def _save_params(self, f, net, f_name, log_name):
         # every rank calls save_params: skorch's AccelerateMixin and
@@ -332,21 +423,27 @@ class ParamsCheckpoint(Checkpoint):
                 pickle.dump(net, file)
         self._save_file(net, f, 'pickle', write, every_rank=False)
 
-    def _save_file(self, net, f, log_name, write, every_rank):
+    def _save_file(self, net, f, log_name, write, every_rank, stage=True):
         """Write ``f`` with ``write(target)``; only the main process writes.
 
-        On the main process a path is written atomically; the other ranks
-        call ``write`` with the final path when ``every_rank`` (their
-        ``save_params`` writes nothing but takes part in its collectives).
-        The block is agreed on: any failure is known to every rank, and no
-        rank leaves before the file is in place.
+        On the main process a path is written to a temporary file, staged to
+        be moved into place with the save's other files (or, outside
+        :meth:`save_model`, moved at once); the other ranks call ``write``
+        with the final path when ``every_rank`` (their ``save_params``
+        writes nothing but takes part in its collectives). The block is
+        agreed on: any failure is known to every rank, and no rank leaves
+        before the main process is done.
         """
         try:
             with sync.agree(net, f"{type(self).__name__}: saving {log_name} to {f}"):
-                if sync.is_main_process(net) and isinstance(f, (str, os.PathLike)):
-                    with atomic_path(f) as tmp:
-                        write(tmp)
-                elif sync.is_main_process(net) or every_rank:
+                main = sync.is_main_process(net)
+                if main and stage and isinstance(f, (str, os.PathLike)):
+                    if self._staged is not None:
+                        write(self._staged.temp_path(f))
+                    else:
+                        with atomic_path(f) as tmp:
+                            write(tmp)
+                elif main or every_rank:
                     write(f)
         except Exception as exc:  # pylint: disable=broad-except
             message = "Unable to save {} to {}, {}: {}".format(
@@ -356,14 +453,19 @@ class ParamsCheckpoint(Checkpoint):
                 raise
             self._sink_main(net, message)
             warnings.warn(message, UserWarning, stacklevel=2)
+            if self._staged is not None:
+                # the rest of the save would only be thrown away
+                raise _SaveFailed() from exc
 
     def on_train_end(self, net, **kwargs):
-        if not self.load_best or self.monitor is None:
-            return
-        self._sink_main(net, "Loading best checkpoint after training.")
-        _load_everywhere(
-            net, f"{type(self).__name__}: loading the best checkpoint",
-            checkpoint=self, use_safetensors=self.use_safetensors)
+        try:
+            if self.load_best and self.monitor is not None:
+                self._sink_main(net, "Loading best checkpoint after training.")
+                _load_everywhere(
+                    net, f"{type(self).__name__}: loading the best checkpoint",
+                    checkpoint=self, use_safetensors=self.use_safetensors)
+        finally:
+            self._unlock()
 
     def _sink_main(self, net, text):
         if sync.is_main_process(net):
@@ -436,6 +538,8 @@ class TrainEndParamsCheckpoint(TrainEndCheckpoint):
             dirname=dirname, use_safetensors=use_safetensors, sink=sink, **kwargs)
 
     def initialize(self):
+        if hasattr(self, 'checkpoint_'):
+            self.checkpoint_._unlock()
         self.checkpoint_ = ParamsCheckpoint(
             monitor=None,
             fn_prefix=self.fn_prefix,
@@ -454,8 +558,11 @@ class TrainEndParamsCheckpoint(TrainEndCheckpoint):
         self.checkpoint_.on_train_begin(net, X=X, y=y, **kwargs)
 
     def on_train_end(self, net, **kwargs):
-        self.checkpoint_.save_model(net)
-        self.checkpoint_._sink_main(net, "Final checkpoint triggered")
+        try:
+            self.checkpoint_.save_model(net)
+            self.checkpoint_._sink_main(net, "Final checkpoint triggered")
+        finally:
+            self.checkpoint_._unlock()
         return self
 
 
@@ -468,7 +575,10 @@ class LoadInitParams(LoadInitState):
     preparing the modules again. As with skorch, nothing is loaded when the
     checkpoint's files do not exist yet; but when some ranks find the files
     and others do not, or loading fails on any rank, every rank raises
-    instead of some training on alone.
+    instead of some training on alone. With a :class:`ParamsCheckpoint` (or
+    :class:`TrainEndParamsCheckpoint`), it first completes a save that a
+    crash interrupted (unless another running job holds the folder), so the
+    files loaded all come from one save.
 
     Parameters
     ----------
@@ -498,6 +608,8 @@ class LoadInitParams(LoadInitState):
         checkpoint = self.checkpoint
         if isinstance(checkpoint, TrainEndCheckpoint):
             checkpoint = checkpoint.checkpoint_
+        if isinstance(checkpoint, ParamsCheckpoint):
+            checkpoint.finish_interrupted_save(net)
         # as with skorch, no files yet (on every rank) means nothing to load
         with sync.agree(net, f"{type(self).__name__}: loading the checkpoint",
                         unless_everywhere=FileNotFoundError):

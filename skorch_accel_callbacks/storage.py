@@ -9,6 +9,7 @@ file, never a torn one.
 import fcntl
 import json
 import os
+import re
 import shutil
 import threading
 import socket
@@ -24,6 +25,7 @@ __all__ = [
     'LOCK_NAME',
     'MANIFEST_NAME',
     'PARTIAL_SUFFIX',
+    'StagedFiles',
     'TEMP_MARK',
     'atomic_path',
     'commit_folder',
@@ -34,8 +36,10 @@ __all__ = [
     'fsync_dir',
     'fsync_files',
     'read_json',
+    'finish_staged',
     'read_manifest',
     'remove_leftovers',
+    'remove_temp_files',
     'write_json',
 ]
 
@@ -76,6 +80,11 @@ def fsync_files(paths):
         list(pool.map(_fsync_file, paths))
 
 
+def _temp_name(path):
+    folder, name = os.path.split(os.fspath(path))
+    return os.path.join(folder, f".{name}{TEMP_MARK}{uuid.uuid4().hex[:12]}")
+
+
 @contextmanager
 def atomic_path(path):
     """Yield a temporary path next to ``path``; on success move it into place.
@@ -93,8 +102,8 @@ def atomic_path(path):
 
     """
     path = os.fspath(path)
-    folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".{name}{TEMP_MARK}{uuid.uuid4().hex[:12]}")
+    folder = os.path.dirname(path)
+    tmp = _temp_name(path)
     try:
         yield tmp
         if not os.path.exists(tmp):
@@ -108,6 +117,99 @@ def atomic_path(path):
             pass
         raise
     fsync_dir(folder)
+
+
+class StagedFiles:
+    """Several files replaced together: all of them or none.
+
+    Each file is written under a temporary name next to its final one
+    (:meth:`temp_path`). :meth:`commit` flushes them, writes ``journal`` (the
+    list of moves) atomically, moves every file into place and removes the
+    journal. A crash before the journal exists leaves every final file as it
+    was; a crash after it leaves the journal, and :func:`finish_staged`
+    completes the moves. Readers that run :func:`finish_staged` first never
+    see files of two different saves side by side.
+    """
+
+    def __init__(self, journal):
+        self.journal = os.fspath(journal)
+        self._moves = []
+        self._journaled = False
+
+    def temp_path(self, path):
+        """The temporary path to write ``path``'s new content to."""
+        tmp = _temp_name(path)
+        self._moves.append((tmp, os.fspath(path)))
+        return tmp
+
+    def commit(self):
+        for tmp, path in self._moves:
+            if not os.path.exists(tmp):
+                raise FileNotFoundError(f"nothing was written for {path!r}")
+        fsync_files([tmp for tmp, _ in self._moves])
+        # an earlier commit that failed halfway must not be overwritten unfinished
+        finish_staged(self.journal)
+        base = os.path.dirname(self.journal) or '.'
+        write_json(self.journal, {'moves': [
+            [os.path.relpath(tmp, base), os.path.relpath(path, base)]
+            for tmp, path in self._moves]})
+        self._journaled = True
+        _move_and_forget(self.journal, self._moves)
+        self._moves = []
+
+    def abort(self):
+        """Remove the temporary files of a save that did not commit.
+
+        Once the journal is written the files belong to it: a commit that
+        failed after that is completed by :func:`finish_staged`.
+        """
+        if self._journaled:
+            return
+        for tmp, _ in self._moves:
+            try:
+                os.remove(tmp)
+            except FileNotFoundError:
+                pass
+        self._moves = []
+
+
+def finish_staged(journal):
+    """Complete the moves of a :class:`StagedFiles` commit that a crash
+    interrupted; return the files moved into place (none if no journal)."""
+    journal = os.fspath(journal)
+    if not os.path.exists(journal):
+        return []
+    base = os.path.dirname(journal) or '.'
+    try:
+        moves = [(os.path.join(base, tmp), os.path.join(base, path))
+                 for tmp, path in read_json(journal)['moves']]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            f"{journal} does not list the moves of an interrupted save: {exc}") from exc
+    pending = [(tmp, path) for tmp, path in moves if os.path.exists(tmp)]
+    _move_and_forget(journal, pending)
+    return [path for _, path in pending]
+
+
+def _move_and_forget(journal, moves):
+    for tmp, path in moves:
+        os.replace(tmp, path)
+    for folder in sorted({os.path.dirname(path) for _, path in moves}):
+        fsync_dir(folder)
+    os.remove(journal)
+    fsync_dir(os.path.dirname(journal))
+
+
+def remove_temp_files(folder, prefix=''):
+    """Remove the temporary files that killed writers left in ``folder``,
+    of the files whose names start with ``prefix``."""
+    pattern = re.compile(
+        rf'\.{re.escape(prefix)}.*{re.escape(TEMP_MARK)}[0-9a-f]{{12}}')
+    if not os.path.isdir(folder or '.'):
+        return
+    for name in os.listdir(folder or '.'):
+        if pattern.fullmatch(name):
+            os.remove(os.path.join(folder, name))
 
 
 def write_json(path, obj, atomic=True):
@@ -254,22 +356,43 @@ class FolderInUseError(RuntimeError):
     """Another running job holds the lock of a checkpoint folder."""
 
 
+# flock refuses a second open file of the same process too; the callbacks of
+# one job that share a folder share its lock: lock file's real path ->
+# [open file, number of holders]
+_HELD = {}
+# reentrant: release() also runs from __del__, whenever the collector does
+_HELD_GUARD = threading.RLock()
+
+
 class FolderLock:
     """An exclusive lock on a folder for one job: ``flock`` on ``<folder>/.lock``.
 
     The kernel releases the lock when the holder's process ends, however it
     ends, so a job that was killed leaves no stale lock behind. The file
     keeps the holder's pid and host, so that a refused job can say who holds
-    it; it stays on disk (it is the lock's anchor, not its state).
+    it; it stays on disk (it is the lock's anchor, not its state). Within
+    one process the lock is shared (counted): a job's callbacks that use the
+    same folder do not refuse each other.
     """
 
     def __init__(self, folder):
-        self.folder = os.fspath(folder)
+        self.folder = os.fspath(folder) or '.'
         self.path = os.path.join(self.folder, LOCK_NAME)
+        self._key = os.path.realpath(self.path)
         self._file = None
 
     def acquire(self):
         """Take the lock or raise :class:`FolderInUseError` naming the holder."""
+        with _HELD_GUARD:
+            if self._file is None:
+                held = _HELD.get(self._key)
+                if held is None:
+                    held = _HELD[self._key] = [self._lock_file(), 0]
+                held[1] += 1
+                self._file = held[0]
+        return self
+
+    def _lock_file(self):
         lock_file = open(self.path, 'a+', encoding='utf-8')
         try:
             fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -284,9 +407,9 @@ class FolderLock:
             lock_file.close()
             raise FolderInUseError(
                 f"checkpoint folder {self.folder} is in use by another running job "
-                f"({holder}, lock file {self.path}): two jobs committing into one "
-                "folder would retire each other's checkpoints; wait for it to end "
-                "or give this job its own folder") from None
+                f"({holder}, lock file {self.path}): two jobs saving into one "
+                "folder would overwrite or retire each other's checkpoints; wait for "
+                "it to end or give this job its own folder") from None
         except BaseException:
             lock_file.close()
             raise
@@ -294,14 +417,20 @@ class FolderLock:
         lock_file.truncate()
         json.dump({'pid': os.getpid(), 'host': socket.gethostname()}, lock_file)
         lock_file.flush()
-        self._file = lock_file
-        return self
+        return lock_file
 
     def release(self):
-        """Release the lock (closing the file releases the flock)."""
-        if self._file is not None:
-            self._file.close()
+        """Release this hold; the last one in the process closes the file,
+        which releases the flock."""
+        with _HELD_GUARD:
+            if self._file is None:
+                return
             self._file = None
+            held = _HELD[self._key]
+            held[1] -= 1
+            if held[1] == 0:
+                held[0].close()
+                del _HELD[self._key]
 
     # a lock dropped without release (a fit that raised, then forgotten)
     # closes its file itself, without a ResourceWarning

@@ -9,6 +9,8 @@ with plain skorch nets.
 import inspect
 import os
 import pickle
+import re
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,13 +18,13 @@ import pytest
 import torch
 from sklearn.base import clone
 from skorch import NeuralNetClassifier
-from skorch.callbacks import Checkpoint, LoadInitState, TrainEndCheckpoint
+from skorch.callbacks import Callback, Checkpoint, LoadInitState, TrainEndCheckpoint
 
 from conftest import read_results
 from launcher import launch
 from skorch_accel_callbacks import (LoadInitParams, ParamsCheckpoint, RankError,
                                     TrainEndParamsCheckpoint)
-from skorch_accel_callbacks.storage import TEMP_MARK
+from skorch_accel_callbacks.storage import LOCK_NAME, TEMP_MARK, CorruptCheckpointError
 from common import MLP, make_data
 
 
@@ -33,9 +35,18 @@ def _launch_both(base, nproc):
     # a short collective timeout: the surviving rank of the killed run fails fast
     kill = launch('params_kill.py', killed, nproc=nproc,
                   env={'RESULT_DIR': str(results), 'COLLECTIVE_TIMEOUT': '20'})
+    left_by_kill = sorted(os.listdir(killed))
+    torn = []
+    for name in left_by_kill:
+        if TEMP_MARK in name:
+            try:
+                torch.load(killed / name)
+            except Exception:  # pylint: disable=broad-except
+                torn.append(name)
     launch('params_main.py', work, killed, nproc=nproc,
            env={'RESULT_DIR': str(results)}).check()
-    return {'kill_returncodes': kill.returncodes, 'kill_report': kill.report()}
+    return {'kill_returncodes': kill.returncodes, 'kill_report': kill.report(),
+            'left_by_kill': left_by_kill, 'torn': torn}
 
 
 @pytest.fixture(scope='module', params=[1, 2], ids=['1proc', '2proc'])
@@ -53,8 +64,10 @@ def runs(request, tmp_path_factory):
 
 
 def without_probes(events):
-    # the folder checks of initialize() create and remove an empty probe file
-    return [event for event in events if '.probe' not in event[1]]
+    # the folder checks of initialize() create and remove an empty probe
+    # file; the folder lock's file holds its holder's name, written in place
+    return [event for event in events
+            if '.probe' not in event[1] and not event[1].endswith('/.lock')]
 
 
 def test_really_distributed(runs):
@@ -95,15 +108,17 @@ def test_only_main_process_writes_each_file_once(runs):
     n_best = sum(decisions[0]['event_cp'])
     epochs = len(decisions[0]['event_cp'])
     # torch.save writes from C++ (no audit event); its rename is recorded
+    # each save writes its journal of moves once (and removes it after)
     expected = {'best/params.pt': n_best, 'best/optimizer.pt': n_best,
-                'best/history.json': n_best, 'every/optimizer.pt': epochs,
-                'every/history.json': epochs}
+                'best/history.json': n_best, 'best/.commit.json': n_best,
+                'every/optimizer.pt': epochs, 'every/history.json': epochs,
+                'every/.commit.json': epochs}
     for epoch in range(1, epochs + 1):
         expected[f'every/params_{epoch}.pt'] = 1
         expected[f'every/net_{epoch}.pkl'] = 1
     assert renames == expected
     for files in decisions[0]['files'].values():
-        assert not [name for name in files if TEMP_MARK in name]
+        assert not [name for name in files if TEMP_MARK in name or 'commit' in name]
 
 
 def test_files_complete_before_any_rank_returns(runs):
@@ -155,14 +170,14 @@ def test_failed_save_warns_on_every_rank_and_training_goes_on(runs):
         warn = res['errors']['warn']
         assert warn['epochs'] == 3 and warn['event_cp'] == [True, True, True]
         failures = [w for w in warn['warnings'] if 'Unable to save' in w]
-        # 4 files in each of epochs 2 and 3
-        assert len(failures) == 8
-        assert any('gone_warn/params.pt' in w for w in failures)
+        # the first file that fails ends the save: one each in epochs 2 and 3
+        assert len(failures) == 2
+        assert all('gone_warn/' in w for w in failures)
         if rank > 0:
             assert all('RankError' in w and 'rank 0' in w for w in failures)
             assert warn['sink'] == []
         else:
-            assert len([m for m in warn['sink'] if m.startswith('Unable to save')]) == 8
+            assert len([m for m in warn['sink'] if m.startswith('Unable to save')]) == 2
 
 
 def test_failed_save_raises_on_every_rank_with_on_error_raise(runs):
@@ -188,7 +203,8 @@ def test_problems_before_training_raise_early(runs):
         assert errors['bad_on_error']['type'] == 'ValueError'
         assert "'ignore'" in errors['bad_on_error']['text']
         unpicklable = errors['unpicklable']
-        assert unpicklable['epochs'] == 0 and unpicklable['files'] == []
+        assert unpicklable['epochs'] == 0
+        assert [name for name in unpicklable['files'] if name != LOCK_NAME] == []
         assert "f_pickle='net.pkl'" in unpicklable['text']
         assert unpicklable['type'] == ('PicklingError' if rank == 0 else 'RankError')
 
@@ -216,10 +232,14 @@ def test_load_init_params(runs):
 
 def test_kill_during_save_leaves_previous_checkpoint(runs):
     assert runs.kill_returncodes[0] == -9, runs.kill_report
-    leftovers = [name for name in os.listdir(runs.killed) if TEMP_MARK in name]
-    assert len(leftovers) == 1 and leftovers[0].startswith('.params.pt')
-    with pytest.raises(Exception):
-        torch.load(runs.killed / leftovers[0])  # torn: the kill hit mid-write
+    leftovers = [name for name in runs.left_by_kill if TEMP_MARK in name]
+    # the kill hit the params file mid-write: epoch 2's files, still under
+    # temporary names, one of them torn, beside epoch 1's files
+    assert sorted(name.split(TEMP_MARK)[0] for name in leftovers) == [
+        '.criterion.pt', '.optimizer.pt', '.params.pt']
+    assert [name.split(TEMP_MARK)[0] for name in runs.torn] == ['.params.pt']
+    # the load (LoadInitParams) removed it
+    assert not [name for name in os.listdir(runs.killed) if TEMP_MARK in name]
     assert set(torch.load(runs.killed / 'params.pt')) == {
         'lin.weight', 'lin.bias', 'out.weight', 'out.bias'}
     epoch1 = runs.kill[0]['digest_epoch1']
@@ -284,8 +304,9 @@ def test_plain_net_same_files_and_events_as_skorch(tmp_path):
         fresh = plain_net([cp]).initialize()
         fresh.load_params(checkpoint=cp)
         np.testing.assert_allclose(fresh.predict_proba(X), net.predict_proba(X))
-    assert listings[0] == listings[1]
-    assert 'run_params_3.pt' in listings[1]
+    # ours also leaves its folder lock's file (LOCK_NAME), as AccelerateCheckpoint does
+    assert listings[0] == [name for name in listings[1] if name != LOCK_NAME]
+    assert LOCK_NAME in listings[1] and 'run_params_3.pt' in listings[1]
     assert events[0] == events[1]
     np.testing.assert_allclose(probas[0], probas[1], atol=1e-6)
 
@@ -311,7 +332,7 @@ def test_overridden_save_model_and_save_params_are_used(tmp_path):
     net.fit(X, y)
     assert calls == ['save_model', ['f_module', 'use_safetensors'],
                      ['f_history', 'use_safetensors']]
-    assert sorted(os.listdir(tmp_path)) == ['history.json', 'params.pt']
+    assert sorted(os.listdir(tmp_path)) == [LOCK_NAME, 'history.json', 'params.pt']
 
 
 def test_train_end_checkpoint_and_load_init_resume(tmp_path):
@@ -321,8 +342,8 @@ def test_train_end_checkpoint_and_load_init_resume(tmp_path):
     first = plain_net([te, LoadInitParams(te)], max_epochs=2).fit(X, y)
     assert sink == ['Final checkpoint triggered']
     assert sorted(os.listdir(tmp_path)) == [
-        'train_end_criterion.pt', 'train_end_history.json', 'train_end_optimizer.pt',
-        'train_end_params.pt']
+        LOCK_NAME, 'train_end_criterion.pt', 'train_end_history.json',
+        'train_end_optimizer.pt', 'train_end_params.pt']
     second = plain_net([te, LoadInitParams(te)], max_epochs=0).fit(X, y)
     # the history and parameters of the first run were loaded
     assert len(second.history) == 2
@@ -343,11 +364,29 @@ def test_raise_mode_in_one_process_names_the_file(tmp_path):
     X, y = make_data()
     cp = ParamsCheckpoint(monitor=None, dirname=str(tmp_path / 'out'), on_error='raise',
                           f_optimizer=None, f_criterion=None)
-    net = plain_net([cp], max_epochs=2)
-    net.initialize()
-    os.rmdir(tmp_path / 'out')
+
+    class FolderGone(Callback):
+        """The folder is gone (a lost mount) when the first save begins."""
+
+        def on_epoch_end(self, net, **kwargs):
+            shutil.rmtree(tmp_path / 'out', ignore_errors=True)
+
+    net = plain_net([FolderGone(), cp], max_epochs=2)
     with pytest.raises(Exception) as info:
-        net.partial_fit(X, y)
+        net.fit(X, y)
     assert not isinstance(info.value, RankError)
     assert any(str(tmp_path / 'out' / 'params.pt') in note
                for note in info.value.__notes__)
+
+
+def test_damaged_journal_is_named_before_anything_loads(tmp_path):
+    X, y = make_data()
+    cp = ParamsCheckpoint(monitor=None, dirname=str(tmp_path), f_optimizer=None,
+                          f_criterion=None)
+    plain_net([cp], max_epochs=1).fit(X, y)
+    with open(cp.journal_path, 'w') as f:
+        f.write('{"moves": [["only one path"]]}')
+    net = plain_net([LoadInitParams(cp)], max_epochs=1)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(cp.journal_path)):
+        net.fit(X, y)
+    assert len(net.history) == 0

@@ -2,7 +2,8 @@
 and the holder; a holder that was SIGKILLed leaves no stale lock.
 
 The holder is the fault job in its own process, stopped inside its save of
-epoch 2 (its partial folder written, not committed); the second job runs in
+epoch 2 (its partial folder written, not committed; for ParamsCheckpoint,
+its files written under temporary names, not moved); the second job runs in
 this process.
 """
 
@@ -17,22 +18,23 @@ import pytest
 
 from faultsuite import WORKERS
 import faultjob  # noqa: E402 (faultsuite puts the workers on sys.path)
+from common import make_accelerator, make_data, make_net
 from launcher import REPO
-from skorch_accel_callbacks import storage
+from skorch_accel_callbacks import LoadInitParams, ParamsCheckpoint, storage
 
 DEADLINE_S = 180
 
 
-def start_holder(tmp_path, ckpt):
+def start_holder(tmp_path, ckpt, script='killable.py', point='2:before-manifest:0'):
     env = {key: value for key, value in os.environ.items()
            if key not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')}
-    env.update(RESULT_DIR=str(tmp_path), HOLD='2:before-manifest:0', OMP_NUM_THREADS='1',
+    env.update(RESULT_DIR=str(tmp_path), HOLD=point, OMP_NUM_THREADS='1',
                PYTHONPATH=os.pathsep.join([str(WORKERS), str(REPO / 'tests' / 'workers'),
                                            str(REPO)]))
     holder = subprocess.Popen(
-        [sys.executable, str(WORKERS / 'killable.py'), str(ckpt), 'holder'], env=env,
+        [sys.executable, str(WORKERS / script), str(ckpt), 'holder'], env=env,
         stdout=open(tmp_path / 'holder.log', 'wb'), stderr=subprocess.STDOUT)
-    held = tmp_path / 'held-holder-before-manifest-rank0'
+    held = tmp_path / f"held-holder-{point.split(':')[1]}-rank0"
     deadline = time.monotonic() + DEADLINE_S
     while not held.exists():
         if holder.poll() is not None or time.monotonic() > deadline:
@@ -68,4 +70,40 @@ def test_second_job_refused_and_killed_holder_leaves_no_stale_lock(tmp_path):
     assert len(net.history) == faultjob.EPOCHS
     assert not (ckpt / 'epoch-0002.partial').exists()
     # and this job released it at the end of training
+    storage.FolderLock(ckpt).acquire().release()
+
+
+def params_job(ckpt):
+    cp = ParamsCheckpoint(monitor=None, dirname=str(ckpt), f_criterion=None)
+    net = make_net(make_accelerator(), max_epochs=2, batch_size=16,
+                   train_split=None, callbacks=[LoadInitParams(cp), cp])
+    return net, cp
+
+
+def test_params_checkpoint_second_job_refused_then_lock_free(tmp_path):
+    ckpt = tmp_path / 'ckpt'
+    holder = start_holder(tmp_path, ckpt, 'params_killable.py', '2:before-journal:0')
+    try:
+        staged = sorted(p.name.split(storage.TEMP_MARK)[0] for p in ckpt.iterdir()
+                        if storage.TEMP_MARK in p.name)
+        assert staged == ['.history.json', '.optimizer.pt', '.params.pt']
+        net, _ = params_job(ckpt)
+        with pytest.raises(storage.FolderInUseError,
+                           match=f"checkpoint folder {ckpt} is in use by another running "
+                                 rf"job \(pid {holder.pid} on host"):
+            net.fit(*make_data(n=64))
+        # refused before its first epoch: its history is the holder's saved
+        # epoch 1 that LoadInitParams read; none of the holder's files touched
+        assert len(net.history) == 1
+        assert sorted(p.name.split(storage.TEMP_MARK)[0] for p in ckpt.iterdir()
+                      if storage.TEMP_MARK in p.name) == staged
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    net, _ = params_job(ckpt)
+    net.fit(*make_data(n=64))
+    # epoch 1's save loaded, then 2 epochs trained (skorch's LoadInitState)
+    assert len(net.history) == 3
+    assert not [p.name for p in ckpt.iterdir() if storage.TEMP_MARK in p.name]
+    # released at the end of training
     storage.FolderLock(ckpt).acquire().release()

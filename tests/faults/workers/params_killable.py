@@ -4,10 +4,13 @@ usage: params_killable.py DIRNAME TAG
 
 Each launch loads what the previous one left (skorch's LoadInitState
 semantics) and trains 2 epochs, saving params, optimizer and history every
-epoch. KILL=EPOCH:POINT:RANK as in killable.py, with the points of
-PARAMS_POINTS. Rank 0 appends the digest of the parameters it is about to
-save to ``digests.jsonl``; every rank writes what it loaded to
-``loaded-<TAG>-rank<r>.json`` when training begins.
+epoch. KILL=EPOCH:POINT:RANK (or HOLD=..., to wait there until killed) as
+in killable.py, with the points of PARAMS_POINTS: batch ends, a half-written params file, before and after the
+journal of the save's moves, before and after each file's move. Rank 0
+appends what it is about to save (history length, digests of the
+parameters and of the optimizer state) to ``saves.jsonl``; every rank writes
+the same of what it loaded to ``loaded-<TAG>-rank<r>.json`` when training
+begins.
 """
 
 import json
@@ -19,17 +22,23 @@ from skorch.callbacks import Callback
 from skorch.hf import AccelerateMixin
 
 from common import make_accelerator, make_data, make_net, params_digest, rank
-from faultjob import EpochTracker, die
+from faultjob import EpochTracker, die, hold
 from skorch_accel_callbacks import (AccelerateFixesMixin, LoadInitParams, ParamsCheckpoint,
-                                    unwrapped)
+                                    storage, unwrapped)
 from skorch_accel_callbacks.storage import TEMP_MARK
 
 FILES = ('params.pt', 'optimizer.pt', 'history.json')
-PARAMS_POINTS = ('batch-1', 'batch-2', 'params-half') + tuple(
+PARAMS_POINTS = ('batch-1', 'batch-2', 'params-half', 'before-journal',
+                 'after-journal') + tuple(
     f'{when}-rename-{name}' for name in FILES for when in ('before', 'after'))
-KILL = os.environ.get('KILL', '::').split(':')
+KILL = (os.environ.get('KILL') or os.environ.get('HOLD') or '::').split(':')
 # epochs in the loaded history, set when training begins
 LOADED = {'epochs': 0}
+
+
+def stop(point):
+    """Die at ``point``, or with HOLD, stay there until killed."""
+    (hold if os.environ.get('HOLD') else die)(point)
 
 
 def due(point):
@@ -47,7 +56,7 @@ class HalfWrite:
             super().save_params(**kwargs)
             with open(target, 'r+b') as f:
                 f.truncate(os.path.getsize(target) // 2)
-            die('params-half')
+            stop('params-half')
         return super().save_params(**kwargs)
 
 
@@ -62,26 +71,43 @@ def install_rename_points():
         name = os.path.basename(str(dst))
         ours = TEMP_MARK in str(src) and name in FILES
         if ours and due(f'before-rename-{name}'):
-            die(f'before-rename-{name}')
+            stop(f'before-rename-{name}')
         replace(src, dst)
         if ours and due(f'after-rename-{name}'):
-            die(f'after-rename-{name}')
+            stop(f'after-rename-{name}')
 
     os.replace = os_replace
 
+    write_json = storage.write_json
 
-def digest(net):
+    def journal_write(path, obj, **kwargs):
+        journal = path.endswith('commit.json')
+        if journal and due('before-journal'):
+            stop('before-journal')
+        write_json(path, obj, **kwargs)
+        if journal and due('after-journal'):
+            stop('after-journal')
+
+    storage.write_json = journal_write
+
+
+def snapshot(net):
+    """What a save of this net holds: epochs, parameters, optimizer state."""
     with unwrapped(net):
-        return params_digest(net.module_)
+        params = params_digest(net.module_)
+    buffers = [state['momentum_buffer'] for state in net.optimizer_.state_dict()['state'].values()
+               if state.get('momentum_buffer') is not None]
+    optimizer = float(sum(b.double().sum() * (i + 1) for i, b in enumerate(buffers)))
+    return {'history_len': len(net.history), 'params': params, 'optimizer': optimizer}
 
 
-class LogDigest(Callback):
-    """Before the checkpoint's save: the parameters about to be saved."""
+class LogSave(Callback):
+    """Before the checkpoint's save: what it is about to save."""
 
     def on_epoch_end(self, net, **kwargs):
         if rank() == 0:
-            with open(os.path.join(os.environ['RESULT_DIR'], 'digests.jsonl'), 'a') as f:
-                f.write(json.dumps(digest(net)) + '\n')
+            with open(os.path.join(os.environ['RESULT_DIR'], 'saves.jsonl'), 'a') as f:
+                f.write(json.dumps(snapshot(net)) + '\n')
 
 
 class RecordLoad(Callback):
@@ -89,7 +115,7 @@ class RecordLoad(Callback):
         LOADED['epochs'] = len(net.history)
         path = os.path.join(os.environ['RESULT_DIR'], f'loaded-{sys.argv[2]}-rank{rank()}.json')
         with open(path, 'w') as f:
-            json.dump({'history_len': len(net.history), 'digest': digest(net)}, f)
+            json.dump(snapshot(net), f)
 
 
 class BatchKiller(Callback):
@@ -100,7 +126,7 @@ class BatchKiller(Callback):
         if training:
             self.batches_ += 1
             if due(f'batch-{self.batches_}'):
-                die(f'batch-{self.batches_}')
+                stop(f'batch-{self.batches_}')
 
 
 def main():
@@ -110,7 +136,7 @@ def main():
     net = make_net(make_accelerator(), net_cls=Net, max_epochs=2, batch_size=16,
                    train_split=None, callbacks=[
                        EpochTracker(), LoadInitParams(cp), RecordLoad(), BatchKiller(),
-                       LogDigest(), cp])
+                       LogSave(), cp])
     net.fit(*make_data(n=64))
 
 
