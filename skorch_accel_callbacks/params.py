@@ -309,7 +309,6 @@ class ParamsCheckpoint(Checkpoint):
         sync.run_on_main(net, finish, f"{type(self).__name__}: completing an interrupted "
                                       f"save ({self.journal_path})")
 
-    # pylint: disable=arguments-differ
     def _lock_folder(self):
         # held until training ends (or this process ends: the kernel frees it)
         if self._lock is None:
@@ -320,6 +319,7 @@ class ParamsCheckpoint(Checkpoint):
             self._lock.release()
             self._lock = None
 
+    # pylint: disable=arguments-differ
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         sync.run_on_main(net, self._lock_folder,
                          f"{type(self).__name__}: locking folder {self.dirname or '.'}")
