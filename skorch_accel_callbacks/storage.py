@@ -196,8 +196,9 @@ def _move_and_forget(journal, moves):
         os.replace(tmp, path)
     for folder in sorted({os.path.dirname(path) for _, path in moves}):
         fsync_dir(folder)
+    # not flushed: a journal that comes back after a power loss lists moves
+    # already made, and finish_staged only removes it again
     os.remove(journal)
-    fsync_dir(os.path.dirname(journal))
 
 
 def remove_temp_files(folder, prefix=''):
