@@ -142,6 +142,9 @@ def main(argv=None):
                                  type(plain.module_).__name__, '-',
                                  plain.predict_proba(X_test)))
 
+    # destroys the process group: a gloo process that exits with it alive can
+    # abort at interpreter exit (pytorch/pytorch#190489)
+    accelerator.end_training()
     if not accelerator.is_main_process:
         return 0
     columns = ('saved by', 'module when saved', "'module.' keys", 'loaded by',

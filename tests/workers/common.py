@@ -1,11 +1,13 @@
 """Shared pieces of the scripts that the tests run in several processes."""
 
+import atexit
 import json
 import os
 from datetime import timedelta
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import InitProcessGroupKwargs
@@ -46,6 +48,15 @@ def plain_criterion():
     # so skorch's stock mixin does not wrap it in DDP (which refuses skorch's
     # default NLLLoss: it has no parameters)
     return log_nll
+
+
+@atexit.register
+def _destroy_process_group():
+    # a gloo process that exits with its process group alive can abort
+    # (SIGABRT, "terminate called without an active exception") while the
+    # interpreter is torn down: pytorch/pytorch#190489
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def make_accelerator(**kwargs):
