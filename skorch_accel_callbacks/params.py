@@ -386,9 +386,9 @@ class ParamsCheckpoint(Checkpoint):
         try:
             with unwrapped(net):
                 self._write_files(net, kwargs_module, kwargs_other)
-            self._save_file(net, self.journal_path, "the checkpoint's files",
-                            lambda _: self._staged.commit(), every_rank=False,
-                            stage=False)
+            self._agreed_save_step(
+                net, "the checkpoint's files", self.journal_path,
+                lambda: sync.is_main_process(net) and self._staged.commit())
         except _SaveFailed:
             pass
         finally:
@@ -423,28 +423,35 @@ class ParamsCheckpoint(Checkpoint):
                 pickle.dump(net, file)
         self._save_file(net, f, 'pickle', write, every_rank=False)
 
-    def _save_file(self, net, f, log_name, write, every_rank, stage=True):
+    def _save_file(self, net, f, log_name, write, every_rank):
         """Write ``f`` with ``write(target)``; only the main process writes.
 
         On the main process a path is written to a temporary file, staged to
         be moved into place with the save's other files (or, outside
         :meth:`save_model`, moved at once); the other ranks call ``write``
         with the final path when ``every_rank`` (their ``save_params``
-        writes nothing but takes part in its collectives). The block is
-        agreed on: any failure is known to every rank, and no rank leaves
-        before the main process is done.
+        writes nothing but takes part in its collectives).
         """
+        def save():
+            main = sync.is_main_process(net)
+            if main and isinstance(f, (str, os.PathLike)):
+                if self._staged is not None:
+                    write(self._staged.temp_path(f))
+                else:
+                    with atomic_path(f) as tmp:
+                        write(tmp)
+            elif main or every_rank:
+                write(f)
+        self._agreed_save_step(net, log_name, f, save)
+
+    def _agreed_save_step(self, net, log_name, f, step):
+        """Run ``step()`` on every rank as one agreed block: any failure is
+        known to every rank, and no rank leaves before the main process is
+        done. A failure raises (``on_error='raise'``) or warns; inside
+        :meth:`save_model` a warned failure also ends the save."""
         try:
             with sync.agree(net, f"{type(self).__name__}: saving {log_name} to {f}"):
-                main = sync.is_main_process(net)
-                if main and stage and isinstance(f, (str, os.PathLike)):
-                    if self._staged is not None:
-                        write(self._staged.temp_path(f))
-                    else:
-                        with atomic_path(f) as tmp:
-                            write(tmp)
-                elif main or every_rank:
-                    write(f)
+                step()
         except Exception as exc:  # pylint: disable=broad-except
             message = "Unable to save {} to {}, {}: {}".format(
                 log_name, f, type(exc).__name__, exc)
@@ -452,7 +459,7 @@ class ParamsCheckpoint(Checkpoint):
                 exc.add_note(f"{type(self).__name__} was saving {log_name} to {f}")
                 raise
             self._sink_main(net, message)
-            warnings.warn(message, UserWarning, stacklevel=2)
+            warnings.warn(message, UserWarning, stacklevel=3)
             if self._staged is not None:
                 # the rest of the save would only be thrown away
                 raise _SaveFailed() from exc
