@@ -54,8 +54,8 @@ from skorch.hf import AccelerateMixin  # noqa: E402
 
 from skorch_accel_callbacks import (  # noqa: E402
     AccelerateCheckpoint, AccelerateFixesMixin, AccelerateLoadInitState, ParamsCheckpoint,
-    storage)
-from skorch_accel_callbacks.async_save import copy_into  # noqa: E402
+    atomic)
+from skorch_accel_callbacks.background import copy_into  # noqa: E402
 
 WIDTH = 1024
 
@@ -109,7 +109,7 @@ def timed(fn):
 
 
 def fsync_folder(path):
-    storage.fsync_files([str(f) for f in Path(path).rglob('*') if f.is_file()])
+    atomic.fsync_files([str(f) for f in Path(path).rglob('*') if f.is_file()])
 
 
 BLOCK = os.urandom(1 << 20) * 64

@@ -1,12 +1,29 @@
 """skorch callbacks that save, checkpoint and resume training correctly under
-Hugging Face accelerate, in one process or many."""
+Hugging Face accelerate, in one process or many.
 
-from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint, CheckpointError
+The package, from the callbacks down (data flows one way, downwards):
+
+- ``checkpoint`` (:class:`AccelerateCheckpoint`: when to save, and the save),
+  ``load_state`` (:class:`AccelerateLoadInitState`), ``params`` (the skorch
+  drop-ins), ``mixin`` (:class:`AccelerateFixesMixin`);
+- ``triggers`` (when to save: pure policy), ``base`` (what the callbacks share);
+- ``folder`` (a folder of checkpoints: lock, leftovers, commit, pointers,
+  retirement), ``manifest`` (what a checkpoint holds, who can resume it);
+- ``training_state`` (what a resume needs beside ``save_state``),
+  ``background`` (saves written by a thread), ``accelerate_io`` (every use
+  of accelerate's internals);
+- ``atomic`` (atomic files), ``lock`` (one job per folder), ``sync`` (the
+  only module that talks across processes), ``wrapping`` (:func:`unwrapped`),
+  ``errors``.
+"""
+
+from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.load_state import AccelerateLoadInitState
+from skorch_accel_callbacks.lock import FolderInUseError
 from skorch_accel_callbacks.mixin import AccelerateFixesMixin
 from skorch_accel_callbacks.params import (
     LoadInitParams, ParamsCheckpoint, TrainEndParamsCheckpoint)
-from skorch_accel_callbacks.storage import CorruptCheckpointError
 from skorch_accel_callbacks.sync import RankError
 from skorch_accel_callbacks.wrapping import unwrapped
 
@@ -16,6 +33,7 @@ __all__ = [
     'AccelerateLoadInitState',
     'CheckpointError',
     'CorruptCheckpointError',
+    'FolderInUseError',
     'LoadInitParams',
     'ParamsCheckpoint',
     'RankError',

@@ -1,129 +1,20 @@
-"""AccelerateCheckpoint: the whole training state, committed atomically."""
+"""AccelerateCheckpoint: decide when to save the whole training state, and save it."""
 
-import functools
 import os
-import re
 import warnings
-from importlib.metadata import PackageNotFoundError, version
 
-from accelerate.utils import load as accelerate_load
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
-from skorch_accel_callbacks import async_save as background, storage, sync, training_state
-from skorch_accel_callbacks.callback_order import move_callback
-from skorch_accel_callbacks.wrapping import bare_modules
+from skorch_accel_callbacks import accelerate_io, manifest, sync, training_state, triggers
+from skorch_accel_callbacks.background import BackgroundSaver
+from skorch_accel_callbacks.base import FolderStateCallback, check_sink, move_callback, say
+from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
 
-__all__ = ['AccelerateCheckpoint', 'CheckpointError', 'FORMAT_VERSION']
-
-FORMAT_VERSION = 1
-_FOLDER_RE = re.compile(r'^epoch-(\d+)$')
-_POINTERS = ('latest', 'best')
+__all__ = ['AccelerateCheckpoint']
 
 
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used by this run; the message says why."""
-
-
-def _rng_name(rank):
-    # accelerate's name for a rank's random states (checkpointing.py)
-    return f'random_states_{rank}.pkl'
-
-
-@functools.cache  # importlib.metadata reads files; versions do not change
-def _package_versions():
-    versions = {}
-    for name in ('torch', 'accelerate', 'skorch', 'skorch-accel-callbacks'):
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
-def model_layout(net):
-    """Name, parameter names and shapes of each model, in accelerate's order.
-
-    ``accelerator.save_state`` numbers its model files by the position of a
-    model in ``accelerator._models``; the names make the order checkable.
-    """
-    by_id = {id(module): name for name, module in bare_modules(net).items()}
-    layout = []
-    for index, model in enumerate(net.accelerator._models):
-        name = by_id.get(id(model))
-        if name is None:
-            raise CheckpointError(
-                f"accelerator._models[{index}] ({type(model).__name__}) is not a "
-                "module of this net: accelerator.save_state would save it too. It "
-                "is left over from an earlier initialize() or belongs to another "
-                "net; use AccelerateFixesMixin, which removes stale entries, or a "
-                "fresh Accelerator")
-        shapes = {key: list(value.shape) for key, value in model.state_dict().items()}
-        layout.append([name, shapes])
-    return layout
-
-
-def _layout_differences(saved, current):
-    saved_names = [name for name, _ in saved]
-    current_names = [name for name, _ in current]
-    if saved_names != current_names:
-        return [f"models {saved_names} in the checkpoint, {current_names} in the net"]
-    problems = []
-    for (name, old), (_, new) in zip(saved, current):
-        for key in sorted(set(old) | set(new)):
-            if key not in new:
-                problems.append(f"{name}: parameter {key!r} is in the checkpoint, not in the net")
-            elif key not in old:
-                problems.append(f"{name}: parameter {key!r} is in the net, not in the checkpoint")
-            elif old[key] != new[key]:
-                problems.append(
-                    f"{name}: {key!r} has shape {tuple(old[key])} in the checkpoint, "
-                    f"{tuple(new[key])} in the net")
-    return problems
-
-
-def check_compatible(net, manifest, path):
-    """Raise :class:`CheckpointError` if ``net`` cannot resume from ``path``."""
-    fmt = manifest.get('format_version')
-    if not isinstance(fmt, int) or fmt > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint format {fmt!r}; this version of "
-            f"skorch-accel-callbacks reads format {FORMAT_VERSION} and older: upgrade it")
-    world_size = sync.num_processes(net)
-    if manifest.get('world_size') != world_size:
-        raise CheckpointError(
-            f"{path} was written by {manifest.get('world_size')} processes, this run "
-            f"has {world_size}: every rank resumes its own random state and data "
-            "order, so resume with the same number of processes")
-    problems = _layout_differences(manifest.get('models', []), model_layout(net))
-    if problems:
-        raise CheckpointError(
-            f"{path} was saved from another model: " + '; '.join(problems[:5])
-            + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ''))
-    n_optimizers = len(net.accelerator._optimizers)
-    if manifest.get('optimizers') != n_optimizers:
-        raise CheckpointError(
-            f"{path} holds {manifest.get('optimizers')} optimizer(s), the net has "
-            f"{n_optimizers}")
-
-
-def check_rank_files(path, manifest, rank):
-    """Check that this rank's own files are there and load without code."""
-    for name in (_rng_name(rank), training_state.rank_state_name(rank)):
-        if name not in manifest['files']:
-            raise storage.CorruptCheckpointError(
-                f"{os.path.join(path, name)} is missing: {path} has no state for rank {rank}")
-    rng_file = os.path.join(path, _rng_name(rank))
-    try:
-        # accelerate's load_state silently skips random states it cannot read
-        accelerate_load(rng_file)
-    except Exception as exc:  # pylint: disable=broad-except
-        raise storage.CorruptCheckpointError(
-            f"{rng_file} cannot be loaded (weights_only): {type(exc).__name__}: {exc}"
-        ) from exc
-
-
-class AccelerateCheckpoint(training_state.StateOnDisk, Callback):
+class AccelerateCheckpoint(FolderStateCallback, Callback):
     """Checkpoint the whole training state with ``accelerator.save_state``.
 
     Saves everything a run needs to continue exactly where it stopped: the
@@ -134,33 +25,35 @@ class AccelerateCheckpoint(training_state.StateOnDisk, Callback):
     training loader of every rank (in files of its own, JSON and safetensors,
     never pickle). Use it with :class:`AccelerateLoadInitState` to resume.
 
-    Each checkpoint is a folder ``<dirname>/epoch-NNNN``. Every rank writes
-    into ``epoch-NNNN.partial``; when all are done, the main process writes a
-    manifest (format version, world size, package versions, model layout,
-    every file with its size), renames the folder into place, points
-    ``latest.json`` (and ``best.json``) at it, and only then removes old
-    checkpoints. A crash at any moment leaves the previous checkpoint intact
-    and a ``.partial`` folder that resuming ignores.
+    How it differs from skorch's ``Checkpoint`` (the README and the module
+    docs refer here):
 
-    One job at a time uses a folder: from the start of training to its end
-    the committing process holds a lock on ``<dirname>/.lock``, and a second
-    job on the same folder fails when training begins, naming the holder's
-    pid and host. The lock ends with the holder's process, also when it is
-    killed. (After ``fit`` raised, the callback keeps the lock until it
-    trains again or is garbage-collected.)
-
-    The decision to save is taken on the main process and broadcast, so all
-    ranks agree even when their metrics differ. A save that fails raises on
-    every rank: a run that believes it is protected but is not is the worst
-    outcome. This callback runs after the net's other callbacks (it moves
-    itself there when training begins) so that it saves their end-of-epoch
-    state. When training ends (``max_epochs`` reached, or stopped by a
-    callback such as EarlyStopping) an unsaved last epoch is saved, marked
-    finished: resuming a finished run trains nothing more.
-
-    With ``ProjectConfiguration(save_on_each_node=True)`` the local main
-    process of every node commits its own copy; give each node its own
-    ``dirname`` (the filesystems are then not shared).
+    - It saves the whole training state, not only parameters: a resumed run
+      continues bit for bit as the uninterrupted one would have.
+    - Each checkpoint is a folder ``<dirname>/epoch-NNNN``. Every rank writes
+      into ``epoch-NNNN.partial``; when all are done, the committing process
+      writes a manifest (format version, world size, package versions, model
+      layout, every file with its size), renames the folder into place,
+      points ``latest.json`` (and ``best.json``) at it, and only then
+      removes old checkpoints. A crash at any moment leaves the previous
+      checkpoint intact and a ``.partial`` folder that resuming ignores.
+    - One job at a time uses a folder: from the start of training to its end
+      the committing process holds a lock on ``<dirname>/.lock``; a second
+      job on the same folder fails when training begins, naming the
+      holder's pid and host. The lock ends with the holder's process, also
+      when it is killed.
+    - The decision to save is taken on the main process and broadcast, so
+      all ranks agree even when their metrics differ. A save that fails
+      raises on every rank: a run that believes it is protected but is not
+      is the worst outcome.
+    - It runs after the net's other callbacks (it moves itself there when
+      training begins) so that it saves their end-of-epoch state.
+    - When training ends (``max_epochs`` reached, or stopped by a callback
+      such as EarlyStopping) an unsaved last epoch is saved, marked
+      finished: resuming a finished run trains nothing more.
+    - With ``ProjectConfiguration(save_on_each_node=True)`` the local main
+      process of every node commits its own copy; give each node its own
+      ``dirname`` (the filesystems are then not shared).
 
     Parameters
     ----------
@@ -209,6 +102,36 @@ class AccelerateCheckpoint(training_state.StateOnDisk, Callback):
       training, wait for it, and raise on every rank if it failed. Not for
       FSDP, DeepSpeed or Megatron-LM.
 
+    Attributes
+    ----------
+    folder_ : CheckpointFolder
+      The folder of checkpoints: :meth:`committed`, :meth:`find` read it.
+
+    last_saved_ : str or None
+      Name of the last checkpoint this callback saved (with ``async_save``,
+      possibly still being written).
+
+    resumed_from_ : str or None
+      Name of the checkpoint the current training resumed from, set by
+      :class:`AccelerateLoadInitState`; it is never retired by this run.
+
+    Raises
+    ------
+    ValueError
+      At ``initialize``: an argument of the wrong type or range.
+    TypeError, ValueError
+      When training begins: a net without an accelerator, an accelerator
+      with ``automatic_checkpoint_naming``, ``async_save`` with FSDP or
+      DeepSpeed.
+    CheckpointError
+      When training begins: the accelerator holds models that are not the
+      net's; ``save_on_each_node`` committers that share one folder.
+    skorch_accel_callbacks.lock.FolderInUseError
+      When training begins: another running job holds the folder.
+    OSError
+      A save failed (on the rank that failed; the others raise
+      :class:`~skorch_accel_callbacks.RankError`).
+
     Examples
     --------
     >>> from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
@@ -248,90 +171,45 @@ class AccelerateCheckpoint(training_state.StateOnDisk, Callback):
         self.async_save = async_save
 
     def initialize(self):
+        owner = type(self).__name__
         if not isinstance(self.dirname, (str, os.PathLike)) or not str(self.dirname):
-            raise ValueError(f"dirname must be a folder path, got {self.dirname!r}")
+            raise ValueError(f"{owner}: dirname must be a folder path, got {self.dirname!r}")
         for name in ('every_n_epochs', 'keep_last'):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ('durable', 'async_save'):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{owner}: {name} must be an int >= 1, got {value!r}")
+        for name in ('durable', 'async_save', 'safe_serialization'):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not (self.monitor is None or isinstance(self.monitor, str)
-                or callable(self.monitor)):
+                raise ValueError(
+                    f"{owner}: {name} must be True or False, got {getattr(self, name)!r}")
+        if not (self.event_name is None or isinstance(self.event_name, str)):
             raise ValueError(
-                f"monitor must be None, a history key or a callable, got {self.monitor!r}")
+                f"{owner}: event_name must be a string or None, got {self.event_name!r}")
+        triggers.check_monitor(self.monitor, owner)
+        check_sink(self.sink, owner)
+        self.close()
+        self.folder_ = CheckpointFolder(self.dirname)
         self.last_saved_ = None
-        self.resumed_from_ = None
-        self._train_loader = None
-        self._unlock()
-        # storage.FolderLock on dirname while training: one job per folder
-        self._lock = None
-        self._saver = background.BackgroundSaver() if self.async_save else None
+        self._saver = BackgroundSaver() if self.async_save else None
         # (folder, message) of the save in the background
         self._in_flight = None
-        # threads removing retired checkpoints
-        self._removals = []
+        self._train_loader = None
         return self
+
+    @property
+    def resumed_from_(self):
+        return self.folder_.resumed_from
+
+    def __getstate__(self):
+        # a loader holds the training data; it is found again each epoch
+        return dict(self.__dict__, _train_loader=None, _in_flight=None)
 
     # ------------------------------------------------------------ hooks
 
     def on_train_begin(self, net, **kwargs):
         self._check_net(net)
-        if self.async_save:
-            background.check_supported(net.accelerator)
         move_callback(net, self, 'last')
-        self.claim_folder(net)
-
-    def claim_folder(self, net):
-        """Create ``dirname`` and lock it for this job until training ends.
-
-        Every rank calls it; it acts once per training, whichever of this
-        callback and :class:`AccelerateLoadInitState` (which must hold the
-        lock before it reads a checkpoint) calls it first.
-        """
-        if self._claimed:
-            return
-        with sync.agree(net, f"preparing checkpoint folder {self.dirname}"):
-            if self.is_committer(net):
-                self._prepare_folder()
-        if self._save_on_each_node(net) and sync.is_distributed(net):
-            self._check_folder_per_node(net)
-        # after the check above, so that two nodes of one job sharing a folder
-        # get its message, not the lock's "another running job"
-        with sync.agree(net, f"locking checkpoint folder {self.dirname}"):
-            if self.is_committer(net):
-                self._lock_folder()
-        self._claimed = True
-
-    def _prepare_folder(self):
-        if os.path.lexists(self.dirname) and not os.path.isdir(self.dirname):
-            raise NotADirectoryError(
-                f"checkpoint folder {self.dirname} is a file, not a folder")
-        os.makedirs(self.dirname, exist_ok=True)
-        if not os.access(self.dirname, os.W_OK | os.X_OK):
-            raise PermissionError(f"checkpoint folder {self.dirname} is not writable")
-
-    def _lock_folder(self):
-        # held until training ends (or this process ends: the kernel frees it)
-        if self._lock is None:
-            self._lock = storage.FolderLock(self.dirname).acquire()
-        # only the job that holds the lock may remove what a killed one left:
-        # another job's partial folder is still being written
-        storage.remove_leftovers(self.dirname)
-
-    def _unlock(self):
-        self._claimed = False
-        if getattr(self, '_lock', None) is not None:
-            self._lock.release()
-            self._lock = None
-
-    def __getstate__(self):
-        # a lock belongs to this process; a copy (pickle, deepcopy) holds none
-        state = self.__dict__.copy()
-        if '_lock' in state:
-            state['_lock'] = None
-        return state
+        self.folder_.claim(net)
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
         self._train_loader = training_state.find_train_loader(net, dataset_train)
@@ -346,75 +224,55 @@ class AccelerateCheckpoint(training_state.StateOnDisk, Callback):
     def on_train_end(self, net, **kwargs):
         try:
             # interrupted inside an epoch: the last checkpoint stands
-            if (net.history and 'train_loss' in net.history[-1]
+            if (training_state.epoch_completed(net)
                     and self.checkpoint_name(net) not in (self.last_saved_, self.resumed_from_)):
                 self.save_model(net, finished=True)
             self.wait_for_saves(net)
-            if self._saver is not None:
-                self._saver.close()
         finally:
-            self._unlock()
+            self.close()
 
-    def _check_folder_per_node(self, net):
-        """With save_on_each_node, two nodes committing into one shared folder
-        would race; each committer leaves a probe file and looks for others'."""
-        rank = sync.process_index(net)
-        committer = self.is_committer(net)
-        probe = os.path.join(self.dirname, f'.node-probe-{rank}')
-        with sync.agree(net, f"probing checkpoint folder {self.dirname}"):
-            if committer:
-                storage.write_json(probe, {'rank': rank})
-        shared_with = []
-        if committer:
-            shared_with = [
-                int(name.rsplit('-', 1)[1]) for name in os.listdir(self.dirname)
-                if name.startswith('.node-probe-') and name != os.path.basename(probe)]
-        seen = sync.gather(net, shared_with)
-        with sync.agree(net, f"removing probe files in {self.dirname}"):
-            if committer:
-                storage.discard(probe)
-        clashes = [(rank_, others) for rank_, others in enumerate(seen) if others]
-        if clashes:
-            rank_, others = clashes[0]
-            raise CheckpointError(
-                f"save_on_each_node=True, but rank {rank_} and rank(s) {others} "
-                f"commit into the same folder {self.dirname}: give each node its own "
-                "dirname, or set save_on_each_node=False on a shared filesystem")
+    def close(self):
+        """Wait for this process's background work, free the save buffers
+        and release the folder.
+
+        Called when training ends and by ``initialize`` (a new ``fit`` after
+        one that raised while a save was written in the background). A
+        background save that failed and was not reported on every rank by
+        :meth:`wait_for_saves` is reported here with a warning.
+        """
+        saver = getattr(self, '_saver', None)
+        folder = getattr(self, 'folder_', None)
+        try:
+            if saver is not None:
+                try:
+                    saver.close()
+                except Exception as exc:  # pylint: disable=broad-except
+                    warnings.warn(
+                        f"{type(self).__name__}: the checkpoint written in the background "
+                        f"failed: {type(exc).__name__}: {exc}", UserWarning)
+        finally:
+            if folder is not None:
+                folder.wait_for_removals()
+                folder.release()
 
     # ------------------------------------------------------------ policy
 
     def _decide(self, net):
-        if len(net.history) % self.every_n_epochs != 0:
+        if not triggers.epoch_due(net, self.every_n_epochs):
             return False
         if self.monitor is None:
             return True
-        return bool(sync.run_on_main(
-            net, lambda: bool(self._monitor_value(net)),
-            f"evaluating checkpoint monitor {self.monitor!r}"))
-
-    def _monitor_value(self, net):
-        if callable(self.monitor):
-            return self.monitor(net)
-        try:
-            return net.history[-1, self.monitor]
-        except KeyError as exc:
-            raise KeyError(
-                f"checkpoint monitor {self.monitor!r} is not in the history of this "
-                "epoch; make sure you have validation data if you monitor "
-                "validation scores") from exc
+        return sync.run_on_main(
+            net, lambda: triggers.monitor_says(net, self.monitor, type(self).__name__),
+            f"evaluating checkpoint monitor {self.monitor!r}")
 
     def checkpoint_name(self, net):
+        """The folder name of a checkpoint of the net as it is now."""
         return f"epoch-{len(net.history):04d}"
 
     def is_committer(self, net):
         """Whether this process commits checkpoint folders (one per folder)."""
-        if self._save_on_each_node(net):
-            return sync.is_local_main_process(net)
-        return sync.is_main_process(net)
-
-    @staticmethod
-    def _save_on_each_node(net):
-        return bool(net.accelerator.project_configuration.save_on_each_node)
+        return is_committer(net)
 
     def _check_net(self, net):
         accelerator = getattr(net, 'accelerator', None)
@@ -422,12 +280,25 @@ class AccelerateCheckpoint(training_state.StateOnDisk, Callback):
             raise TypeError(
                 "AccelerateCheckpoint needs a net with skorch's AccelerateMixin "
                 "(an `accelerator` attribute); for a plain net use ParamsCheckpoint")
-        if accelerator.project_configuration.automatic_checkpoint_naming:
+        if accelerate_io.uses_automatic_naming(accelerator):
             raise ValueError(
                 "AccelerateCheckpoint names and retires its checkpoint folders itself; "
                 "create the Accelerator without "
                 "ProjectConfiguration(automatic_checkpoint_naming=True)")
-        model_layout(net)
+        if self.async_save:
+            accelerate_io.check_plain_state(accelerator, 'async_save=True')
+        manifest.model_layout(net)
+
+    # ------------------------------------------------------------ reading
+
+    def committed(self):
+        """Names of the committed checkpoint folders, oldest commit first."""
+        return self.folder_.committed()
+
+    def find(self, which='latest'):
+        """Path of the checkpoint to resume from, or None; see
+        :meth:`CheckpointFolder.find`."""
+        return self.folder_.find(which)
 
     # ------------------------------------------------------------ saving
 
@@ -441,40 +312,43 @@ class AccelerateCheckpoint(training_state.StateOnDisk, Callback):
         """
         self.wait_for_saves(net)
         name = self.checkpoint_name(net)
-        final = os.path.join(self.dirname, name)
-        partial = final + storage.PARTIAL_SUFFIX
+        folder = self.folder_
         committer = self.is_committer(net)
-        rank = sync.process_index(net)
+        partial = folder.partial_path(name)
 
         with sync.agree(net, f"preparing {partial}"):
             if committer:
-                storage.fresh_folder(partial)
+                folder.start(name)
         snapshot = None
         with sync.agree(net, f"writing checkpoint {partial}"):
             if self.async_save:
                 snapshot = self._saver.snapshot(
                     net.accelerator, partial, self.safe_serialization, writer=committer)
             else:
-                net.accelerator.save_state(partial, safe_serialization=self.safe_serialization)
-            training_state.save_rank_state(partial, rank, self._train_loader)
+                accelerate_io.save_state(net.accelerator, partial, self.safe_serialization)
+            training_state.save_rank_state(partial, sync.process_index(net), self._train_loader)
             if committer:
                 training_state.save_history(partial, net)
                 training_state.save_callback_states(partial, net)
-        manifest = self._manifest(net, name, best, finished) if committer else None
-        message = f"Saved checkpoint {final}" + (" (finished)" if finished else '')
+        sealed = (manifest.build(net, name, len(net.history), best, finished)
+                  if committer else None)
+
+        def commit():
+            folder.commit(name, sealed, durable=self.durable, best=best)
+            folder.retire(self.keep_last)
+
+        message = f"Saved checkpoint {folder.path(name)}" + (" (finished)" if finished else '')
         if self.async_save:
             # every other rank's files are complete: the others agreed above
             if committer:
-                self._saver.start(
-                    partial, snapshot, lambda: self._commit(partial, final, manifest, best))
-            self._in_flight = (final, message)
-            self.last_saved_ = name
-            return
-        with sync.agree(net, f"committing checkpoint {final}"):
-            if committer:
-                self._commit(partial, final, manifest, best)
+                self._saver.start(partial, snapshot, commit)
+            self._in_flight = (folder.path(name), message)
+        else:
+            with sync.agree(net, f"committing checkpoint {folder.path(name)}"):
+                if committer:
+                    commit()
+            say(net, self.sink, message)
         self.last_saved_ = name
-        self._sink(message, net)
 
     def wait_for_saves(self, net):
         """Wait for the checkpoint written in the background, if any, and
@@ -485,133 +359,11 @@ class AccelerateCheckpoint(training_state.StateOnDisk, Callback):
         the others :class:`~skorch_accel_callbacks.RankError`.
         """
         if self._in_flight is not None:
-            final, message = self._in_flight
+            path, message = self._in_flight
             self._in_flight = None
-            with sync.agree(net, f"writing checkpoint {final} in the background"):
+            with sync.agree(net, f"writing checkpoint {path} in the background"):
                 self._saver.join()
-            self._sink(message, net)
+            say(net, self.sink, message)
         # after the writer: with async_save, it starts them
-        for thread in self._removals:
-            thread.join()
-        self._removals = []
+        self.folder_.wait_for_removals()
 
-    def _commit(self, partial, final, manifest, best):
-        """Seal, rename and point at a written folder; retire old ones.
-
-        Runs on the committing process, in the background with
-        ``async_save``: it must not touch the net or run a collective.
-        """
-        name = manifest['name']
-        storage.commit_folder(partial, final, manifest, durable=self.durable)
-        storage.write_json(self._pointer('latest'), {'name': name})
-        if best:
-            storage.write_json(self._pointer('best'), {'name': name})
-        self._retire_old(name)
-
-    def _manifest(self, net, name, best, finished):
-        return {
-            'format_version': FORMAT_VERSION,
-            'name': name,
-            'epoch': len(net.history),
-            'best': bool(best),
-            'finished': bool(finished),
-            'world_size': sync.num_processes(net),
-            'save_on_each_node': self._save_on_each_node(net),
-            'models': model_layout(net),
-            'optimizers': len(net.accelerator._optimizers),
-            'versions': _package_versions(),
-        }
-
-    def _pointer(self, which):
-        return os.path.join(self.dirname, f'{which}.json')
-
-    def _pointed(self, which):
-        try:
-            name = storage.read_json(self._pointer(which)).get('name')
-        except (OSError, ValueError, AttributeError):
-            return None
-        return name if isinstance(name, str) and _FOLDER_RE.match(name) else None
-
-    def committed(self):
-        """Names of the committed checkpoint folders, oldest commit first."""
-        if not os.path.isdir(self.dirname):
-            return []
-        found = []
-        for name in os.listdir(self.dirname):
-            path = os.path.join(self.dirname, name)
-            if _FOLDER_RE.match(name) and os.path.isdir(path):
-                manifest = os.path.join(path, storage.MANIFEST_NAME)
-                stamp = os.path.getmtime(manifest) if os.path.exists(manifest) else 0.0
-                found.append((stamp, name))
-        return [name for _, name in sorted(found)]
-
-    def _retire_old(self, newest):
-        names = self.committed()
-        keep = set(names[-self.keep_last:]) | {newest, self.resumed_from_}
-        keep.add(self._pointed('best'))
-        for name in names:
-            if name in keep:
-                continue
-            # training need not wait for the files to be deleted
-            try:
-                thread = storage.discard_in_background(os.path.join(self.dirname, name))
-            except OSError as exc:
-                warnings.warn(f"could not remove old checkpoint "
-                              f"{os.path.join(self.dirname, name)}: {exc}", UserWarning)
-            else:
-                if thread is not None:
-                    self._removals.append(thread)
-
-    # ------------------------------------------------------------ finding
-
-    def find(self, which='latest'):
-        """Path of the checkpoint to resume from, or None if there is none.
-
-        ``which`` is ``'latest'``, ``'best'`` or the path of a checkpoint
-        folder. For ``'latest'``, a folder that is not a complete checkpoint
-        (a missing or damaged file) is skipped with a warning naming it, and
-        the newest complete one is used. A checkpoint of a newer format
-        raises :class:`CheckpointError`.
-        """
-        if which not in _POINTERS:
-            storage.read_manifest(which)  # raises naming the file at fault
-            return os.fspath(which)
-        names = self.committed()
-        if which == 'best':
-            best = self._pointed('best')
-            if best is None:
-                if names:
-                    raise CheckpointError(
-                        f"no best checkpoint in {self.dirname}: only checkpoints saved "
-                        "because of `monitor` are best ones")
-                return None
-            path = os.path.join(self.dirname, best)
-            storage.read_manifest(path)
-            return path
-        latest = self._pointed('latest')
-        candidates = ([latest] if latest else []) + [
-            name for name in reversed(names) if name != latest]
-        problems = []
-        for name in candidates:
-            path = os.path.join(self.dirname, name)
-            try:
-                manifest = storage.read_manifest(path)
-            except storage.CorruptCheckpointError as exc:
-                warnings.warn(f"skipping checkpoint {path}: {exc}", UserWarning)
-                problems.append(str(exc))
-                continue
-            if manifest.get('format_version', 0) > FORMAT_VERSION:
-                raise CheckpointError(
-                    f"{path} has checkpoint format {manifest.get('format_version')}; "
-                    f"this version reads format {FORMAT_VERSION} and older: upgrade "
-                    "skorch-accel-callbacks")
-            return path
-        if problems:
-            raise CheckpointError(
-                f"{self.dirname} holds checkpoints but none is complete: "
-                + '; '.join(problems))
-        return None
-
-    def _sink(self, text, net):
-        if sync.is_main_process(net) and (self.sink is not print or net.verbose):
-            self.sink(text)

@@ -2,46 +2,47 @@
 
 import os
 
-from accelerate.utils import load as accelerate_load
 from safetensors.torch import load_file
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
-from skorch_accel_callbacks import storage, sync, training_state
-from skorch_accel_callbacks.callback_order import move_callback
-from skorch_accel_callbacks.checkpoint import (
-    CheckpointError, check_compatible, check_rank_files)
+from skorch_accel_callbacks import accelerate_io, manifest, sync, training_state
+from skorch_accel_callbacks.atomic import read_json
+from skorch_accel_callbacks.base import FolderStateCallback, check_sink, move_callback, say
+from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
 
-__all__ = ['AccelerateLoadInitState']
-
-
-# the files accelerator.save_state writes, by how they are read
-_TORCH_SUFFIXES = ('.bin', '.pkl', '.pt')
+__all__ = ['AccelerateLoadInitState', 'file_at_fault']
 
 
 def _loads(file):
-    """Read ``file`` as accelerate's load_state would, without executing code."""
+    """Read ``file`` as its loader would, without executing code."""
     if file.endswith('.safetensors'):
         load_file(file)
+    elif file.endswith('.json'):
+        read_json(file)
     else:
-        accelerate_load(file)  # torch.load with weights_only=True
+        accelerate_io.load_weights_only(file)  # torch.load with weights_only=True
 
 
-def _file_at_fault(folder):
-    """The first file of ``folder`` that does not load, or None.
+def file_at_fault(files):
+    """The first of ``files`` that does not load, or None.
 
-    Only called after ``load_state`` failed, to name the file in the error:
-    the files are read a second time on that path only.
+    Only called after loading failed, to name the file in the error: the
+    files are read a second time on that path only.
     """
-    for name in sorted(os.listdir(folder)):
-        if not name.endswith(_TORCH_SUFFIXES + ('.safetensors',)):
-            continue
-        file = os.path.join(folder, name)
+    for file in files:
         try:
             _loads(file)
         except Exception:  # pylint: disable=broad-except
             return file
     return None
+
+
+def _checkpoint_files(folder):
+    return [os.path.join(folder, name) for name in sorted(os.listdir(folder))
+            if name.endswith(('.bin', '.pkl', '.pt', '.safetensors'))]
 
 
 def _read_own(folder, names, load):
@@ -52,24 +53,13 @@ def _read_own(folder, names, load):
     except Exception as exc:  # pylint: disable=broad-except
         names = (names,) if isinstance(names, str) else names
         files = [os.path.join(folder, name) for name in names]
-        if len(files) > 1:
-            files = [file for file in files if not _readable(file)] or files
-        raise storage.CorruptCheckpointError(
-            f"{' or '.join(files)} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+        at_fault = file_at_fault(files) if len(files) > 1 else None
+        raise CorruptCheckpointError(
+            f"{at_fault or ' or '.join(files)} cannot be loaded: "
+            f"{type(exc).__name__}: {exc}") from exc
 
 
-def _readable(file):
-    try:
-        if file.endswith('.json'):
-            storage.read_json(file)
-        else:
-            load_file(file)
-        return True
-    except Exception:  # pylint: disable=broad-except
-        return False
-
-
-class AccelerateLoadInitState(training_state.StateOnDisk, Callback):
+class AccelerateLoadInitState(FolderStateCallback, Callback):
     """Resume training from the checkpoints of an :class:`AccelerateCheckpoint`.
 
     When training begins, every rank loads the checkpoint with
@@ -105,6 +95,32 @@ class AccelerateLoadInitState(training_state.StateOnDisk, Callback):
     sink : callable (default=noop)
       Where to say what was resumed (main process only), e.g. ``print``.
 
+    Attributes
+    ----------
+    did_load_ : bool
+      Whether this callback has looked for a checkpoint (once per
+      ``initialize``).
+
+    loaded_from_ : str or None
+      Path of the checkpoint the net was resumed from.
+
+    requested_epochs_ : int or None
+      The user's ``max_epochs`` while ``net.max_epochs`` holds the epochs
+      left (from this callback's ``on_train_begin`` to the first epoch).
+
+    Raises
+    ------
+    TypeError, ValueError
+      At ``initialize``: ``checkpoint`` is not an
+      :class:`AccelerateCheckpoint`, ``resume`` or ``sink`` of the wrong type.
+    CheckpointError
+      When training begins: the checkpoint cannot be resumed by this run
+      (another number of processes, another model, a newer format), or no
+      complete checkpoint is left.
+    CorruptCheckpointError
+      When training begins: a named checkpoint, or a file of the chosen
+      one, is damaged; the message names the file.
+
     Examples
     --------
     >>> cp = AccelerateCheckpoint(dirname='run1')
@@ -122,46 +138,63 @@ class AccelerateLoadInitState(training_state.StateOnDisk, Callback):
         self.sink = sink
 
     def initialize(self):
-        if not hasattr(self.checkpoint, 'find'):
+        owner = type(self).__name__
+        if not isinstance(self.checkpoint, AccelerateCheckpoint):
             raise TypeError(
-                "AccelerateLoadInitState needs an AccelerateCheckpoint, got "
-                f"{type(self.checkpoint).__name__}")
-        if not isinstance(self.resume, (str, os.PathLike)):
+                f"{owner} needs an AccelerateCheckpoint, got {self.checkpoint!r}")
+        if not isinstance(self.resume, (str, os.PathLike)) or not str(self.resume):
             raise ValueError(
-                f"resume must be 'latest', 'best' or a folder, got {self.resume!r}")
+                f"{owner}: resume must be 'latest', 'best' or a folder, got {self.resume!r}")
+        check_sink(self.sink, owner)
         self.did_load_ = False
         self.loaded_from_ = None
         self.requested_epochs_ = None
         self._pending = None
+        self._folder = None
         return self
+
+    def _checkpoint_folder(self, net):
+        """The folder object of the checkpoint callback that trains with
+        this net: ``checkpoint`` itself, or the callback of the net with
+        the same folder (a clone of the net holds a copy of ``checkpoint``
+        here and another in its callbacks); else one of its own."""
+        wanted = os.path.realpath(self.checkpoint.dirname)
+        for _, callback in net.callbacks_:
+            if (isinstance(callback, AccelerateCheckpoint)
+                    and getattr(callback, 'folder_', None) is not None
+                    and os.path.realpath(callback.dirname) == wanted):
+                return callback.folder_
+        return CheckpointFolder(self.checkpoint.dirname)
 
     def on_train_begin(self, net, **kwargs):
         move_callback(net, self, 'first')
+        self._folder = self._checkpoint_folder(net)
         # a job refused by the lock must not have read another job's checkpoint
-        self.checkpoint.claim_folder(net)
+        self._folder.claim(net)
         if self.did_load_:
             return
         self.did_load_ = True
         path = self._resolve(net)
         if path is None:
-            self._sink(f"No checkpoint in {self.checkpoint.dirname}; training from scratch.", net)
+            say(net, self.sink, f"No checkpoint in {self.checkpoint.dirname}; "
+                                "training from scratch.")
             return
 
         rank = sync.process_index(net)
         with sync.agree(net, f"loading checkpoint {path}"):
-            manifest = storage.read_manifest(path)
-            check_compatible(net, manifest, path)
-            check_rank_files(path, manifest, rank)
+            saved = manifest.read(path)
+            manifest.check_compatible(net, saved, path)
+            manifest.check_rank_files(path, saved, rank)
             try:
-                net.accelerator.load_state(path)
+                accelerate_io.load_state(net.accelerator, path)
             except Exception as exc:
-                at_fault = _file_at_fault(path)
+                at_fault = file_at_fault(_checkpoint_files(path))
                 raise CheckpointError(
                     f"{at_fault or path} could not be loaded: {type(exc).__name__}: {exc}"
                 ) from exc
             rng = training_state.capture_rng()
             hyperparameters = training_state.optimizer_hyperparameters(
-                net.accelerator._optimizers)
+                accelerate_io.optimizers(net.accelerator))
             history = _read_own(path, training_state.HISTORY_NAME,
                                 training_state.load_history)
             callbacks = _read_own(
@@ -173,15 +206,15 @@ class AccelerateLoadInitState(training_state.StateOnDisk, Callback):
         net.history = history
         self._pending = (rng, rank_state, callbacks, hyperparameters)
         self.loaded_from_ = path
-        self.checkpoint.resumed_from_ = os.path.basename(os.path.normpath(path))
+        self._folder.resumed_from = CheckpointFolder.name_of(path)
         done = len(history)
         self.requested_epochs_ = net.max_epochs
-        finished = manifest.get('finished') or done >= net.max_epochs
+        finished = saved.get('finished') or done >= net.max_epochs
         net.max_epochs = 0 if finished else net.max_epochs - done
-        self._sink(
+        say(net, self.sink,
             f"Resumed from {path} after epoch {done}; "
             + ("training had finished." if finished
-               else f"training {net.max_epochs} more epoch(s)."), net)
+               else f"training {net.max_epochs} more epoch(s)."))
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
         self._restore_max_epochs(net)
@@ -204,14 +237,22 @@ class AccelerateLoadInitState(training_state.StateOnDisk, Callback):
         self._pending = None
         training_state.apply_callback_states(net, callbacks)
         training_state.restore_optimizer_hyperparameters(
-            net.accelerator._optimizers, hyperparameters)
+            accelerate_io.optimizers(net.accelerator), hyperparameters)
         return rng, rank_state
 
     def on_train_end(self, net, **kwargs):
-        if self._pending is not None:
-            # a finished run trained no epoch; end with the state it was saved with
-            self._restore_callbacks(net)
-        self._restore_max_epochs(net)
+        try:
+            if self._pending is not None:
+                # a finished run trained no epoch; end with the state it was saved with
+                self._restore_callbacks(net)
+            self._restore_max_epochs(net)
+        finally:
+            # the checkpoint callback releases a folder it shares, when its
+            # training ends (it runs after this one)
+            if self._folder is not None and not any(
+                    getattr(cb, 'folder_', None) is self._folder for _, cb in net.callbacks_):
+                self._folder.release()
+            self._folder = None
 
     def _restore_max_epochs(self, net):
         """Give ``net.max_epochs`` back the number the user set.
@@ -226,12 +267,12 @@ class AccelerateLoadInitState(training_state.StateOnDisk, Callback):
 
     def _resolve(self, net):
         """The folder to resume from, the same checkpoint on every rank."""
-        committer = self.checkpoint.is_committer(net)
+        committer = is_committer(net)
         found = None
         with sync.agree(net, f"finding a checkpoint in {self.checkpoint.dirname}"):
             if committer:
-                found = self.checkpoint.find(self.resume)
-        name = None if found is None else os.path.basename(os.path.normpath(found))
+                found = self._folder.find(self.resume)
+        name = None if found is None else CheckpointFolder.name_of(found)
         chosen = sync.broadcast(net, name)
         with sync.agree(net, "choosing the checkpoint to resume from"):
             if committer and name != chosen:
@@ -241,9 +282,5 @@ class AccelerateLoadInitState(training_state.StateOnDisk, Callback):
         if chosen is None:
             return None
         if self.resume in ('latest', 'best'):
-            return os.path.join(self.checkpoint.dirname, chosen)
+            return self._folder.path(chosen)
         return os.fspath(self.resume)
-
-    def _sink(self, text, net):
-        if sync.is_main_process(net) and (self.sink is not print or net.verbose):
-            self.sink(text)

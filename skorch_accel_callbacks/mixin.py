@@ -2,7 +2,7 @@
 
 import torch
 
-from skorch_accel_callbacks import sync
+from skorch_accel_callbacks import accelerate_io, sync
 from skorch_accel_callbacks.wrapping import bare_modules, unwrapped
 
 __all__ = ['AccelerateFixesMixin']
@@ -86,22 +86,19 @@ class AccelerateFixesMixin:
 
     def _prune_accelerator_registries(self):
         """Drop this net's stale and duplicate entries from the registries."""
-        accelerator = self.accelerator
         current = {id(obj) for obj in self._prepared_objects()}
         previous = getattr(self, '_accelerator_registered', [])
         stale = {id(obj) for obj in previous} - current
         registered = []
-        for registry in (accelerator._models, accelerator._optimizers,
-                         accelerator._schedulers):
-            kept, seen = [], set()
-            for obj in registry:
-                if id(obj) in stale or id(obj) in seen:
-                    continue
-                if id(obj) in current:
-                    seen.add(id(obj))
-                    registered.append(obj)
-                kept.append(obj)
-            registry[:] = kept
+
+        def keep(obj, seen):
+            if id(obj) in stale or id(obj) in seen:
+                return False
+            if id(obj) in current:
+                registered.append(obj)
+            return True
+
+        accelerate_io.prune_registries(self.accelerator, keep)
         self._accelerator_registered = registered
 
     def get_iterator(self, dataset, training=False):
@@ -109,10 +106,9 @@ class AccelerateFixesMixin:
         loaders = self.__dict__.setdefault('_accelerator_loaders', {})
         previous = loaders.get(training)
         if previous is not None and previous is not iterator:
-            self.accelerator._dataloaders[:] = [
-                loader for loader in self.accelerator._dataloaders
-                if loader is not previous
-            ]
+            loaders_of_accelerator = accelerate_io.dataloaders(self.accelerator)
+            loaders_of_accelerator[:] = [
+                loader for loader in loaders_of_accelerator if loader is not previous]
         loaders[training] = iterator
         return iterator
 

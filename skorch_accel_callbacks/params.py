@@ -28,12 +28,14 @@ import warnings
 import safetensors.torch
 import torch
 from skorch.callbacks import Checkpoint, LoadInitState, TrainEndCheckpoint
-from skorch.exceptions import SkorchException
 from skorch.history import History
 from skorch.utils import _check_f_arguments, noop, open_file_like
 
-from skorch_accel_callbacks import storage, sync
-from skorch_accel_callbacks.storage import TEMP_MARK, CorruptCheckpointError, atomic_path
+from skorch_accel_callbacks import atomic, sync, triggers
+from skorch_accel_callbacks.atomic import TEMP_MARK, atomic_path
+from skorch_accel_callbacks.base import InitParamsOnly, check_sink, say
+from skorch_accel_callbacks.errors import CorruptCheckpointError
+from skorch_accel_callbacks.lock import FolderInUseError, FolderLock
 from skorch_accel_callbacks.wrapping import unwrapped
 
 __all__ = ['LoadInitParams', 'ParamsCheckpoint', 'TrainEndParamsCheckpoint']
@@ -41,11 +43,12 @@ __all__ = ['LoadInitParams', 'ParamsCheckpoint', 'TrainEndParamsCheckpoint']
 ON_ERROR_CHOICES = ('warn', 'raise')
 
 
-def _check_on_error(owner):
+def _check_arguments(owner):
     if owner.on_error not in ON_ERROR_CHOICES:
         raise ValueError(
             f"{type(owner).__name__}: on_error must be one of "
             f"{ON_ERROR_CHOICES}, got {owner.on_error!r}")
+    check_sink(owner.sink, type(owner).__name__)
 
 
 def _creation_error(folder):
@@ -68,7 +71,7 @@ class _SaveFailed(Exception):
     """Ends a save whose failure was already reported (``on_error='warn'``)."""
 
 
-class _Discard:
+class _NullWriter:
     """A file-like sink for ``pickle.dump`` that keeps nothing."""
 
     def write(self, data):
@@ -88,7 +91,7 @@ def _load_everywhere(net, what, **kwargs):
             net.load_params(**kwargs)
 
 
-class ParamsCheckpoint(Checkpoint):
+class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     """Save the model when the monitored metric improved; correct in every
     process.
 
@@ -234,8 +237,8 @@ class ParamsCheckpoint(Checkpoint):
             **kwargs)
 
     def initialize(self):
-        _check_on_error(self)
-        self._unlock()
+        _check_arguments(self)
+        self.release_folder()
         try:
             super().initialize()
         except OSError as exc:
@@ -265,16 +268,12 @@ class ParamsCheckpoint(Checkpoint):
 
     # the StagedFiles of the save in progress, on every rank; None between saves
     _staged = None
-    # storage.FolderLock on dirname while training, on the main process
+    # FolderLock on dirname while training, on the main process
     _lock = None
 
     def __getstate__(self):
-        # a net pickled for f_pickle during a save must not carry that save;
-        # a lock belongs to this process, a copy holds none
-        state = self.__dict__.copy()
-        state.pop('_staged', None)
-        state.pop('_lock', None)
-        return state
+        # a net pickled for f_pickle during a save must not carry that save
+        return dict(self.__dict__, _staged=None)
 
     @property
     def journal_path(self):
@@ -295,26 +294,29 @@ class ParamsCheckpoint(Checkpoint):
             if not os.path.isdir(self.dirname or '.'):
                 return
             try:
-                lock = storage.FolderLock(self.dirname).acquire()
-            except storage.FolderInUseError:
+                lock = FolderLock(self.dirname).acquire()
+            except FolderInUseError:
                 return
             try:
-                finished = storage.finish_staged(self.journal_path)
-                storage.remove_temp_files(self.dirname, self.fn_prefix)
+                finished = atomic.finish_staged(self.journal_path)
+                atomic.remove_temp_files(self.dirname, self.fn_prefix)
+            except ValueError as exc:
+                raise CorruptCheckpointError(str(exc)) from exc
             finally:
                 lock.release()
             if finished:
-                self._sink(f"Completed the interrupted save of {', '.join(finished)}.",
-                           net.verbose)
+                say(net, self.sink, f"Completed the interrupted save of {', '.join(finished)}.")
         sync.run_on_main(net, finish, f"{type(self).__name__}: completing an interrupted "
                                       f"save ({self.journal_path})")
 
     def _lock_folder(self):
         # held until training ends (or this process ends: the kernel frees it)
         if self._lock is None:
-            self._lock = storage.FolderLock(self.dirname).acquire()
+            self._lock = FolderLock(self.dirname).acquire()
 
-    def _unlock(self):
+    def release_folder(self):
+        """Release the folder's lock that training holds (the kernel also
+        releases it when the process ends)."""
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -332,7 +334,7 @@ class ParamsCheckpoint(Checkpoint):
     def _check_picklable(self, net):
         with unwrapped(net):
             try:
-                pickle.dump(net, _Discard())
+                pickle.dump(net, _NullWriter())
             except Exception as exc:  # pylint: disable=broad-except
                 raise pickle.PicklingError(
                     f"{type(self).__name__}: f_pickle={self.f_pickle!r} is set "
@@ -348,26 +350,12 @@ class ParamsCheckpoint(Checkpoint):
             net.history.record(self.event_name, do_checkpoint)
         if do_checkpoint:
             self.save_model(net)
-            self._sink_main(net, "A checkpoint was triggered in epoch {}.".format(
+            say(net, self.sink, "A checkpoint was triggered in epoch {}.".format(
                 len(net.history) + 1))
 
     def _monitor_says(self, net):
         """skorch's decision whether to checkpoint, from this rank's history."""
-        if "{}_best".format(self.monitor) in net.history[-1]:
-            warnings.warn(
-                "Checkpoint monitor parameter is set to '{0}' and the history "
-                "contains '{0}_best'. Perhaps you meant to set the parameter "
-                "to '{0}_best'".format(self.monitor), UserWarning)
-        if self.monitor is None:
-            return True
-        if callable(self.monitor):
-            return self.monitor(net)
-        try:
-            return net.history[-1, self.monitor]
-        except KeyError as e:
-            raise SkorchException(
-                f"{e.args[0]} Make sure you have validation data if you use "
-                "validation scores for checkpointing.") from e
+        return triggers.monitor_says(net, self.monitor, type(self).__name__)
 
     def save_model(self, net):
         """Save the model; call it on every process.
@@ -382,7 +370,7 @@ class ParamsCheckpoint(Checkpoint):
         """
         kwargs_module, kwargs_other = _check_f_arguments(
             self.__class__.__name__, **self._f_kwargs())
-        self._staged = storage.StagedFiles(self.journal_path)
+        self._staged = atomic.StagedFiles(self.journal_path)
         try:
             with unwrapped(net):
                 self._write_files(net, kwargs_module, kwargs_other)
@@ -458,7 +446,7 @@ class ParamsCheckpoint(Checkpoint):
             if self.on_error == 'raise':
                 exc.add_note(f"{type(self).__name__} was saving {log_name} to {f}")
                 raise
-            self._sink_main(net, message)
+            say(net, self.sink, message)
             warnings.warn(message, UserWarning, stacklevel=3)
             if self._staged is not None:
                 # the rest of the save would only be thrown away
@@ -467,19 +455,15 @@ class ParamsCheckpoint(Checkpoint):
     def on_train_end(self, net, **kwargs):
         try:
             if self.load_best and self.monitor is not None:
-                self._sink_main(net, "Loading best checkpoint after training.")
+                say(net, self.sink, "Loading best checkpoint after training.")
                 _load_everywhere(
                     net, f"{type(self).__name__}: loading the best checkpoint",
                     checkpoint=self, use_safetensors=self.use_safetensors)
         finally:
-            self._unlock()
-
-    def _sink_main(self, net, text):
-        if sync.is_main_process(net):
-            self._sink(text, net.verbose)
+            self.release_folder()
 
 
-class TrainEndParamsCheckpoint(TrainEndCheckpoint):
+class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
     """Save the model at the end of training; correct in every process.
 
     A drop-in for :class:`skorch.callbacks.TrainEndCheckpoint` (default
@@ -545,8 +529,9 @@ class TrainEndParamsCheckpoint(TrainEndCheckpoint):
             dirname=dirname, use_safetensors=use_safetensors, sink=sink, **kwargs)
 
     def initialize(self):
+        _check_arguments(self)
         if hasattr(self, 'checkpoint_'):
-            self.checkpoint_._unlock()
+            self.checkpoint_.release_folder()
         self.checkpoint_ = ParamsCheckpoint(
             monitor=None,
             fn_prefix=self.fn_prefix,
@@ -567,13 +552,13 @@ class TrainEndParamsCheckpoint(TrainEndCheckpoint):
     def on_train_end(self, net, **kwargs):
         try:
             self.checkpoint_.save_model(net)
-            self.checkpoint_._sink_main(net, "Final checkpoint triggered")
+            say(net, self.sink, "Final checkpoint triggered")
         finally:
-            self.checkpoint_._unlock()
+            self.checkpoint_.release_folder()
         return self
 
 
-class LoadInitParams(LoadInitState):
+class LoadInitParams(InitParamsOnly, LoadInitState):
     """Load a checkpoint into the net when training begins, on every rank.
 
     A drop-in for :class:`skorch.callbacks.LoadInitState`. Every rank loads

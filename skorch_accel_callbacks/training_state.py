@@ -17,20 +17,22 @@ import warnings
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from skorch.callbacks import EpochScoring, PrintLog
 from skorch.history import History
 
-from skorch_accel_callbacks.storage import read_json, write_json
+from skorch_accel_callbacks import accelerate_io
+from skorch_accel_callbacks.atomic import read_json, write_json
 
 __all__ = [
-    'StateOnDisk',
     'HISTORY_NAME',
     'CALLBACKS_NAME',
     'CALLBACK_TENSORS_NAME',
     'rank_state_name',
     'capture_rng',
     'restore_rng',
+    'epoch_completed',
     'find_train_loader',
     'optimizer_hyperparameters',
     'restore_optimizer_hyperparameters',
@@ -66,6 +68,12 @@ _OWN_STATE = '<state_dict>'
 
 
 # ---------------------------------------------------------------- history
+
+def epoch_completed(net):
+    """Whether the last epoch of the history ran to its end (skorch records
+    ``train_loss`` when an epoch's training batches are all done)."""
+    return bool(net.history) and 'train_loss' in net.history[-1]
+
 
 def save_history(folder, net):
     net.history.to_file(f"{folder}/{HISTORY_NAME}")
@@ -121,7 +129,7 @@ def find_train_loader(net, dataset_train):
     accelerator = getattr(net, 'accelerator', None)
     if accelerator is None or dataset_train is None:
         return None
-    for loader in reversed(accelerator._dataloaders):
+    for loader in reversed(accelerate_io.dataloaders(accelerator)):
         if getattr(loader, 'dataset', None) is dataset_train:
             return loader
     return None
@@ -148,7 +156,6 @@ def save_rank_state(folder, rank, loader):
 
 def load_rank_state(folder, rank):
     path = f"{folder}/{rank_state_name(rank)}"
-    from safetensors import safe_open
     with safe_open(path, framework='pt') as f:
         metadata = f.metadata() or {}
         state = {'loader_iteration': int(metadata.get('loader_iteration', 0))}
@@ -167,17 +174,6 @@ def apply_rank_state(loader, state):
 
 
 # ---------------------------------------------------------------- callbacks
-
-class StateOnDisk:
-    """Mixin for a callback whose state is its checkpoint folder: resuming
-    carries nothing for it in callbacks.json."""
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
-
 
 class _Encoder:
     """JSON for scalars and containers; tensors go to a safetensors file."""

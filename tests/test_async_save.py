@@ -18,7 +18,7 @@ from common import make_accelerator, make_data, make_net
 from conftest import read_results
 from launcher import launch
 from resume_runs import assert_identical, final_state
-from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, async_save
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, accelerate_io
 
 
 def run(folder, tag, nproc=2, expect_ok=True, dirname='ckpt', **env):
@@ -74,7 +74,7 @@ def test_failed_background_write_raises_on_every_rank(tmp_path, epoch):
 
 def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
     writing, overlaps, written = [], [], []
-    original = async_save._write
+    original = accelerate_io.write_large_state
 
     def slow_write(folder, *args):
         overlaps.append(len(writing))
@@ -84,7 +84,7 @@ def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
         written.append(folder)
         writing.remove(folder)
 
-    monkeypatch.setattr(async_save, '_write', slow_write)
+    monkeypatch.setattr(accelerate_io, 'write_large_state', slow_write)
     cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'), async_save=True)
     torch.manual_seed(0)
     net = make_net(make_accelerator(), callbacks=[cp, AccelerateLoadInitState(cp)],
@@ -101,13 +101,13 @@ def test_snapshot_is_taken_when_saving(tmp_path, monkeypatch):
     """Weights changed while the files are written do not reach the files."""
     release = threading.Event()
     release.set()
-    original = async_save._write
+    original = accelerate_io.write_large_state
 
     def held_write(*args):
         release.wait(10)
         original(*args)
 
-    monkeypatch.setattr(async_save, '_write', held_write)
+    monkeypatch.setattr(accelerate_io, 'write_large_state', held_write)
     cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'), async_save=True).initialize()
     net = make_net(make_accelerator(), callbacks=[cp], max_epochs=1).initialize()
     net.partial_fit(*make_data(n=64))  # trains, saves, waits

@@ -24,7 +24,9 @@ from conftest import read_results
 from launcher import launch
 from skorch_accel_callbacks import (LoadInitParams, ParamsCheckpoint, RankError,
                                     TrainEndParamsCheckpoint)
-from skorch_accel_callbacks.storage import LOCK_NAME, TEMP_MARK, CorruptCheckpointError
+from skorch_accel_callbacks.atomic import TEMP_MARK
+from skorch_accel_callbacks.errors import CorruptCheckpointError
+from skorch_accel_callbacks.lock import LOCK_NAME
 from common import MLP, make_data
 
 

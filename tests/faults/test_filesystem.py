@@ -19,7 +19,7 @@ import pytest
 
 from faultsuite import final_state, read_json, reference, run_job  # noqa: F401
 from resume_runs import assert_identical
-from skorch_accel_callbacks import storage
+from skorch_accel_callbacks import manifest
 
 NO_SPACE = os.strerror(errno.ENOSPC)
 PR_CAPBSET_DROP = 24
@@ -63,7 +63,7 @@ def fs(reference, tmp_path_factory):
                     os.remove(os.path.join(tmpfs, name))
             after_failure = {
                 'latest': read_json(os.path.join(tmpfs, 'ckpt', 'latest.json')),
-                'epoch1_manifest': storage.read_manifest(os.path.join(tmpfs, 'ckpt',
+                'epoch1_manifest': manifest.read(os.path.join(tmpfs, 'ckpt',
                                                                       'epoch-0001'))}
             run_job('killable.py', results, os.path.join(tmpfs, 'ckpt'), 'resumed').check()
             resumed = {'state': final_state(results, 'resumed'),

@@ -20,7 +20,7 @@ from faultsuite import WORKERS
 import faultjob  # noqa: E402 (faultsuite puts the workers on sys.path)
 from common import make_accelerator, make_data, make_net
 from launcher import REPO
-from skorch_accel_callbacks import LoadInitParams, ParamsCheckpoint, storage
+from skorch_accel_callbacks import LoadInitParams, ParamsCheckpoint, atomic, lock
 
 DEADLINE_S = 180
 
@@ -50,7 +50,7 @@ def test_second_job_refused_and_killed_holder_leaves_no_stale_lock(tmp_path):
     holder = start_holder(tmp_path, ckpt)
     try:
         net, _ = faultjob.build(str(ckpt))
-        with pytest.raises(storage.FolderInUseError,
+        with pytest.raises(lock.FolderInUseError,
                            match=f"checkpoint folder {ckpt} is in use by another running "
                                  rf"job \(pid {holder.pid} on host {socket.gethostname()}"):
             net.fit(*faultjob.data())
@@ -58,19 +58,19 @@ def test_second_job_refused_and_killed_holder_leaves_no_stale_lock(tmp_path):
         assert len(net.history) == 0
         # the refused job removed nothing of the running one's
         assert (ckpt / 'epoch-0002.partial').is_dir()
-        assert storage.read_json(ckpt / 'latest.json') == {'name': 'epoch-0001'}
+        assert atomic.read_json(ckpt / 'latest.json') == {'name': 'epoch-0001'}
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     # the kernel released the dead holder's flock; the lock file stays
-    assert (ckpt / storage.LOCK_NAME).exists()
+    assert (ckpt / lock.LOCK_NAME).exists()
     net, cp = faultjob.build(str(ckpt))
     net.fit(*faultjob.data())
     assert faultjob.loaded_from(net) == str(ckpt / 'epoch-0001')
     assert len(net.history) == faultjob.EPOCHS
     assert not (ckpt / 'epoch-0002.partial').exists()
     # and this job released it at the end of training
-    storage.FolderLock(ckpt).acquire().release()
+    lock.FolderLock(ckpt).acquire().release()
 
 
 def params_job(ckpt):
@@ -84,19 +84,19 @@ def test_params_checkpoint_second_job_refused_then_lock_free(tmp_path):
     ckpt = tmp_path / 'ckpt'
     holder = start_holder(tmp_path, ckpt, 'params_killable.py', '2:before-journal:0')
     try:
-        staged = sorted(p.name.split(storage.TEMP_MARK)[0] for p in ckpt.iterdir()
-                        if storage.TEMP_MARK in p.name)
+        staged = sorted(p.name.split(atomic.TEMP_MARK)[0] for p in ckpt.iterdir()
+                        if atomic.TEMP_MARK in p.name)
         assert staged == ['.history.json', '.optimizer.pt', '.params.pt']
         net, _ = params_job(ckpt)
-        with pytest.raises(storage.FolderInUseError,
+        with pytest.raises(lock.FolderInUseError,
                            match=f"checkpoint folder {ckpt} is in use by another running "
                                  rf"job \(pid {holder.pid} on host"):
             net.fit(*make_data(n=64))
         # refused before its first epoch: its history is the holder's saved
         # epoch 1 that LoadInitParams read; none of the holder's files touched
         assert len(net.history) == 1
-        assert sorted(p.name.split(storage.TEMP_MARK)[0] for p in ckpt.iterdir()
-                      if storage.TEMP_MARK in p.name) == staged
+        assert sorted(p.name.split(atomic.TEMP_MARK)[0] for p in ckpt.iterdir()
+                      if atomic.TEMP_MARK in p.name) == staged
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -104,6 +104,6 @@ def test_params_checkpoint_second_job_refused_then_lock_free(tmp_path):
     net.fit(*make_data(n=64))
     # epoch 1's save loaded, then 2 epochs trained (skorch's LoadInitState)
     assert len(net.history) == 3
-    assert not [p.name for p in ckpt.iterdir() if storage.TEMP_MARK in p.name]
+    assert not [p.name for p in ckpt.iterdir() if atomic.TEMP_MARK in p.name]
     # released at the end of training
-    storage.FolderLock(ckpt).acquire().release()
+    lock.FolderLock(ckpt).acquire().release()

@@ -11,7 +11,7 @@ stays complete, and resuming from it ends bit-identical.
 from faultsuite import (COLLECTIVE_TIMEOUT, final_state, read_json,  # noqa: F401
                         reference, run_job)
 from resume_runs import assert_identical
-from skorch_accel_callbacks import storage
+from skorch_accel_callbacks import manifest
 
 GRACE = 3 * COLLECTIVE_TIMEOUT
 
@@ -26,7 +26,7 @@ def assert_rank0_failed_on_its_own(result, folder, tag):
 
 def assert_epoch1_intact(ckpt):
     assert read_json(ckpt / 'latest.json') == {'name': 'epoch-0001'}
-    storage.read_manifest(ckpt / 'epoch-0001')
+    manifest.read(ckpt / 'epoch-0001')
     assert not (ckpt / 'epoch-0002').exists()
 
 

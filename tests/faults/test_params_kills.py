@@ -15,7 +15,7 @@ import random
 
 from faultsuite import read_json, run_job
 from params_killable import PARAMS_POINTS
-from skorch_accel_callbacks.storage import TEMP_MARK
+from skorch_accel_callbacks.atomic import TEMP_MARK
 
 
 def test_params_checkpoint_kills_load_one_whole_save(tmp_path, record_property):

@@ -19,7 +19,7 @@ import random
 from faultsuite import final_state, read_json, reference, run_job  # noqa: F401 (fixture)
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
 from resume_runs import assert_identical
-from skorch_accel_callbacks import storage
+from skorch_accel_callbacks import folder, manifest
 
 KILLS_PER_RUN = 3
 MIN_KILLS = 20
@@ -50,7 +50,7 @@ def pointed(ckpt):
     except FileNotFoundError:
         return None
     path = ckpt / name
-    storage.read_manifest(path)  # raises naming the file if it is not complete
+    manifest.read(path)  # raises naming the file if it is not complete
     return str(path)
 
 
@@ -62,7 +62,7 @@ def one_run(seed, folder, reference, figures):
     for launch_no in range(KILLS_PER_RUN + 1):
         tag = f'launch{launch_no}'
         expected = pointed(ckpt)
-        epoch_done = read_json(os.path.join(expected, storage.MANIFEST_NAME))['epoch'] \
+        epoch_done = read_json(os.path.join(expected, manifest.MANIFEST_NAME))['epoch'] \
             if expected else 0
         env = dict(mode)
         if kills < KILLS_PER_RUN and epoch_done < EPOCHS:
@@ -91,7 +91,7 @@ def one_run(seed, folder, reference, figures):
     else:
         raise AssertionError(f"run {seed} did not finish in {KILLS_PER_RUN + 1} launches")
     assert_identical(final_state(reference, 'ref'), final_state(folder, tag))
-    assert not [name for name in os.listdir(ckpt) if name.endswith(storage.PARTIAL_SUFFIX)]
+    assert not [name for name in os.listdir(ckpt) if name.endswith(folder.PARTIAL_SUFFIX)]
 
 
 def test_random_kills_lose_nothing(reference, tmp_path, record_property):

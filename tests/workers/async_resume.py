@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import resume
 from common import write_result
-from skorch_accel_callbacks import async_save
+from skorch_accel_callbacks import accelerate_io
 
 COLLECTIVES = ('barrier', 'broadcast', 'broadcast_object_list', 'all_gather',
                'all_gather_object', 'gather_object', 'all_reduce', 'reduce', 'gather')
@@ -37,7 +37,7 @@ def epoch_of(path):
 
 
 def hook_writer():
-    original = async_save.save
+    original = accelerate_io.save
     slow_epoch, seconds = map(float, os.environ.get('SLOW_WRITE', '0:0').split(':'))
     fail_epoch = int(os.environ.get('BG_FAIL', '0'))
 
@@ -48,7 +48,7 @@ def hook_writer():
         if epoch_of(f) == slow_epoch and str(f).endswith('model.safetensors'):
             time.sleep(seconds)
 
-    async_save.save = save
+    accelerate_io.save = save
 
 
 def kill_only_after_model_file(dirname):

@@ -38,7 +38,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 from common import (MLP, FixedNet, StockNet, make_accelerator, make_data, make_net,
                     params_digest, plain_criterion, rank, write_result)
 from skorch_accel_callbacks import (AccelerateCheckpoint, AccelerateLoadInitState,
-                                    storage, sync, training_state)
+                                    manifest, sync, training_state)
 
 
 class KillAt(Callback):
@@ -64,14 +64,14 @@ class KillAt(Callback):
 
 def kill_inside_save(epoch):
     """SIGKILL the committer after the checkpoint files are written, before commit."""
-    original = storage.commit_folder
+    original = manifest.write
 
-    def commit_then_die(partial, final, manifest, **kwargs):
-        if manifest['epoch'] == epoch:
+    def commit_then_die(folder, sealed, durable):
+        if sealed['epoch'] == epoch:
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(partial, final, manifest, **kwargs)
+        return original(folder, sealed, durable)
 
-    storage.commit_folder = commit_then_die
+    manifest.write = commit_then_die
 
 
 def fail_save(failing_rank, epoch):

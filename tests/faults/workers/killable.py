@@ -32,7 +32,7 @@ from skorch.callbacks import Callback
 import faultjob
 from common import rank
 from faultjob import EpochTracker, die, hold
-from skorch_accel_callbacks import async_save, storage, sync, training_state
+from skorch_accel_callbacks import accelerate_io, atomic, folder, manifest, sync, training_state
 
 
 def half_written(path, write):
@@ -91,7 +91,7 @@ class Instrument:
             return save(obj, f, **kwargs)
 
         accelerate.checkpointing.save = accelerate_save
-        async_save.save = accelerate_save
+        accelerate_io.save = accelerate_save
 
         torch_save = torch.save
 
@@ -113,11 +113,11 @@ class Instrument:
 
         training_state.save_file = rank_state_save
 
-        write_json = storage.write_json
+        write_json = atomic.write_json
 
         def json_write(path, obj, **kwargs):
             name = os.path.basename(path)
-            which = {storage.MANIFEST_NAME: 'manifest', 'latest.json': 'pointer'}.get(name)
+            which = {manifest.MANIFEST_NAME: 'manifest', 'latest.json': 'pointer'}.get(name)
             # the manifest's path names the epoch; the pointer's content does
             epoch_path = path if which == 'manifest' else obj.get('name', '')
             if which:
@@ -128,12 +128,12 @@ class Instrument:
             if which:
                 fire(f'after-{which}', epoch_path)
 
-        storage.write_json = json_write
+        atomic.write_json = json_write
 
         replace = os.replace
 
         def os_replace(src, dst):
-            renaming = str(src).endswith(storage.PARTIAL_SUFFIX)
+            renaming = str(src).endswith(folder.PARTIAL_SUFFIX)
             if renaming:
                 fire('before-rename', src)
             replace(src, dst)
@@ -142,25 +142,25 @@ class Instrument:
 
         os.replace = os_replace
 
-        discard = storage.discard
+        discard = atomic.discard_in_background
 
         def discard_folder(path):
             fire('before-discard')
             return discard(path)
 
-        storage.discard = discard_folder
+        atomic.discard_in_background = discard_folder
 
-        remove = storage._remove
+        remove = atomic.remove
 
         def remove_part(path):
-            if storage.DISCARD_MARK in path and due('in-discard'):
+            if atomic.DISCARD_MARK in path and due('in-discard'):
                 # remove some of the files, as rmtree would before the kill
                 for name in sorted(os.listdir(path))[:3]:
                     os.remove(os.path.join(path, name))
                 die('in-discard')
             return remove(path)
 
-        storage._remove = remove_part
+        atomic.remove = remove_part
 
 
 class BatchKiller(Callback):

@@ -24,8 +24,8 @@ from skorch.hf import AccelerateMixin
 from common import make_accelerator, make_data, make_net, params_digest, rank
 from faultjob import EpochTracker, die, hold
 from skorch_accel_callbacks import (AccelerateFixesMixin, LoadInitParams, ParamsCheckpoint,
-                                    storage, unwrapped)
-from skorch_accel_callbacks.storage import TEMP_MARK
+                                    atomic, unwrapped)
+from skorch_accel_callbacks.atomic import TEMP_MARK
 
 FILES = ('params.pt', 'optimizer.pt', 'history.json')
 PARAMS_POINTS = ('batch-1', 'batch-2', 'params-half', 'before-journal',
@@ -78,7 +78,7 @@ def install_rename_points():
 
     os.replace = os_replace
 
-    write_json = storage.write_json
+    write_json = atomic.write_json
 
     def journal_write(path, obj, **kwargs):
         journal = path.endswith('commit.json')
@@ -88,7 +88,7 @@ def install_rename_points():
         if journal and due('after-journal'):
             stop('after-journal')
 
-    storage.write_json = journal_write
+    atomic.write_json = journal_write
 
 
 def snapshot(net):

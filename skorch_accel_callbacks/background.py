@@ -1,4 +1,4 @@
-"""Checkpoints written in the background: ``AccelerateCheckpoint(async_save=True)``.
+"""Saves written in the background: ``AccelerateCheckpoint(async_save=True)``.
 
 Training is blocked only while the model and optimizer states are copied
 into host memory (into buffers kept from one save to the next, so the copy
@@ -9,43 +9,16 @@ accelerate writes the model and optimizer files on the committing process
 only, so only that process has a background thread, and the thread needs
 nothing from the other ranks. It never runs a collective: one from a second
 thread would interleave with the collectives of training.
-
-Only accelerate's plain paths (one process, DDP on CPUs or GPUs) are
-supported: FSDP, DeepSpeed and Megatron-LM save their models through
-collectives of their own.
 """
 
 import threading
 
 import numpy as np
 import torch
-from accelerate.checkpointing import save_accelerator_state, save_custom_state
-from accelerate.utils import (
-    OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME, DistributedType, save)
 
-__all__ = ['BackgroundSaver', 'check_supported']
+from skorch_accel_callbacks import accelerate_io
 
-_UNSUPPORTED = (
-    DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM,
-    DistributedType.XLA)
-
-
-def check_supported(accelerator):
-    if accelerator.distributed_type in _UNSUPPORTED:
-        raise ValueError(
-            f"async_save=True does not support {accelerator.distributed_type}: its "
-            "models are saved with collectives, which must not run in a background "
-            "thread; use async_save=False")
-
-
-def _model_file(index, safe_serialization):
-    # accelerate's names (checkpointing.save_accelerator_state)
-    name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
-    return name if index == 0 else name.replace('.', f'_{index}.')
-
-
-def _optimizer_file(index):
-    return f'{OPTIMIZER_NAME}.bin' if index == 0 else f'{OPTIMIZER_NAME}_{index}.bin'
+__all__ = ['BackgroundSaver', 'copy_into']
 
 
 class BackgroundSaver:
@@ -53,7 +26,8 @@ class BackgroundSaver:
 
     One save at a time: :meth:`join` must be called before the next
     :meth:`snapshot`, which overwrites the buffers the previous save wrote
-    from.
+    from. A copy (pickle, deepcopy) of a saver has no save in flight and no
+    buffers.
     """
 
     def __init__(self):
@@ -61,41 +35,28 @@ class BackgroundSaver:
         self._thread = None
         self._error = None
 
+    def __getstate__(self):
+        return {'_buffers': {}, '_thread': None, '_error': None}
+
     # ------------------------------------------------------------ foreground
 
     def snapshot(self, accelerator, folder, safe_serialization, writer):
         """Write the small files of ``accelerator.save_state`` into
         ``folder``, and return a copy of the model and optimizer states that
         :meth:`start` writes (``None`` on a rank that writes none).
-
-        Random states, schedulers, grad scaler, samplers and custom objects
-        are written now, by accelerate's own functions, as ``save_state``
-        would: they are small, and the random states must be those of now.
         """
         if self._thread is not None:
             raise RuntimeError("the previous background save was not joined")
-        models = [accelerator.get_state_dict(model, unwrap=False)
-                  for model in accelerator._models]
-        optimizers = [optimizer.state_dict() for optimizer in accelerator._optimizers]
-        if writer:
-            memo = {}
-            models = [self._copy(state, ('model', i), memo)
-                      for i, state in enumerate(models)]
-            optimizers = [self._copy(state, ('optimizer', i), memo)
-                          for i, state in enumerate(optimizers)]
-        for hook in accelerator._save_model_state_pre_hook.values():
-            hook(accelerator._models, models, folder)
-        save_on_each_node = accelerator.project_configuration.save_on_each_node
-        save_accelerator_state(
-            folder, [], [], accelerator._schedulers, accelerator._dataloaders,
-            accelerator.state.process_index, accelerator.step, accelerator.scaler,
-            save_on_each_node=save_on_each_node, safe_serialization=safe_serialization)
-        for i, obj in enumerate(accelerator._custom_objects):
-            save_custom_state(obj, folder, i, save_on_each_node=save_on_each_node)
-        accelerator.project_configuration.iteration += 1
+        models, optimizers = accelerate_io.save_state_in_two(
+            accelerator, folder, safe_serialization)
         if not writer:
             return None
-        return (models, optimizers, save_on_each_node, safe_serialization)
+        memo = {}
+        models = [self._copy(state, ('model', i), memo) for i, state in enumerate(models)]
+        optimizers = [self._copy(state, ('optimizer', i), memo)
+                      for i, state in enumerate(optimizers)]
+        return (models, optimizers, accelerate_io.save_on_each_node(accelerator),
+                safe_serialization)
 
     def _copy(self, obj, key, memo):
         """``obj`` with every tensor copied into a host buffer kept under ``key``."""
@@ -129,7 +90,7 @@ class BackgroundSaver:
         def run():
             try:
                 if snapshot is not None:
-                    _write(folder, *snapshot)
+                    accelerate_io.write_large_state(folder, *snapshot)
                 then()
             except BaseException as exc:  # pylint: disable=broad-except
                 self._error = exc
@@ -164,20 +125,9 @@ def copy_into(buffer, tensor):
 
     A host copy is bound by memory bandwidth, which one thread reaches;
     torch's intra-op threads wait for each other, and stall when the
-    machine is busy: 1.1 s instead of 0.13 s for 288 MiB, measured on a
-    shared 2-core machine.
+    machine is busy (benchmarks/RESULTS.rst).
     """
     if tensor.device.type == 'cpu' and tensor.dim() and tensor.is_contiguous():
         np.copyto(buffer.view(torch.uint8).numpy(), tensor.view(torch.uint8).numpy())
     else:
         buffer.copy_(tensor)
-
-
-def _write(folder, models, optimizers, save_on_each_node, safe_serialization):
-    """The files ``save_state`` writes for models and optimizers."""
-    for i, state in enumerate(models):
-        save(state, f"{folder}/{_model_file(i, safe_serialization)}",
-             save_on_each_node=save_on_each_node, safe_serialization=safe_serialization)
-    for i, state in enumerate(optimizers):
-        save(state, f"{folder}/{_optimizer_file(i)}",
-             save_on_each_node=save_on_each_node, safe_serialization=False)

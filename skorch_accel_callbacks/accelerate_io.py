@@ -1,0 +1,160 @@
+"""Every use of accelerate's internals, in one place.
+
+The package needs more of an ``Accelerator`` than its public API gives: the
+registries of prepared models, optimizers and loaders, accelerate's file
+names, and the body of ``Accelerator.save_state`` split in two for saves in
+the background (the small files now, the model and optimizer files later).
+Tested against accelerate 1.15; ``tests/test_accelerate_io.py`` checks that
+a save through :func:`save_state_in_two` writes the same files with the same
+contents as ``Accelerator.save_state``, so an accelerate upgrade that moves
+these internals fails one obvious test.
+"""
+
+from accelerate.checkpointing import save_accelerator_state, save_custom_state
+from accelerate.utils import (
+    OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME, DistributedType,
+    load, save)
+
+__all__ = [
+    'check_plain_state',
+    'dataloaders',
+    'load_state',
+    'load_weights_only',
+    'models',
+    'optimizers',
+    'prune_registries',
+    'rng_file',
+    'save_on_each_node',
+    'save_state',
+    'save_state_in_two',
+    'uses_automatic_naming',
+    'write_large_state',
+]
+
+# back-ends that save models through collectives of their own
+_NOT_PLAIN = (
+    DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM,
+    DistributedType.XLA)
+
+
+# ---------------------------------------------------------------- registries
+
+def models(accelerator):
+    """The bare models ``save_state`` saves, in the order of its files."""
+    return accelerator._models
+
+
+def optimizers(accelerator):
+    """The prepared optimizers, in the order of ``save_state``'s files."""
+    return accelerator._optimizers
+
+
+def dataloaders(accelerator):
+    """The prepared data loaders, oldest first."""
+    return accelerator._dataloaders
+
+
+def prune_registries(accelerator, keep):
+    """Remove objects from the model, optimizer and scheduler registries.
+
+    ``keep(obj, seen)`` says whether ``obj`` stays; ``seen`` is the set of
+    ids kept so far in that registry.
+    """
+    for registry in (accelerator._models, accelerator._optimizers,
+                     accelerator._schedulers):
+        seen = set()
+        kept = []
+        for obj in registry:
+            if keep(obj, seen):
+                seen.add(id(obj))
+                kept.append(obj)
+        registry[:] = kept
+
+
+# ---------------------------------------------------------------- settings
+
+def save_on_each_node(accelerator):
+    return bool(accelerator.project_configuration.save_on_each_node)
+
+
+def uses_automatic_naming(accelerator):
+    return bool(accelerator.project_configuration.automatic_checkpoint_naming)
+
+
+def check_plain_state(accelerator, what):
+    """Raise ``ValueError`` if the back-end saves models with collectives."""
+    if accelerator.distributed_type in _NOT_PLAIN:
+        raise ValueError(
+            f"{what} does not support {accelerator.distributed_type}: its models "
+            "are saved with collectives of their own; supported are one process "
+            "and DDP (MULTI_CPU, MULTI_GPU)")
+
+
+# ---------------------------------------------------------------- files
+
+def rng_file(rank):
+    """accelerate's name for a rank's random states."""
+    return f'{RNG_STATE_NAME}_{rank}.pkl'
+
+
+def _model_file(index, safe_serialization):
+    name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
+    return name if index == 0 else name.replace('.', f'_{index}.')
+
+
+def _optimizer_file(index):
+    return f'{OPTIMIZER_NAME}.bin' if index == 0 else f'{OPTIMIZER_NAME}_{index}.bin'
+
+
+def load_weights_only(file):
+    """Load a file of ``save_state`` the way ``load_state`` does, without
+    executing code (``torch.load(weights_only=True)``)."""
+    return load(file)
+
+
+# ---------------------------------------------------------------- save / load
+
+def save_state(accelerator, folder, safe_serialization):
+    accelerator.save_state(folder, safe_serialization=safe_serialization)
+
+
+def load_state(accelerator, folder):
+    accelerator.load_state(folder)
+
+
+def save_state_in_two(accelerator, folder, safe_serialization):
+    """Write what ``save_state`` writes except the model and optimizer files.
+
+    Returns the model and optimizer state dicts (live tensors) for
+    :func:`write_large_state`; together the two write what
+    ``Accelerator.save_state`` writes, for one process and DDP. The random
+    states written now are those of now.
+    """
+    check_plain_state(accelerator, 'a save in two steps')
+    model_states = [accelerator.get_state_dict(model, unwrap=False)
+                    for model in accelerator._models]
+    optimizer_states = [optimizer.state_dict() for optimizer in accelerator._optimizers]
+    for hook in accelerator._save_model_state_pre_hook.values():
+        hook(accelerator._models, model_states, folder)
+    each_node = save_on_each_node(accelerator)
+    save_accelerator_state(
+        folder, [], [], accelerator._schedulers, accelerator._dataloaders,
+        accelerator.state.process_index, accelerator.step, accelerator.scaler,
+        save_on_each_node=each_node, safe_serialization=safe_serialization)
+    for i, obj in enumerate(accelerator._custom_objects):
+        save_custom_state(obj, folder, i, save_on_each_node=each_node)
+    accelerator.project_configuration.iteration += 1
+    return model_states, optimizer_states
+
+
+def write_large_state(folder, model_states, optimizer_states, each_node, safe_serialization):
+    """The model and optimizer files of ``save_state``, from state dicts.
+
+    Runs on any thread: it touches no accelerator and runs no collective.
+    """
+    for i, state in enumerate(model_states):
+        save(state, f"{folder}/{_model_file(i, safe_serialization)}",
+             save_on_each_node=each_node, safe_serialization=safe_serialization)
+    for i, state in enumerate(optimizer_states):
+        save(state, f"{folder}/{_optimizer_file(i)}",
+             save_on_each_node=each_node, safe_serialization=False)

@@ -1,0 +1,77 @@
+"""What the package's callbacks share.
+
+- Their parameters are their ``__init__`` arguments only: skorch's
+  ``Callback.get_params`` takes every attribute that does not end in ``_``,
+  so a private attribute (``_lock``) would become a constructor argument
+  and break ``sklearn.base.clone`` and ``set_params``.
+- Their place among the net's callbacks: a checkpoint runs after the
+  callbacks whose end-of-epoch state it saves (EarlyStopping, LRScheduler,
+  scoring), a resume before the callbacks whose state it restores, whatever
+  order the user listed them in (Lightning runs its ModelCheckpoint last for
+  the same reason).
+- Messages go to ``sink`` on the main process only.
+"""
+
+from skorch.callbacks import PrintLog
+
+from skorch_accel_callbacks import sync
+
+__all__ = ['FolderStateCallback', 'InitParamsOnly', 'check_sink', 'move_callback', 'say']
+
+
+def check_sink(sink, owner):
+    """Raise ``ValueError`` naming ``owner`` if ``sink`` is not callable."""
+    if not callable(sink):
+        raise ValueError(
+            f"{owner}: sink must be a callable such as print or noop, got {sink!r}")
+
+
+def say(net, sink, text):
+    """Send ``text`` to ``sink`` on the main process; ``print`` only when the
+    net is verbose (as skorch's callbacks do)."""
+    if sync.is_main_process(net) and (sink is not print or net.verbose):
+        sink(text)
+
+
+class InitParamsOnly:
+    """Mixin: ``get_params`` lists public attributes only, never private state."""
+
+    def _get_param_names(self):
+        return [key for key in self.__dict__
+                if not key.endswith('_') and not key.startswith('_')]
+
+
+class FolderStateCallback(InitParamsOnly):
+    """Mixin for a callback whose state is its checkpoint folder: resuming
+    carries nothing for it in callbacks.json."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def move_callback(net, callback, where):
+    """Move ``callback`` to the start (``'first'``) or the end (``'last'``,
+    before PrintLog, so that its history column is printed) of
+    ``net.callbacks_``.
+
+    A new list is assigned, so a ``notify`` that is iterating over the old
+    one is not disturbed.
+    """
+    entries = list(net.callbacks_)
+    index = next((i for i, (_, cb) in enumerate(entries) if cb is callback), None)
+    if index is None:
+        return
+    entry = entries.pop(index)
+    if where == 'first':
+        entries.insert(0, entry)
+    elif where == 'last':
+        position = len(entries)
+        while position > 0 and isinstance(entries[position - 1][1], PrintLog):
+            position -= 1
+        entries.insert(position, entry)
+    else:
+        raise ValueError(f"where must be 'first' or 'last', got {where!r}")
+    net.callbacks_ = entries

@@ -1,0 +1,276 @@
+"""A folder of checkpoints: what is in it, and every change made to it.
+
+A checkpoint is a sub-folder ``epoch-NNNN`` holding a manifest
+(:mod:`~skorch_accel_callbacks.manifest`). It is written as
+``epoch-NNNN.partial`` and committed by a rename once complete, then
+``latest.json`` (and ``best.json``) point at it, and only then are older
+checkpoints retired. A crash at any moment leaves the previous checkpoints
+intact; what a killed job left (partial folders, temporary files, folders
+half removed) is removed by the next job that locks the folder.
+"""
+
+import os
+import re
+import warnings
+
+from skorch_accel_callbacks import accelerate_io, atomic, manifest, sync
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.lock import FolderLock
+
+__all__ = ['CheckpointFolder', 'PARTIAL_SUFFIX', 'POINTERS', 'is_committer']
+
+PARTIAL_SUFFIX = '.partial'
+POINTERS = ('latest', 'best')
+_NAME_RE = re.compile(r'^epoch-(\d+)$')
+_PROBE_PREFIX = '.node-probe-'
+
+
+def is_committer(net):
+    """Whether this process commits checkpoint folders: the main process,
+    or with ``save_on_each_node`` the main process of each node."""
+    if accelerate_io.save_on_each_node(net.accelerator):
+        return sync.is_local_main_process(net)
+    return sync.is_main_process(net)
+
+
+class CheckpointFolder:
+    """The checkpoints in ``dirname``: read them, commit new ones, retire old ones.
+
+    Only the committing process of a job changes the folder, and only while
+    it holds the folder's lock (:meth:`claim`). Reading needs no lock. A
+    copy (pickle, deepcopy) holds no lock and no removal in progress.
+
+    One job at a time uses a folder: from the start of training to its end
+    the committing process holds a lock on ``<dirname>/.lock``, and a second
+    job on the same folder fails when training begins, naming the holder's
+    pid and host. The lock ends with the holder's process, also when it is
+    killed.
+
+    Parameters
+    ----------
+    dirname : str or path-like
+      The folder.
+
+    Attributes
+    ----------
+    resumed_from : str or None
+      Name of the checkpoint this job resumed from; retirement keeps it.
+
+    """
+
+    def __init__(self, dirname):
+        self.dirname = os.fspath(dirname)
+        self.resumed_from = None
+        self._lock = FolderLock(self.dirname)
+        self._claimed = False
+        self._removals = []
+
+    def __getstate__(self):
+        return dict(self.__dict__, _claimed=False, _removals=[])
+
+    # ------------------------------------------------------------ paths
+
+    def path(self, name):
+        return os.path.join(self.dirname, name)
+
+    def partial_path(self, name):
+        return self.path(name) + PARTIAL_SUFFIX
+
+    @staticmethod
+    def name_of(path):
+        """The checkpoint name of a checkpoint folder's path."""
+        return os.path.basename(os.path.normpath(path))
+
+    def _pointer(self, which):
+        return self.path(f'{which}.json')
+
+    # ------------------------------------------------------------ claiming
+
+    def claim(self, net):
+        """Create and lock the folder for this job's training; every rank
+        calls it, and it acts once until :meth:`release`.
+
+        The committing process(es) create the folder, take its lock and
+        remove what killed jobs left: only the job that holds the lock may,
+        since another job's partial folder is still being written. Raises on
+        every rank if any fails: :class:`~skorch_accel_callbacks.lock.FolderInUseError`
+        naming the holder, or :class:`CheckpointError` when
+        ``save_on_each_node`` committers share the folder.
+        """
+        if self._claimed:
+            return
+        committer = is_committer(net)
+        with sync.agree(net, f"preparing checkpoint folder {self.dirname}"):
+            if committer:
+                self._prepare()
+        if accelerate_io.save_on_each_node(net.accelerator) and sync.is_distributed(net):
+            # before the lock, so that two nodes of one job sharing a folder
+            # get this message, not the lock's "another running job"
+            self._check_not_shared(net, committer)
+        with sync.agree(net, f"locking checkpoint folder {self.dirname}"):
+            if committer:
+                self._lock.acquire()
+                self._remove_leftovers()
+        self._claimed = True
+
+    def release(self):
+        """End this job's claim; the lock is released (the kernel also
+        releases it when the process ends)."""
+        self._claimed = False
+        self._lock.release()
+
+    def _prepare(self):
+        if os.path.lexists(self.dirname) and not os.path.isdir(self.dirname):
+            raise NotADirectoryError(
+                f"checkpoint folder {self.dirname} is a file, not a folder")
+        os.makedirs(self.dirname, exist_ok=True)
+        if not os.access(self.dirname, os.W_OK | os.X_OK):
+            raise PermissionError(f"checkpoint folder {self.dirname} is not writable")
+
+    def _remove_leftovers(self):
+        for name in os.listdir(self.dirname):
+            if atomic.is_leftover(name) or name.endswith(PARTIAL_SUFFIX):
+                atomic.remove(self.path(name))
+
+    def _check_not_shared(self, net, committer):
+        """With save_on_each_node, two nodes committing into one shared folder
+        would race; each committer leaves a probe file and looks for others'."""
+        rank = sync.process_index(net)
+        probe = self.path(f'{_PROBE_PREFIX}{rank}')
+        with sync.agree(net, f"probing checkpoint folder {self.dirname}"):
+            if committer:
+                atomic.write_json(probe, {'rank': rank})
+        others = []
+        if committer:
+            others = sorted(
+                int(name[len(_PROBE_PREFIX):]) for name in os.listdir(self.dirname)
+                if name.startswith(_PROBE_PREFIX) and name != os.path.basename(probe))
+        seen = sync.gather(net, others)
+        with sync.agree(net, f"removing probe files in {self.dirname}"):
+            if committer:
+                atomic.discard(probe)
+        clashes = [(rank_, ranks) for rank_, ranks in enumerate(seen) if ranks]
+        if clashes:
+            rank_, ranks = clashes[0]
+            raise CheckpointError(
+                f"save_on_each_node=True, but rank {rank_} and rank(s) {ranks} "
+                f"commit into the same folder {self.dirname}: give each node its own "
+                "dirname, or set save_on_each_node=False on a shared filesystem")
+
+    # ------------------------------------------------------------ reading
+
+    def committed(self):
+        """Names of the committed checkpoint folders, oldest commit first."""
+        if not os.path.isdir(self.dirname):
+            return []
+        found = []
+        for name in os.listdir(self.dirname):
+            path = self.path(name)
+            if _NAME_RE.match(name) and os.path.isdir(path):
+                sealed = os.path.join(path, manifest.MANIFEST_NAME)
+                stamp = os.path.getmtime(sealed) if os.path.exists(sealed) else 0.0
+                found.append((stamp, name))
+        return [name for _, name in sorted(found)]
+
+    def pointed(self, which):
+        """The name ``latest.json`` or ``best.json`` points at, or None."""
+        try:
+            name = atomic.read_json(self._pointer(which)).get('name')
+        except (OSError, ValueError, AttributeError):
+            return None
+        return name if isinstance(name, str) and _NAME_RE.match(name) else None
+
+    def find(self, which='latest'):
+        """Path of the checkpoint to resume from, or None if there is none.
+
+        ``which`` is ``'latest'``, ``'best'`` or the path of a checkpoint
+        folder. For ``'latest'``, a folder that is not a complete checkpoint
+        (a missing or damaged file) is skipped with a warning naming it, and
+        the newest complete one is used.
+
+        Raises
+        ------
+        CorruptCheckpointError
+          A named folder (a path, or ``'best'``) is not a complete checkpoint.
+        CheckpointError
+          A checkpoint is of a newer format; there is no best checkpoint
+          although there are checkpoints; none of the checkpoints is complete.
+        """
+        if which not in POINTERS:
+            manifest.read(which)
+            return os.fspath(which)
+        names = self.committed()
+        if which == 'best':
+            best = self.pointed('best')
+            if best is None:
+                if names:
+                    raise CheckpointError(
+                        f"no best checkpoint in {self.dirname}: only checkpoints saved "
+                        "because of `monitor` are best ones")
+                return None
+            manifest.read(self.path(best))
+            return self.path(best)
+        latest = self.pointed('latest')
+        candidates = ([latest] if latest else []) + [
+            name for name in reversed(names) if name != latest]
+        problems = []
+        for name in candidates:
+            try:
+                manifest.read(self.path(name))
+            except CorruptCheckpointError as exc:
+                warnings.warn(f"skipping checkpoint {self.path(name)}: {exc}", UserWarning)
+                problems.append(str(exc))
+                continue
+            return self.path(name)
+        if problems:
+            raise CheckpointError(
+                f"{self.dirname} holds checkpoints but none is complete: "
+                + '; '.join(problems))
+        return None
+
+    # ------------------------------------------------------------ writing
+
+    def start(self, name):
+        """An empty partial folder for checkpoint ``name``; its path."""
+        partial = self.partial_path(name)
+        atomic.discard(partial)
+        os.makedirs(partial)
+        return partial
+
+    def commit(self, name, sealed, durable, best):
+        """Seal the partial folder of ``name`` with the manifest ``sealed``,
+        rename it into place and point ``latest.json`` (and ``best.json``
+        if ``best``) at it.
+
+        Runs on the committing process, in the background with
+        ``async_save``: it touches no net and runs no collective.
+        """
+        partial = self.partial_path(name)
+        manifest.write(partial, sealed, durable=durable)
+        atomic.replace_folder(partial, self.path(name))
+        atomic.write_json(self._pointer('latest'), {'name': name})
+        if best:
+            atomic.write_json(self._pointer('best'), {'name': name})
+
+    def retire(self, keep_last):
+        """Remove all but the ``keep_last`` newest checkpoints, the best one
+        and the one this job resumed from; the files go in the background."""
+        names = self.committed()
+        keep = set(names[-keep_last:]) | {self.resumed_from, self.pointed('best')}
+        for name in names:
+            if name in keep:
+                continue
+            try:
+                thread = atomic.discard_in_background(self.path(name))
+            except OSError as exc:
+                warnings.warn(f"could not remove old checkpoint {self.path(name)}: {exc}",
+                              UserWarning)
+            else:
+                if thread is not None:
+                    self._removals.append(thread)
+
+    def wait_for_removals(self):
+        """Wait until the retired checkpoints' files are removed."""
+        for thread in self._removals:
+            thread.join()
+        self._removals = []

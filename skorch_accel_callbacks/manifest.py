@@ -1,0 +1,202 @@
+"""The manifest of a checkpoint folder: what it holds and who can resume it.
+
+``manifest.json`` is written last into a checkpoint folder, once every file
+is complete (and flushed, for a durable save): a folder with a readable
+manifest whose files all have the listed sizes is a complete checkpoint.
+It records the format version, the world size, the package versions, the
+model layout (each model's parameter names and shapes, in accelerate's
+order) and the number of optimizers, so that a run that cannot resume from
+it is told why before it trains.
+"""
+
+import functools
+import os
+from importlib.metadata import PackageNotFoundError, version
+
+from skorch_accel_callbacks import accelerate_io, atomic, sync, training_state
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.wrapping import bare_modules
+
+__all__ = [
+    'FORMAT_VERSION',
+    'MANIFEST_NAME',
+    'build',
+    'check_compatible',
+    'check_rank_files',
+    'model_layout',
+    'read',
+    'write',
+]
+
+# on-disk format; a change of what is written bumps it (CHANGES.rst)
+FORMAT_VERSION = 1
+MANIFEST_NAME = 'manifest.json'
+
+
+@functools.cache  # importlib.metadata reads files; versions do not change
+def _package_versions():
+    versions = {}
+    for name in ('torch', 'accelerate', 'skorch', 'skorch-accel-callbacks'):
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def model_layout(net):
+    """Name, parameter names and shapes of each model, in accelerate's order.
+
+    ``accelerator.save_state`` numbers its model files by the position of a
+    model in the accelerator's registry; the names make the order checkable.
+    Raises :class:`CheckpointError` if the registry holds a model that is not
+    one of the net's.
+    """
+    by_id = {id(module): name for name, module in bare_modules(net).items()}
+    layout = []
+    for index, model in enumerate(accelerate_io.models(net.accelerator)):
+        name = by_id.get(id(model))
+        if name is None:
+            raise CheckpointError(
+                f"the accelerator's model {index} ({type(model).__name__}) is not a "
+                "module of this net: accelerator.save_state would save it too. It "
+                "is left over from an earlier initialize() or belongs to another "
+                "net; use AccelerateFixesMixin, which removes stale entries, or a "
+                "fresh Accelerator")
+        shapes = {key: list(value.shape) for key, value in model.state_dict().items()}
+        layout.append([name, shapes])
+    return layout
+
+
+def build(net, name, epoch, best, finished):
+    """The manifest of the checkpoint ``name`` of ``net``, without its files."""
+    return {
+        'format_version': FORMAT_VERSION,
+        'name': name,
+        'epoch': epoch,
+        'best': bool(best),
+        'finished': bool(finished),
+        'world_size': sync.num_processes(net),
+        'save_on_each_node': accelerate_io.save_on_each_node(net.accelerator),
+        'models': model_layout(net),
+        'optimizers': len(accelerate_io.optimizers(net.accelerator)),
+        'versions': _package_versions(),
+    }
+
+
+def _file_sizes(folder):
+    """Relative path -> size of every file below ``folder``."""
+    sizes = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            sizes[os.path.relpath(path, folder)] = os.path.getsize(path)
+    return sizes
+
+
+def write(folder, manifest, durable):
+    """Seal ``folder``: flush its files (if ``durable``), then write the
+    manifest listing each file with its size, atomically."""
+    files = _file_sizes(folder)
+    files.pop(MANIFEST_NAME, None)
+    if durable:
+        atomic.fsync_files([os.path.join(folder, rel) for rel in files])
+    atomic.write_json(os.path.join(folder, MANIFEST_NAME), dict(manifest, files=files))
+
+
+def read(folder):
+    """Read and verify a committed folder's manifest.
+
+    Raises :class:`CorruptCheckpointError` naming the file at fault when the
+    manifest is missing, unreadable or malformed, or when a file it lists
+    is missing or has another size than when it was written; and
+    :class:`CheckpointError` if it is of a newer format than this version
+    reads.
+    """
+    path = os.path.join(folder, MANIFEST_NAME)
+    if not os.path.isdir(folder):
+        raise CorruptCheckpointError(f"{folder} is not a folder")
+    if not os.path.isfile(path):
+        raise CorruptCheckpointError(
+            f"{path} is missing: {folder} is not a complete checkpoint")
+    try:
+        manifest = atomic.read_json(path)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(str(exc)) from exc
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpointError(f"{path} is not a manifest (not a JSON object)")
+    fmt = manifest.get('format_version')
+    if type(fmt) is not int or fmt < 1:
+        raise CorruptCheckpointError(
+            f"{path} has format_version {fmt!r}, not a format number")
+    if fmt > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format {fmt}; this version of "
+            f"skorch-accel-callbacks reads format {FORMAT_VERSION} and older: upgrade it")
+    files = manifest.get('files')
+    if not isinstance(files, dict):
+        raise CorruptCheckpointError(f"{path} lists no files")
+    for rel, size in files.items():
+        file = os.path.join(folder, rel)
+        if not os.path.isfile(file):
+            raise CorruptCheckpointError(f"{file} is missing (listed in {path})")
+        actual = os.path.getsize(file)
+        if actual != size:
+            raise CorruptCheckpointError(
+                f"{file} has {actual} bytes, {path} says {size}: the file is damaged")
+    return manifest
+
+
+def _layout_differences(saved, current):
+    saved_names = [name for name, _ in saved]
+    current_names = [name for name, _ in current]
+    if saved_names != current_names:
+        return [f"models {saved_names} in the checkpoint, {current_names} in the net"]
+    problems = []
+    for (name, old), (_, new) in zip(saved, current):
+        for key in sorted(set(old) | set(new)):
+            if key not in new:
+                problems.append(f"{name}: parameter {key!r} is in the checkpoint, not in the net")
+            elif key not in old:
+                problems.append(f"{name}: parameter {key!r} is in the net, not in the checkpoint")
+            elif old[key] != new[key]:
+                problems.append(
+                    f"{name}: {key!r} has shape {tuple(old[key])} in the checkpoint, "
+                    f"{tuple(new[key])} in the net")
+    return problems
+
+
+def check_compatible(net, manifest, path):
+    """Raise :class:`CheckpointError` if ``net`` cannot resume from ``path``."""
+    world_size = sync.num_processes(net)
+    if manifest.get('world_size') != world_size:
+        raise CheckpointError(
+            f"{path} was written by {manifest.get('world_size')} processes, this run "
+            f"has {world_size}: every rank resumes its own random state and data "
+            "order, so resume with the same number of processes")
+    problems = _layout_differences(manifest.get('models', []), model_layout(net))
+    if problems:
+        raise CheckpointError(
+            f"{path} was saved from another model: " + '; '.join(problems[:5])
+            + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ''))
+    n_optimizers = len(accelerate_io.optimizers(net.accelerator))
+    if manifest.get('optimizers') != n_optimizers:
+        raise CheckpointError(
+            f"{path} holds {manifest.get('optimizers')} optimizer(s), the net has "
+            f"{n_optimizers}")
+
+
+def check_rank_files(path, manifest, rank):
+    """Check that this rank's own files are there and load without code."""
+    for name in (accelerate_io.rng_file(rank), training_state.rank_state_name(rank)):
+        if name not in manifest['files']:
+            raise CorruptCheckpointError(
+                f"{os.path.join(path, name)} is missing: {path} has no state for rank {rank}")
+    rng_file = os.path.join(path, accelerate_io.rng_file(rank))
+    try:
+        # accelerate's load_state silently skips random states it cannot read
+        accelerate_io.load_weights_only(rng_file)
+    except Exception as exc:  # pylint: disable=broad-except
+        raise CorruptCheckpointError(
+            f"{rng_file} cannot be loaded (weights_only): {type(exc).__name__}: {exc}"
+        ) from exc

@@ -1,0 +1,57 @@
+"""When to save: pure policy, no I/O and no collective.
+
+The callbacks evaluate these on the main process and send the answer to
+every rank (:func:`skorch_accel_callbacks.sync.run_on_main`), since the
+ranks' histories can differ.
+"""
+
+import warnings
+
+from skorch.exceptions import SkorchException
+
+__all__ = ['check_monitor', 'epoch_due', 'monitor_says']
+
+
+def check_monitor(monitor, owner):
+    """Raise ``ValueError`` naming ``owner`` if ``monitor`` is not a monitor."""
+    if not (monitor is None or isinstance(monitor, str) or callable(monitor)):
+        raise ValueError(
+            f"{owner}: monitor must be None, a history key or a callable, got {monitor!r}")
+
+
+def epoch_due(net, every_n_epochs):
+    """Whether the epoch that just ended is one of every ``every_n_epochs``
+    (counted from the start of training, over resumes)."""
+    return len(net.history) % every_n_epochs == 0
+
+
+def monitor_says(net, monitor, owner):
+    """skorch's decision whether to save, from the last epoch of the history.
+
+    ``None`` says yes; a callable is asked with the net; a string is a
+    boolean column of the history, such as ``'valid_loss_best'``. As in
+    skorch, a monitor ``'X'`` beside a column ``'X_best'`` warns that
+    ``'X_best'`` was probably meant (``'X'`` is a number, true in every
+    epoch).
+
+    Raises
+    ------
+    SkorchException
+      The column is not in the last epoch of the history.
+    """
+    if monitor is None:
+        return True
+    if callable(monitor):
+        return bool(monitor(net))
+    last = net.history[-1]
+    if f"{monitor}_best" in last:
+        warnings.warn(
+            f"Checkpoint monitor parameter is set to '{monitor}' and the history "
+            f"contains '{monitor}_best'. Perhaps you meant to set the parameter "
+            f"to '{monitor}_best'", UserWarning)
+    if monitor not in last:
+        raise SkorchException(
+            f"{owner}: monitor {monitor!r} is not in the history of this epoch. "
+            "Make sure you have validation data if you use validation scores for "
+            "checkpointing.")
+    return bool(last[monitor])
