@@ -1,11 +1,12 @@
-# `make demo` runs the main job, `make test` the whole test suite; both set up
-# their own virtual environment with the pinned dependencies first.
+# `make demo` runs the main job, `make test` the whole test suite, `make lint`
+# ruff (configured in pyproject.toml); each sets up its own virtual
+# environment with the pinned dependencies first.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +20,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py

@@ -53,8 +53,12 @@ from skorch.callbacks import Checkpoint  # noqa: E402
 from skorch.hf import AccelerateMixin  # noqa: E402
 
 from skorch_accel_callbacks import (  # noqa: E402
-    AccelerateCheckpoint, AccelerateFixesMixin, AccelerateLoadInitState, ParamsCheckpoint,
-    atomic)
+    AccelerateCheckpoint,
+    AccelerateFixesMixin,
+    AccelerateLoadInitState,
+    ParamsCheckpoint,
+    atomic,
+)
 from skorch_accel_callbacks.background import copy_into  # noqa: E402
 
 WIDTH = 1024
@@ -162,7 +166,7 @@ def bench_size(size, repeats, root):
         t for state in net.optimizer_.state_dict()['state'].values()
         for t in state.values() if isinstance(t, torch.Tensor)]
     buffers = [torch.empty_like(t) for t in tensors]
-    for buffer, tensor in zip(buffers, tensors):
+    for buffer, tensor in zip(buffers, tensors, strict=True):
         buffer.copy_(tensor)
     nbytes = None
     for i in range(repeats):
@@ -181,7 +185,8 @@ def bench_size(size, repeats, root):
         times['disk'].append(timed(lambda: disk_write(root / 'disk.bin', nbytes)))
         (root / 'disk.bin').unlink()
         times['copy'].append(timed(
-            lambda: [copy_into(buffer, tensor) for buffer, tensor in zip(buffers, tensors)]))
+            lambda: [copy_into(buffer, tensor)
+                     for buffer, tensor in zip(buffers, tensors, strict=True)]))
         for key in ('durable', 'fast'):
             new_epoch(net)
             times[key].append(timed(lambda: checkpoints[key].save_model(net)))
@@ -202,7 +207,8 @@ def bench_size(size, repeats, root):
     checkpoints['async']._saver.close()
     shutil.rmtree(root)
     if os.environ.get("BENCH_RAW"):
-        print(json.dumps({k: [round(x * 1000) for x in v] for k, v in times.items()}), file=sys.stderr)
+        print(json.dumps({k: [round(x * 1000) for x in v] for k, v in times.items()}),
+              file=sys.stderr)
     medians = {key: statistics.median(values) for key, values in times.items()}
     return dict(size=sum(p.numel() for p in net.module_.parameters()), nbytes=nbytes,
                 **medians)
@@ -326,9 +332,9 @@ def ms(seconds):
 
 
 def table(rows, header):
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     line = '  '.join('=' * w for w in widths)
-    fmt = lambda row: '  '.join(str(x).ljust(w) for x, w in zip(row, widths))  # noqa: E731
+    fmt = lambda row: '  '.join(str(x).ljust(w) for x, w in zip(row, widths, strict=True))  # noqa: E731
     return '\n'.join([line, fmt(header), line] + [fmt(r) for r in rows] + [line])
 
 

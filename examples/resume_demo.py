@@ -44,8 +44,11 @@ from skorch.dataset import ValidSplit
 from skorch.hf import AccelerateMixin
 from torch.optim.lr_scheduler import CosineAnnealingLR
 
-from skorch_accel_callbacks import (AccelerateCheckpoint, AccelerateFixesMixin,
-                                    AccelerateLoadInitState)
+from skorch_accel_callbacks import (
+    AccelerateCheckpoint,
+    AccelerateFixesMixin,
+    AccelerateLoadInitState,
+)
 
 SEED = 0
 # Lines a worker writes for this script to act on; they are not echoed.
@@ -223,7 +226,7 @@ class Launch:
                 self.kill()
                 raise DemoError(
                     f"{self.label}: no end after {timeout} s (--timeout); killed it. "
-                    "Last output:\n" + '\n'.join(self.tail))
+                    "Last output:\n" + '\n'.join(self.tail)) from None
             if line is None:
                 break
             if line.startswith(MARK):
@@ -332,7 +335,7 @@ def compare(full, resumed):
     rows_a, rows_b = full['history'], resumed['history']
     if len(rows_a) != len(rows_b):
         differences.append(f"{len(rows_a)} epochs uninterrupted, {len(rows_b)} after the kill")
-    for row_a, row_b in zip(rows_a, rows_b):
+    for row_a, row_b in zip(rows_a, rows_b, strict=False):
         for key in ('train_loss', 'valid_loss'):
             if row_a[key] != row_b[key]:
                 differences.append(f"epoch {row_a['epoch']}: {key} {row_a[key]!r} "
@@ -356,7 +359,8 @@ def print_table(full, resumed, kill):
     print(head)
     print(cols)
     print('-' * len(cols))
-    for row_a, row_b, launch in zip(full['history'], resumed['history'], launches):
+    for row_a, row_b, launch in zip(full['history'], resumed['history'], launches,
+                                   strict=False):
         same = (row_a['train_loss'] == row_b['train_loss']
                 and row_a['valid_loss'] == row_b['valid_loss'])
         print(f"{row_a['epoch']:>5} | {row_a['train_loss']:>10.6f} {row_a['valid_loss']:>10.6f} "

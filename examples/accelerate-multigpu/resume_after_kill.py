@@ -1,13 +1,15 @@
-"""Train with whole-state checkpoints, die by SIGKILL, resume, compare.
+r"""Train with whole-state checkpoints, die by SIGKILL, resume, compare.
 
 usage (each command on every node, or once on a single machine)::
 
     # 1. the reference: 8 epochs uninterrupted
     accelerate launch --config_file accelerate_config.yaml resume_after_kill.py --dirname runs/full
     # 2. the same training, every process SIGKILLed in the middle of epoch 5
-    accelerate launch --config_file accelerate_config.yaml resume_after_kill.py --dirname runs/killed --die-in-epoch 5
+    accelerate launch --config_file accelerate_config.yaml resume_after_kill.py \
+        --dirname runs/killed --die-in-epoch 5
     # 3. the same command without the kill: resumes after epoch 4
-    accelerate launch --config_file accelerate_config.yaml resume_after_kill.py --dirname runs/killed
+    accelerate launch --config_file accelerate_config.yaml resume_after_kill.py \
+        --dirname runs/killed
 
 Without GPUs: ``torchrun --standalone --nproc_per_node 2 resume_after_kill.py --cpu ...``.
 
@@ -28,8 +30,15 @@ from skorch.callbacks import Callback, LRScheduler
 from skorch.dataset import ValidSplit
 from torch.optim.lr_scheduler import StepLR
 
-from common import (NET_KWARGS, AcceleratedNet, argument_parser, load_data,
-                    make_accelerator, params_sha256, seed_everything)
+from common import (
+    NET_KWARGS,
+    AcceleratedNet,
+    argument_parser,
+    load_data,
+    make_accelerator,
+    params_sha256,
+    seed_everything,
+)
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 
 DIE_AFTER_BATCH = 2

@@ -33,10 +33,15 @@ from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
-from common import (NET_KWARGS, AcceleratedNet, argument_parser, load_data,
-                    make_accelerator, seed_everything)
-from skorch_accel_callbacks import (LoadInitParams, ParamsCheckpoint,
-                                    TrainEndParamsCheckpoint)
+from common import (
+    NET_KWARGS,
+    AcceleratedNet,
+    argument_parser,
+    load_data,
+    make_accelerator,
+    seed_everything,
+)
+from skorch_accel_callbacks import LoadInitParams, ParamsCheckpoint, TrainEndParamsCheckpoint
 
 # skorch's AccelerateMixin prints the epoch log with accelerator.print (main
 # process only) whatever `verbose` says; the nets that only load stay quiet
@@ -150,8 +155,10 @@ def main(argv=None):
     columns = ('saved by', 'module when saved', "'module.' keys", 'loaded by',
                'module when loaded', 'models registered', 'predictions')
     widths = (24, 23, 14, 33, 23, 17)
-    print('\n' + ' '.join(f"{name:<{width}}" for name, width in zip(columns, widths))
-          + ' ' + columns[-1])
+    # the last column (the verdict on the predictions) has no width
+    header = ' '.join(f"{name:<{width}}"
+                      for name, width in zip(columns[:-1], widths, strict=True))
+    print('\n' + header + ' ' + columns[-1])
     all_identical = True
     for *cells, proba in rows:
         identical = np.array_equal(proba, reference)
@@ -159,7 +166,7 @@ def main(argv=None):
         cells[2] = 'yes' if cells[2] else 'no'
         verdict = 'identical' if identical else (
             f"DIFFER (max |difference| {np.abs(proba - reference).max():.3g})")
-        print(' '.join(f"{str(cell):<{width}}" for cell, width in zip(cells, widths))
+        print(' '.join(f"{str(cell):<{width}}" for cell, width in zip(cells, widths, strict=True))
               + ' ' + verdict)
     print("\nVERDICT: " + ("IDENTICAL: every combination predicts exactly what the "
                            "trained net predicts." if all_identical else
