@@ -22,8 +22,7 @@ from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointErro
 from skorch_accel_callbacks.load_state import AccelerateLoadInitState
 from skorch_accel_callbacks.lock import FolderInUseError
 from skorch_accel_callbacks.mixin import AccelerateFixesMixin
-from skorch_accel_callbacks.params import (
-    LoadInitParams, ParamsCheckpoint, TrainEndParamsCheckpoint)
+from skorch_accel_callbacks.params import LoadInitParams, ParamsCheckpoint, TrainEndParamsCheckpoint
 from skorch_accel_callbacks.sync import RankError
 from skorch_accel_callbacks.wrapping import unwrapped
 

@@ -12,8 +12,14 @@ these internals fails one obvious test.
 
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
 from accelerate.utils import (
-    OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME, DistributedType,
-    load, save)
+    OPTIMIZER_NAME,
+    RNG_STATE_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_NAME,
+    DistributedType,
+    load,
+    save,
+)
 
 __all__ = [
     'check_plain_state',

@@ -153,7 +153,7 @@ def _layout_differences(saved, current):
     if saved_names != current_names:
         return [f"models {saved_names} in the checkpoint, {current_names} in the net"]
     problems = []
-    for (name, old), (_, new) in zip(saved, current):
+    for (name, old), (_, new) in zip(saved, current, strict=True):
         for key in sorted(set(old) | set(new)):
             if key not in new:
                 problems.append(f"{name}: parameter {key!r} is in the checkpoint, not in the net")

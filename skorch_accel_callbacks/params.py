@@ -350,8 +350,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             net.history.record(self.event_name, do_checkpoint)
         if do_checkpoint:
             self.save_model(net)
-            say(net, self.sink, "A checkpoint was triggered in epoch {}.".format(
-                len(net.history) + 1))
+            say(net, self.sink, f"A checkpoint was triggered in epoch {len(net.history) + 1}.")
 
     def _monitor_says(self, net):
         """skorch's decision whether to checkpoint, from this rank's history."""
@@ -441,8 +440,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             with sync.agree(net, f"{type(self).__name__}: saving {log_name} to {f}"):
                 step()
         except Exception as exc:  # pylint: disable=broad-except
-            message = "Unable to save {} to {}, {}: {}".format(
-                log_name, f, type(exc).__name__, exc)
+            message = f"Unable to save {log_name} to {f}, {type(exc).__name__}: {exc}"
             if self.on_error == 'raise':
                 exc.add_note(f"{type(self).__name__} was saving {log_name} to {f}")
                 raise
@@ -574,7 +572,7 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
 
     Parameters
     ----------
-    checkpoint : :class:`skorch.callbacks.Checkpoint` or :class:`skorch.callbacks.TrainEndCheckpoint`
+    checkpoint : skorch.callbacks.Checkpoint or skorch.callbacks.TrainEndCheckpoint
       Checkpoint to take the file names from, e.g. a
       :class:`ParamsCheckpoint` or :class:`TrainEndParamsCheckpoint`.
 
@@ -604,7 +602,7 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
             checkpoint.finish_interrupted_save(net)
         # as with skorch, no files yet (on every rank) means nothing to load
         with sync.agree(net, f"{type(self).__name__}: loading the checkpoint",
-                        unless_everywhere=FileNotFoundError):
+                        ignore_if_all_raise=FileNotFoundError):
             try:
                 with unwrapped(net):
                     net.load_params(
@@ -612,7 +610,10 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
             except FileNotFoundError:
                 raise
             except Exception as exc:  # pylint: disable=broad-except
-                raise self._naming_the_file(net, checkpoint, exc)
+                error = self._naming_the_file(net, checkpoint, exc)
+                if error is exc:
+                    raise
+                raise error from exc
 
     def _naming_the_file(self, net, checkpoint, exc):
         """The error of a failed load, as one that names the file at fault.
@@ -641,8 +642,6 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
                 else:
                     torch.load(file, map_location='cpu', weights_only=True)
             except Exception as reason:  # pylint: disable=broad-except
-                error = CorruptCheckpointError(
+                return CorruptCheckpointError(
                     f"{file} cannot be loaded: {type(reason).__name__}: {reason}")
-                error.__cause__ = exc
-                return error
         return exc

@@ -118,7 +118,7 @@ def run_on_main(net, fn, what):
 
 
 @contextmanager
-def agree(net, what, unless_everywhere=()):
+def agree(net, what, ignore_if_all_raise=()):
     """Run the block on every process; if it raises anywhere, raise everywhere.
 
     The failing process re-raises its own exception, with a note naming
@@ -126,7 +126,7 @@ def agree(net, what, unless_everywhere=()):
     failing rank(s) and ``what``. The exchange at the end is also a barrier:
     no process leaves before all finished the block.
 
-    An exception of a type in ``unless_everywhere`` that every process
+    An exception of a type in ``ignore_if_all_raise`` that every process
     raised is swallowed on all of them (a checkpoint that no rank finds yet);
     raised on some ranks only, it counts as a failure like any other.
     """
@@ -135,7 +135,7 @@ def agree(net, what, unless_everywhere=()):
         yield
     except Exception as exc:  # pylint: disable=broad-except
         error = exc
-    tolerated = isinstance(error, unless_everywhere) if unless_everywhere else False
+    tolerated = isinstance(error, ignore_if_all_raise) if ignore_if_all_raise else False
     outcomes = gather(net, (tolerated, None if error is None else _describe(error)))
     if all(ok for ok, _ in outcomes):
         return

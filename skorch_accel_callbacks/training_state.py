@@ -117,8 +117,8 @@ def restore_optimizer_hyperparameters(optimizers, saved):
     """Undo what was done to the loaded settings since, e.g. by skorch's
     LRScheduler, which steps a new scheduler (changing the lr) when it is
     created at the start of training."""
-    for optimizer, groups in zip(optimizers, saved):
-        for group, settings in zip(optimizer.param_groups, groups):
+    for optimizer, groups in zip(optimizers, saved, strict=True):
+        for group, settings in zip(optimizer.param_groups, groups, strict=True):
             group.update(settings)
 
 

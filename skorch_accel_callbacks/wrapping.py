@@ -89,7 +89,7 @@ def unwrapped(net):
     try:
         yield net
     finally:
-        for attr, (inner, saved) in forwards.items():
+        for inner, saved in forwards.values():
             for key, value in saved.items():
                 if value is _MISSING:
                     inner.__dict__.pop(key, None)
