@@ -10,6 +10,8 @@ contents as ``Accelerator.save_state``, so an accelerate upgrade that moves
 these internals fails one obvious test.
 """
 
+from contextlib import contextmanager
+
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
 from accelerate.utils import (
     OPTIMIZER_NAME,
@@ -29,6 +31,7 @@ __all__ = [
     'models',
     'optimizers',
     'prune_registries',
+    'registries_of',
     'rng_file',
     'save_on_each_node',
     'save_state',
@@ -75,6 +78,38 @@ def prune_registries(accelerator, keep):
                 seen.add(id(obj))
                 kept.append(obj)
         registry[:] = kept
+
+
+def _inner(optimizer):
+    return getattr(optimizer, 'optimizer', optimizer)
+
+
+@contextmanager
+def registries_of(accelerator, own_models, own_optimizers):
+    """Inside the block, the accelerator's registries hold only these
+    models and optimizers (in registry order) and the schedulers of these
+    optimizers.
+
+    Several nets can share one ``Accelerator`` (two nets in a script; every
+    ``sklearn.base.clone`` of a net, since ``Accelerator.__deepcopy__``
+    returns the same object): ``save_state`` and ``load_state`` then see
+    only the net being checkpointed. The lists are changed in place and
+    restored on exit.
+    """
+    model_ids = {id(model) for model in own_models}
+    inner_ids = {id(_inner(optimizer)) for optimizer in own_optimizers}
+    registries = (accelerator._models, accelerator._optimizers, accelerator._schedulers)
+    saved = [list(registry) for registry in registries]
+    accelerator._models[:] = [m for m in saved[0] if id(m) in model_ids]
+    accelerator._optimizers[:] = [o for o in saved[1] if id(_inner(o)) in inner_ids]
+    accelerator._schedulers[:] = [
+        s for s in saved[2]
+        if id(getattr(getattr(s, 'scheduler', s), 'optimizer', None)) in inner_ids]
+    try:
+        yield
+    finally:
+        for registry, content in zip(registries, saved, strict=True):
+            registry[:] = content
 
 
 # ---------------------------------------------------------------- settings

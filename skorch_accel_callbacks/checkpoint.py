@@ -10,6 +10,7 @@ from skorch_accel_callbacks import accelerate_io, manifest, sync, training_state
 from skorch_accel_callbacks.background import BackgroundSaver
 from skorch_accel_callbacks.base import FolderStateCallback, check_sink, move_callback, say
 from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
+from skorch_accel_callbacks.wrapping import own_registries
 
 __all__ = ['AccelerateCheckpoint']
 
@@ -194,6 +195,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         # (folder, message) of the save in the background
         self._in_flight = None
         self._train_loader = None
+        self._data = None
+        self._epoch_end_seen = None
         return self
 
     @property
@@ -206,15 +209,20 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
     # ------------------------------------------------------------ hooks
 
-    def on_train_begin(self, net, **kwargs):
+    # pylint: disable=arguments-differ
+    def on_train_begin(self, net, X=None, y=None, **kwargs):
         self._check_net(net)
         move_callback(net, self, 'last')
         self.folder_.claim(net)
+        self._data = training_state.data_fingerprint(X, y)
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
         self._train_loader = training_state.find_train_loader(net, dataset_train)
 
     def on_epoch_end(self, net, **kwargs):
+        # an epoch whose end this hook did not see was ended by a callback
+        # before it (EarlyStopping raises KeyboardInterrupt there)
+        self._epoch_end_seen = len(net.history)
         do_save = self._decide(net)
         if self.event_name is not None:
             net.history.record(self.event_name, do_save)
@@ -226,7 +234,11 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             # interrupted inside an epoch: the last checkpoint stands
             if (training_state.epoch_completed(net)
                     and self.checkpoint_name(net) not in (self.last_saved_, self.resumed_from_)):
-                self.save_model(net, finished=True)
+                stopped_early = self._epoch_end_seen != len(net.history)
+                # interrupted in this callback's own epoch end (a KeyboardInterrupt
+                # in a save) is neither: the saved run goes on when resumed
+                finished = stopped_early or len(net.history) >= net.max_epochs
+                self.save_model(net, finished=finished, stopped_early=stopped_early)
             self.wait_for_saves(net)
         finally:
             self.close()
@@ -287,7 +299,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                 "ProjectConfiguration(automatic_checkpoint_naming=True)")
         if self.async_save:
             accelerate_io.check_plain_state(accelerator, 'async_save=True')
-        manifest.model_layout(net)
+        with own_registries(net):
+            manifest.model_layout(net)
 
     # ------------------------------------------------------------ reading
 
@@ -302,13 +315,16 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
     # ------------------------------------------------------------ saving
 
-    def save_model(self, net, best=False, finished=False):
+    def save_model(self, net, best=False, finished=False, stopped_early=False):
         """Save a checkpoint of the whole training state on every rank.
 
         Every process must call it. Raises on every rank if any rank fails.
         With ``async_save``, it first waits for the previous save, and
         returns once the states are copied; the files are written and
-        committed in the background.
+        committed in the background. ``best`` points ``best.json`` at it;
+        ``finished`` marks the end of training (``max_epochs`` reached or,
+        with ``stopped_early``, stopped by a callback: resuming such a
+        checkpoint trains nothing).
         """
         self.wait_for_saves(net)
         name = self.checkpoint_name(net)
@@ -319,8 +335,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         with sync.agree(net, f"preparing {partial}"):
             if committer:
                 folder.start(name)
-        snapshot = None
-        with sync.agree(net, f"writing checkpoint {partial}"):
+        snapshot, sealed = None, None
+        with sync.agree(net, f"writing checkpoint {partial}"), own_registries(net):
             if self.async_save:
                 snapshot = self._saver.snapshot(
                     net.accelerator, partial, self.safe_serialization, writer=committer)
@@ -330,8 +346,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             if committer:
                 training_state.save_history(partial, net)
                 training_state.save_callback_states(partial, net)
-        sealed = (manifest.build(net, name, len(net.history), best, finished)
-                  if committer else None)
+                sealed = manifest.build(net, name, best, finished, stopped_early, self._data)
 
         def commit():
             folder.commit(name, sealed, durable=self.durable, best=best)

@@ -1,6 +1,7 @@
 """AccelerateLoadInitState: resume a run from an AccelerateCheckpoint."""
 
 import os
+import weakref
 
 from safetensors.torch import load_file
 from skorch.callbacks import Callback
@@ -12,6 +13,7 @@ from skorch_accel_callbacks.base import FolderStateCallback, check_sink, move_ca
 from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
+from skorch_accel_callbacks.wrapping import net_optimizers, own_registries
 
 __all__ = ['AccelerateLoadInitState', 'file_at_fault']
 
@@ -95,6 +97,12 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     sink : callable (default=noop)
       Where to say what was resumed (main process only), e.g. ``print``.
 
+    check_data : bool (default=True)
+      Refuse a checkpoint trained on other data than this ``fit``'s (its
+      length, shapes, dtypes or a sample of its rows differ): resuming it
+      would silently continue another training, e.g. another fold of a
+      cross-validation that shares the folder. ``False`` resumes anyway.
+
     Attributes
     ----------
     did_load_ : bool
@@ -132,10 +140,11 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     """
 
-    def __init__(self, checkpoint, resume='latest', sink=noop):
+    def __init__(self, checkpoint, resume='latest', sink=noop, check_data=True):
         self.checkpoint = checkpoint
         self.resume = resume
         self.sink = sink
+        self.check_data = check_data
 
     def initialize(self):
         owner = type(self).__name__
@@ -146,12 +155,19 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             raise ValueError(
                 f"{owner}: resume must be 'latest', 'best' or a folder, got {self.resume!r}")
         check_sink(self.sink, owner)
+        if not isinstance(self.check_data, bool):
+            raise ValueError(
+                f"{owner}: check_data must be True or False, got {self.check_data!r}")
+        self._restore_max_epochs()
         self.did_load_ = False
         self.loaded_from_ = None
-        self.requested_epochs_ = None
         self._pending = None
         self._folder = None
         return self
+
+    def __getstate__(self):
+        # the net that holds the epochs left is this one's net, not a copy's
+        return dict(self.__dict__, _lowered=None)
 
     def _checkpoint_folder(self, net):
         """The folder object of the checkpoint callback that trains with
@@ -166,7 +182,10 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                 return callback.folder_
         return CheckpointFolder(self.checkpoint.dirname)
 
-    def on_train_begin(self, net, **kwargs):
+    # pylint: disable=arguments-differ
+    def on_train_begin(self, net, X=None, y=None, **kwargs):
+        # a fit that raised before its first epoch left the epochs left there
+        self._restore_max_epochs()
         move_callback(net, self, 'first')
         self._folder = self._checkpoint_folder(net)
         # a job refused by the lock must not have read another job's checkpoint
@@ -181,9 +200,11 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             return
 
         rank = sync.process_index(net)
-        with sync.agree(net, f"loading checkpoint {path}"):
+        with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
             saved = manifest.read(path)
             manifest.check_compatible(net, saved, path)
+            if self.check_data:
+                manifest.check_same_data(saved, training_state.data_fingerprint(X, y), path)
             manifest.check_rank_files(path, saved, rank)
             try:
                 accelerate_io.load_state(net.accelerator, path)
@@ -193,8 +214,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                     f"{at_fault or path} could not be loaded: {type(exc).__name__}: {exc}"
                 ) from exc
             rng = training_state.capture_rng()
-            hyperparameters = training_state.optimizer_hyperparameters(
-                accelerate_io.optimizers(net.accelerator))
+            hyperparameters = training_state.optimizer_hyperparameters(net_optimizers(net))
             history = _read_own(path, training_state.HISTORY_NAME,
                                 training_state.load_history)
             callbacks = _read_own(
@@ -208,16 +228,19 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self.loaded_from_ = path
         self._folder.resumed_from = CheckpointFolder.name_of(path)
         done = len(history)
+        stopped = manifest.stopped_early(saved)
+        left = 0 if stopped else max(0, net.max_epochs - done)
         self.requested_epochs_ = net.max_epochs
-        finished = saved.get('finished') or done >= net.max_epochs
-        net.max_epochs = 0 if finished else net.max_epochs - done
+        self._lowered = weakref.ref(net)
+        net.max_epochs = left
         say(net, self.sink,
             f"Resumed from {path} after epoch {done}; "
-            + ("training had finished." if finished
-               else f"training {net.max_epochs} more epoch(s)."))
+            + ("a callback had stopped training." if stopped
+               else f"training {left} more epoch(s)." if left
+               else "max_epochs had been reached."))
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
-        self._restore_max_epochs(net)
+        self._restore_max_epochs()
         if self._pending is None:
             return
         rng, rank_state = self._restore_callbacks(net)
@@ -236,8 +259,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         rng, rank_state, callbacks, hyperparameters = self._pending
         self._pending = None
         training_state.apply_callback_states(net, callbacks)
-        training_state.restore_optimizer_hyperparameters(
-            accelerate_io.optimizers(net.accelerator), hyperparameters)
+        training_state.restore_optimizer_hyperparameters(net_optimizers(net), hyperparameters)
         return rng, rank_state
 
     def on_train_end(self, net, **kwargs):
@@ -245,7 +267,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             if self._pending is not None:
                 # a finished run trained no epoch; end with the state it was saved with
                 self._restore_callbacks(net)
-            self._restore_max_epochs(net)
+            self._restore_max_epochs()
         finally:
             # the checkpoint callback releases a folder it shares, when its
             # training ends (it runs after this one)
@@ -254,16 +276,22 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                 self._folder.release()
             self._folder = None
 
-    def _restore_max_epochs(self, net):
+    def _restore_max_epochs(self):
         """Give ``net.max_epochs`` back the number the user set.
 
         skorch's ``fit_loop`` has read the epochs left by the time the first
         epoch begins; from then on, and if that epoch raises, the net holds
-        the user's total again.
+        the user's total again. When something raises before (another
+        callback's ``on_train_begin``, skorch's data check), the next
+        ``initialize`` or ``fit`` gives it back before training.
         """
-        if self.requested_epochs_ is not None:
-            net.max_epochs = self.requested_epochs_
-            self.requested_epochs_ = None
+        lowered = getattr(self, '_lowered', None)
+        net = lowered() if lowered is not None else None
+        requested = getattr(self, 'requested_epochs_', None)
+        if net is not None and requested is not None:
+            net.max_epochs = requested
+        self.requested_epochs_ = None
+        self._lowered = None
 
     def _resolve(self, net):
         """The folder to resume from, the same checkpoint on every rank."""

@@ -23,13 +23,17 @@ __all__ = [
     'build',
     'check_compatible',
     'check_rank_files',
+    'check_same_data',
     'model_layout',
+    'optimizer_layout',
     'read',
+    'stopped_early',
     'write',
 ]
 
-# on-disk format; a change of what is written bumps it (CHANGES.rst)
-FORMAT_VERSION = 1
+# on-disk format; a change of what is written bumps it (CHANGES.rst).
+# 2: optimizer classes and param groups, stopped_early, the data fingerprint
+FORMAT_VERSION = 2
 MANIFEST_NAME = 'manifest.json'
 
 
@@ -49,37 +53,60 @@ def model_layout(net):
 
     ``accelerator.save_state`` numbers its model files by the position of a
     model in the accelerator's registry; the names make the order checkable.
-    Raises :class:`CheckpointError` if the registry holds a model that is not
-    one of the net's.
+    Call it inside :func:`~skorch_accel_callbacks.wrapping.own_registries`.
+    Raises :class:`CheckpointError` if a module of the net with trainable
+    parameters was not prepared by the accelerator.
     """
-    by_id = {id(module): name for name, module in bare_modules(net).items()}
-    layout = []
-    for index, model in enumerate(accelerate_io.models(net.accelerator)):
-        name = by_id.get(id(model))
-        if name is None:
+    modules = bare_modules(net)
+    by_id = {id(module): name for name, module in modules.items()}
+    registered = accelerate_io.models(net.accelerator)
+    registered_ids = {id(model) for model in registered}
+    for name, module in modules.items():
+        trainable = any(param.requires_grad for param in module.parameters())
+        if trainable and id(module) not in registered_ids:
             raise CheckpointError(
-                f"the accelerator's model {index} ({type(model).__name__}) is not a "
-                "module of this net: accelerator.save_state would save it too. It "
-                "is left over from an earlier initialize() or belongs to another "
-                "net; use AccelerateFixesMixin, which removes stale entries, or a "
-                "fresh Accelerator")
+                f"module {name!r} of this net is not prepared by its accelerator, so "
+                "accelerator.save_state would not save it: skorch's AccelerateMixin "
+                "does not prepare the modules of a second initialize(); use "
+                "AccelerateFixesMixin")
+    layout = []
+    for model in registered:
         shapes = {key: list(value.shape) for key, value in model.state_dict().items()}
-        layout.append([name, shapes])
+        layout.append([by_id[id(model)], shapes])
     return layout
 
 
-def build(net, name, epoch, best, finished):
-    """The manifest of the checkpoint ``name`` of ``net``, without its files."""
+def optimizer_layout(net):
+    """Class and number of parameters in each param group of each optimizer,
+    in accelerate's order."""
+    layout = []
+    for optimizer in accelerate_io.optimizers(net.accelerator):
+        inner = getattr(optimizer, 'optimizer', optimizer)
+        layout.append([type(inner).__qualname__,
+                       [len(group['params']) for group in inner.param_groups]])
+    return layout
+
+
+def build(net, name, best, finished, stopped_early, data):
+    """The manifest of the checkpoint ``name`` of ``net``, without its files.
+
+    ``finished``: training ended with this checkpoint (``max_epochs``
+    reached, or a callback stopped it: ``stopped_early``); ``data``: the
+    fingerprint of the training data
+    (:func:`~skorch_accel_callbacks.training_state.data_fingerprint`).
+    """
     return {
         'format_version': FORMAT_VERSION,
         'name': name,
-        'epoch': epoch,
+        'epoch': len(net.history),
         'best': bool(best),
         'finished': bool(finished),
+        'stopped_early': bool(stopped_early),
+        'data': data,
         'world_size': sync.num_processes(net),
         'save_on_each_node': accelerate_io.save_on_each_node(net.accelerator),
         'models': model_layout(net),
-        'optimizers': len(accelerate_io.optimizers(net.accelerator)),
+        'optimizers': optimizer_layout(net),
         'versions': _package_versions(),
     }
 
@@ -166,6 +193,39 @@ def _layout_differences(saved, current):
     return problems
 
 
+def stopped_early(manifest):
+    """Whether a callback stopped the training of this checkpoint: resuming
+    it trains nothing, whatever ``max_epochs``."""
+    # format 1 marked only the end of training, and said finished for both
+    return bool(manifest.get('stopped_early', manifest.get('finished')))
+
+
+def check_same_data(manifest, data, path):
+    """Raise :class:`CheckpointError` naming the difference if ``data`` (a
+    fingerprint) is not the fingerprint of the data ``path`` was trained on."""
+    saved = manifest.get('data')
+    if saved is None or saved == data:
+        return
+    differences = _fingerprint_differences(saved, data, '')
+    raise CheckpointError(
+        f"{path} was trained on other data: " + '; '.join(differences[:3])
+        + ". Resuming it would continue another training (in a cross-validation "
+        "every fit needs its own dirname); pass check_data=False to "
+        "AccelerateLoadInitState to resume on this data on purpose")
+
+
+def _fingerprint_differences(saved, current, where):
+    if isinstance(saved, dict) and isinstance(current, dict):
+        differences = []
+        for key in sorted(set(saved) | set(current)):
+            differences += _fingerprint_differences(
+                saved.get(key), current.get(key), f"{where}.{key}" if where else key)
+        return differences
+    if saved != current:
+        return [f"{where} is {saved!r} in the checkpoint, {current!r} now"]
+    return []
+
+
 def check_compatible(net, manifest, path):
     """Raise :class:`CheckpointError` if ``net`` cannot resume from ``path``."""
     world_size = sync.num_processes(net)
@@ -179,11 +239,21 @@ def check_compatible(net, manifest, path):
         raise CheckpointError(
             f"{path} was saved from another model: " + '; '.join(problems[:5])
             + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ''))
-    n_optimizers = len(accelerate_io.optimizers(net.accelerator))
-    if manifest.get('optimizers') != n_optimizers:
+    saved, current = manifest.get('optimizers'), optimizer_layout(net)
+    if isinstance(saved, int):  # written by 0.1.0: the number of optimizers
+        current = len(current)
+    if saved != current:
         raise CheckpointError(
-            f"{path} holds {manifest.get('optimizers')} optimizer(s), the net has "
-            f"{n_optimizers}")
+            f"{path} holds the state of the optimizer(s) {_describe_optimizers(saved)}, "
+            f"the net has {_describe_optimizers(current)}: resume with the "
+            "optimizer(s) the checkpoint was saved with")
+
+
+def _describe_optimizers(layout):
+    if isinstance(layout, int):
+        return f"{layout} optimizer(s)"
+    return ', '.join(f"{name} ({len(groups)} param group(s) of "
+                     f"{'/'.join(map(str, groups))} tensors)" for name, groups in layout)
 
 
 def check_rank_files(path, manifest, rank):

@@ -11,6 +11,7 @@ committed, and the commit flushes every file of the folder to disk: so they
 are written plainly, without a temporary name and a flush of their own each.
 """
 
+import hashlib
 import math
 import random
 import warnings
@@ -32,6 +33,7 @@ __all__ = [
     'rank_state_name',
     'capture_rng',
     'restore_rng',
+    'data_fingerprint',
     'epoch_completed',
     'find_train_loader',
     'optimizer_hyperparameters',
@@ -81,6 +83,71 @@ def save_history(folder, net):
 
 def load_history(folder):
     return History.from_file(f"{folder}/{HISTORY_NAME}")
+
+
+# ---------------------------------------------------------------- data
+
+# rows hashed for a fingerprint, spread evenly over the data
+_SAMPLE_ROWS = 64
+
+
+def data_fingerprint(X, y=None):
+    """A cheap fingerprint of the training data: lengths, shapes, dtypes and
+    a hash of a few rows spread over it (not of all of it: it is computed
+    at every ``fit``).
+
+    Arrays, tensors, pandas objects, dicts of those and (torch) datasets
+    are described; anything else by its type only.
+    """
+    return {'X': _describe(X), 'y': _describe(y)}
+
+
+def _describe(data):
+    if data is None:
+        return None
+    if isinstance(data, dict):
+        return {str(key): _describe(value) for key, value in data.items()}
+    if hasattr(data, 'to_numpy'):  # pandas
+        data = data.to_numpy()
+    if isinstance(data, (np.ndarray, torch.Tensor)):
+        length = len(data) if data.ndim else 0
+        return {'len': length, 'shape': list(data.shape), 'dtype': str(data.dtype),
+                'sample': _digest(data[i] for i in _sample_rows(length))}
+    if hasattr(data, '__len__') and hasattr(data, '__getitem__'):
+        length = len(data)
+        return {'type': type(data).__qualname__, 'len': length,
+                'sample': _digest(data[i] for i in _sample_rows(length))}
+    return {'type': type(data).__qualname__}
+
+
+def _sample_rows(length):
+    if length <= _SAMPLE_ROWS:
+        return range(length)
+    return np.linspace(0, length - 1, _SAMPLE_ROWS).astype(int).tolist()
+
+
+def _digest(rows):
+    digest = hashlib.blake2b(digest_size=8)
+    for row in rows:
+        _feed(digest, row)
+    return digest.hexdigest()
+
+
+def _feed(digest, obj):
+    if isinstance(obj, torch.Tensor):
+        obj = obj.detach().cpu().numpy()
+    if isinstance(obj, np.ndarray):
+        digest.update(str(obj.dtype).encode())
+        digest.update(np.ascontiguousarray(obj).tobytes())
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            digest.update(repr(key).encode())
+            _feed(digest, value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _feed(digest, value)
+    else:
+        digest.update(repr(obj).encode())
 
 
 # ---------------------------------------------------------------- RNG

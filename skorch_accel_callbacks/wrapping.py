@@ -12,7 +12,9 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ['bare_modules', 'is_wrapped', 'unwrapped']
+from skorch_accel_callbacks import accelerate_io
+
+__all__ = ['bare_modules', 'is_wrapped', 'net_optimizers', 'own_registries', 'unwrapped']
 
 # accelerate's unwrap with keep_fp32_wrapper=False (what skorch uses, so that
 # an unwrapped module pickles) replaces these instance attributes of the inner
@@ -42,6 +44,20 @@ def bare_modules(net):
         for attr in _module_names(net)
         if isinstance(getattr(net, attr, None), torch.nn.Module)
     }
+
+
+def net_optimizers(net):
+    """The optimizers of ``net`` (as prepared by accelerate, if they are)."""
+    return [getattr(net, name + '_') for name in net._optimizers
+            if getattr(net, name + '_', None) is not None]
+
+
+def own_registries(net):
+    """Context manager: inside, the accelerator's registries hold only the
+    modules and optimizers of ``net`` (see
+    :func:`skorch_accel_callbacks.accelerate_io.registries_of`)."""
+    return accelerate_io.registries_of(
+        net.accelerator, bare_modules(net).values(), net_optimizers(net))
 
 
 @contextmanager
