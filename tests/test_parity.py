@@ -21,8 +21,12 @@ from skorch.exceptions import SkorchException
 
 from common import make_accelerator, make_data, make_net
 from skorch_accel_callbacks import (
-    AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError, CorruptCheckpointError,
-    accelerate_io)
+    AccelerateCheckpoint,
+    AccelerateLoadInitState,
+    CheckpointError,
+    CorruptCheckpointError,
+    accelerate_io,
+)
 
 
 def callbacks(dirname, **cp_kwargs):
