@@ -112,7 +112,7 @@ def test_script_blocks_start_and_resume_in_two_processes(tmp_path, monkeypatch, 
     assert 'No checkpoint in checkpoints; training from scratch.' in first.outputs[0]
     assert (tmp_path / 'checkpoints' / 'epoch-0006').is_dir()
     again = launch(script, nproc=2, timeout=TIMEOUT, env=env).check()
-    assert ('Resumed from checkpoints/epoch-0006 after epoch 6; training had finished.'
+    assert ('Resumed from checkpoints/epoch-0006 after epoch 6; max_epochs had been reached.'
             in again.outputs[0])
 
 
