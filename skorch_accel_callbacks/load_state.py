@@ -3,43 +3,18 @@
 import os
 import weakref
 
-from safetensors.torch import load_file
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
 from skorch_accel_callbacks import accelerate_io, manifest, sync, training_state
-from skorch_accel_callbacks.atomic import read_json
 from skorch_accel_callbacks.base import FolderStateCallback, check_sink, move_callback, say
 from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
+from skorch_accel_callbacks.readers import first_unloadable
 from skorch_accel_callbacks.wrapping import net_optimizers, own_registries
 
-__all__ = ['AccelerateLoadInitState', 'file_at_fault']
-
-
-def _loads(file):
-    """Read ``file`` as its loader would, without executing code."""
-    if file.endswith('.safetensors'):
-        load_file(file)
-    elif file.endswith('.json'):
-        read_json(file)
-    else:
-        accelerate_io.load_weights_only(file)  # torch.load with weights_only=True
-
-
-def file_at_fault(files):
-    """The first of ``files`` that does not load, or None.
-
-    Only called after loading failed, to name the file in the error: the
-    files are read a second time on that path only.
-    """
-    for file in files:
-        try:
-            _loads(file)
-        except Exception:  # pylint: disable=broad-except
-            return file
-    return None
+__all__ = ['AccelerateLoadInitState']
 
 
 def _checkpoint_files(folder):
@@ -55,9 +30,9 @@ def _read_own(folder, names, load):
     except Exception as exc:  # pylint: disable=broad-except
         names = (names,) if isinstance(names, str) else names
         files = [os.path.join(folder, name) for name in names]
-        at_fault = file_at_fault(files) if len(files) > 1 else None
+        at_fault = first_unloadable(files) if len(files) > 1 else None
         raise CorruptCheckpointError(
-            f"{at_fault or ' or '.join(files)} cannot be loaded: "
+            f"{at_fault[0] if at_fault else ' or '.join(files)} cannot be loaded: "
             f"{type(exc).__name__}: {exc}") from exc
 
 
@@ -209,10 +184,10 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             try:
                 accelerate_io.load_state(net.accelerator, path)
             except Exception as exc:
-                at_fault = file_at_fault(_checkpoint_files(path))
+                at_fault = first_unloadable(_checkpoint_files(path))
                 raise CheckpointError(
-                    f"{at_fault or path} could not be loaded: {type(exc).__name__}: {exc}"
-                ) from exc
+                    f"{at_fault[0] if at_fault else path} could not be loaded: "
+                    f"{type(exc).__name__}: {exc}") from exc
             rng = training_state.capture_rng()
             hyperparameters = training_state.optimizer_hyperparameters(net_optimizers(net))
             history = _read_own(path, training_state.HISTORY_NAME,
