@@ -25,6 +25,7 @@ from skorch_accel_callbacks import (
     AccelerateLoadInitState,
     CheckpointError,
     CorruptCheckpointError,
+    ParamsCheckpoint,
     accelerate_io,
 )
 
@@ -142,6 +143,22 @@ def test_fitted_net_with_every_callback_pickles_and_trains_on(tmp_path):
         copied.partial_fit(X, y)  # trains on, saving into the same folder
         assert len(copied.history) == 6
         assert dict(copied.callbacks_)['acp'].committed()[-1] == 'epoch-0006'
+
+
+def test_f_pickle_beside_a_background_save_and_retention(tmp_path):
+    """The net is pickled at every epoch while a save thread and a removal
+    thread of AccelerateCheckpoint are alive."""
+    cp, load = callbacks(tmp_path / 'ck', async_save=True, keep_last=1)
+    params = ParamsCheckpoint(monitor=None, f_pickle='net.pkl', dirname=str(tmp_path / 'p'),
+                              on_error='raise')
+    net = make_net(make_accelerator(), callbacks=[cp, load, params], max_epochs=3)
+    X, y = make_data(n=96)
+    net.fit(X, y)
+    assert all(net.history[:, 'event_cp'])
+    with open(tmp_path / 'p' / 'net.pkl', 'rb') as f:
+        pickled = pickle.load(f)
+    assert len(pickled.history) == 3
+    np.testing.assert_allclose(pickled.predict_proba(X), net.predict_proba(X))
 
 
 # ---------------------------------------------------------------- a retried fit
