@@ -18,6 +18,7 @@ from sklearn.base import clone
 from common import MLP, make_accelerator, make_data, make_net
 from conftest import read_results
 from resume_runs import assert_identical, final_state, run
+from skorch_accel_callbacks.manifest import FORMAT_VERSION
 from skorch_accel_callbacks import (AccelerateCheckpoint, AccelerateLoadInitState,
                                     CheckpointError)
 
@@ -57,9 +58,12 @@ def test_manifest_describes_the_checkpoint(tmp_path):
     fit(tmp_path / 'ck', max_epochs=1)
     folder = tmp_path / 'ck' / 'epoch-0001'
     manifest = json.loads((folder / 'manifest.json').read_text())
-    assert manifest['format_version'] == 1 and manifest['world_size'] == 1
+    assert manifest['format_version'] == FORMAT_VERSION and manifest['world_size'] == 1
     assert manifest['models'] == [['module', {
         'lin.weight': [32, 20], 'lin.bias': [32], 'out.weight': [2, 32], 'out.bias': [2]}]]
+    assert manifest['optimizers'] == [['SGD', [4]]]
+    assert manifest['data']['X']['shape'] == [160, 20]
+    assert not manifest['stopped_early']
     on_disk = {p.name: p.stat().st_size for p in folder.iterdir() if p.name != 'manifest.json'}
     assert manifest['files'] == on_disk
     assert {'model.safetensors', 'optimizer.bin', 'random_states_0.pkl', 'history.json',

@@ -15,6 +15,7 @@ import torch
 from faultsuite import reference, run_job  # noqa: F401 (reference: a fixture)
 import faultjob  # noqa: E402 (faultsuite puts the workers on sys.path)
 from skorch_accel_callbacks import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.manifest import FORMAT_VERSION
 
 
 @pytest.fixture(scope='module')
@@ -105,8 +106,8 @@ def test_missing_rng_file_of_rank_1_fails_every_rank(reference, tmp_path):
     (lambda m: m.pop('files'), CorruptCheckpointError, r"manifest.json lists no files"),
     (lambda m: m['models'][0][1].pop('lin.bias'), CheckpointError,
      r"parameter 'lin.bias' is in the net, not in the checkpoint"),
-    (lambda m: m.update(format_version=2), CheckpointError,
-     r"format 2; .*reads format 1 and older: upgrade"),
+    (lambda m: m.update(format_version=FORMAT_VERSION + 1), CheckpointError,
+     rf"format {FORMAT_VERSION + 1}; .*reads format {FORMAT_VERSION} and older: upgrade"),
 ], ids=['size', 'unknown-file', 'no-files', 'models', 'newer-format'])
 def test_edited_manifest(ckpt, edit, error, message):
     folder = ckpt / 'epoch-0002'

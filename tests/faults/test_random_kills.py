@@ -19,7 +19,8 @@ import random
 from faultsuite import final_state, read_json, reference, run_job  # noqa: F401 (fixture)
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
 from resume_runs import assert_identical
-from skorch_accel_callbacks import folder, manifest
+from skorch_accel_callbacks import manifest
+from skorch_accel_callbacks.folder import PARTIAL_SUFFIX
 
 KILLS_PER_RUN = 3
 MIN_KILLS = 20
@@ -91,7 +92,7 @@ def one_run(seed, folder, reference, figures):
     else:
         raise AssertionError(f"run {seed} did not finish in {KILLS_PER_RUN + 1} launches")
     assert_identical(final_state(reference, 'ref'), final_state(folder, tag))
-    assert not [name for name in os.listdir(ckpt) if name.endswith(folder.PARTIAL_SUFFIX)]
+    assert not [name for name in os.listdir(ckpt) if name.endswith(PARTIAL_SUFFIX)]
 
 
 def test_random_kills_lose_nothing(reference, tmp_path, record_property):
