@@ -22,6 +22,8 @@ What they change, for a plain ``NeuralNet`` as for one with skorch's
 
 import os
 import pickle
+import re
+import string
 import uuid
 import warnings
 
@@ -35,7 +37,7 @@ from skorch_accel_callbacks import atomic, sync, triggers
 from skorch_accel_callbacks.atomic import TEMP_MARK, atomic_path
 from skorch_accel_callbacks.base import InitParamsOnly, check_sink, say
 from skorch_accel_callbacks.errors import CorruptCheckpointError
-from skorch_accel_callbacks.lock import FolderInUseError, FolderLock
+from skorch_accel_callbacks.lock import FolderInUseError, PrefixLock
 from skorch_accel_callbacks.wrapping import unwrapped
 
 __all__ = ['LoadInitParams', 'ParamsCheckpoint', 'TrainEndParamsCheckpoint']
@@ -65,6 +67,22 @@ def _creation_error(folder):
     os.close(fd)
     os.remove(probe)
     return None
+
+
+def _temp_name_pattern(name):
+    """A regex of the temporary names (:func:`atomic.unique_name`) of the
+    files that the name template ``name`` (``'params_{last_epoch[epoch]}.pt'``)
+    stands for."""
+    parts = []
+    try:
+        for literal, field, _, _ in string.Formatter().parse(name):
+            parts.append(re.escape(literal))
+            if field is not None:
+                parts.append('.*')
+    except ValueError:
+        # not a valid template (saving it fails and says so): the name as is
+        parts = [re.escape(name)]
+    return rf"(?:\.{''.join(parts)}{re.escape(TEMP_MARK)}[0-9a-f]{{12}})"
 
 
 class _SaveFailed(Exception):
@@ -129,10 +147,13 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
       exception, with a note naming the file; the others raise
       :class:`~skorch_accel_callbacks.RankError`). Either way none of the
       save's files replaces the previous checkpoint's.
-    - While training, the job holds a lock on ``dirname``
-      (``<dirname>/.lock``, see :class:`AccelerateCheckpoint`): a second
-      job started on the same folder is refused when its training begins,
-      naming the holder. A killed job leaves no stale lock.
+    - While training, the job holds a lock on the files it writes:
+      ``<dirname>/.<fn_prefix>lock`` (:class:`~skorch_accel_callbacks.lock.PrefixLock`).
+      A second job started on the same files (same ``dirname`` and
+      ``fn_prefix``) is refused when its training begins, naming the
+      holder; jobs with different ``fn_prefix`` share a folder. The lock
+      file is removed when training ends; a killed job leaves no stale lock
+      (its lock file stays, unlocked, until the next job of that prefix).
     - When training begins, the main process completes a save that a crash
       interrupted and removes the temporary files killed saves left.
     - ``initialize`` raises if a folder to write into cannot be created or
@@ -268,7 +289,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
 
     # the StagedFiles of the save in progress, on every rank; None between saves
     _staged = None
-    # FolderLock on dirname while training, on the main process
+    # PrefixLock on this checkpoint's files while training, on the main process
     _lock = None
 
     def __getstate__(self):
@@ -284,8 +305,10 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         """Complete the file moves of a save that a crash interrupted and
         remove the temporary files of killed saves; call it on every rank.
 
-        Nothing is done while another running job holds the folder's lock:
-        the save in flight is that job's. Training and
+        Nothing is done while another running job holds the lock of this
+        checkpoint's files (same ``dirname`` and ``fn_prefix``): the save in
+        flight is that job's. Temporary files of other prefixes are left
+        alone. Training and
         :class:`LoadInitParams` call it before they read or write; call it
         yourself before ``net.load_params(checkpoint=cp)`` on files that a
         killed job may have left.
@@ -294,12 +317,12 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             if not os.path.isdir(self.dirname or '.'):
                 return
             try:
-                lock = FolderLock(self.dirname).acquire()
+                lock = PrefixLock(self.dirname, self.fn_prefix).acquire()
             except FolderInUseError:
                 return
             try:
                 finished = atomic.finish_staged(self.journal_path)
-                atomic.remove_temp_files(self.dirname, self.fn_prefix)
+                self._remove_temp_files()
             except ValueError as exc:
                 raise CorruptCheckpointError(str(exc)) from exc
             finally:
@@ -309,14 +332,36 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         sync.run_on_main(net, finish, f"{type(self).__name__}: completing an interrupted "
                                       f"save ({self.journal_path})")
 
+    def _remove_temp_files(self):
+        """Remove the temporary files that killed saves of this checkpoint's
+        files left; those of other files (another ``fn_prefix``, another
+        job's save in flight) are not touched."""
+        patterns = {}
+        for val in self._f_kwargs().values():
+            if not isinstance(val, str):
+                continue
+            folder, name = os.path.split(os.path.join(self.dirname, self.fn_prefix + val))
+            # a folder named by a format specifier is not known here
+            if '{' in folder:
+                continue
+            patterns.setdefault(folder, []).append(_temp_name_pattern(name))
+        for folder, names in patterns.items():
+            if not os.path.isdir(folder or '.'):
+                continue
+            pattern = re.compile('|'.join(names))
+            for entry in os.listdir(folder or '.'):
+                if pattern.fullmatch(entry):
+                    os.remove(os.path.join(folder, entry))
+
     def _lock_folder(self):
         # held until training ends (or this process ends: the kernel frees it)
         if self._lock is None:
-            self._lock = FolderLock(self.dirname).acquire()
+            self._lock = PrefixLock(self.dirname, self.fn_prefix).acquire()
 
     def release_folder(self):
-        """Release the folder's lock that training holds (the kernel also
-        releases it when the process ends)."""
+        """Release the lock of this checkpoint's files that training holds,
+        removing its lock file (the kernel also releases it when the process
+        ends)."""
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -324,12 +369,18 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     # pylint: disable=arguments-differ
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         sync.run_on_main(net, self._lock_folder,
-                         f"{type(self).__name__}: locking folder {self.dirname or '.'}")
-        self.finish_interrupted_save(net)
-        if self.f_pickle:
-            sync.run_on_main(
-                net, lambda: self._check_picklable(net),
-                f"{type(self).__name__}: pickling the net for f_pickle")
+                         f"{type(self).__name__}: locking the files of fn_prefix="
+                         f"{self.fn_prefix!r} in folder {self.dirname or '.'}")
+        try:
+            self.finish_interrupted_save(net)
+            if self.f_pickle:
+                sync.run_on_main(
+                    net, lambda: self._check_picklable(net),
+                    f"{type(self).__name__}: pickling the net for f_pickle")
+        except BaseException:
+            # skorch calls no on_train_end after a failed on_train_begin
+            self.release_folder()
+            raise
 
     def _check_picklable(self, net):
         with unwrapped(net):

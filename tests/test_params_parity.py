@@ -1,0 +1,158 @@
+"""ParamsCheckpoint, TrainEndParamsCheckpoint, LoadInitParams and
+AccelerateFixesMixin behave as skorch's own where skorch's work: the lock
+covers a checkpoint's own files, not the folder; a criterion without state is
+skipped, not the whole save; a pickled net is usable on its own; bad
+arguments fail at ``initialize``; nothing makes a net unpicklable or
+unclonable.
+
+Jobs that must run beside each other run in real processes
+(tests/workers/params_parity.py); the 2-process checks through the
+``run_workers`` fixture.
+"""
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from skorch import NeuralNetClassifier
+from skorch.callbacks import Checkpoint
+
+from common import MLP, make_data
+from launcher import REPO, WORKERS
+from skorch_accel_callbacks import FolderInUseError, ParamsCheckpoint
+from skorch_accel_callbacks.atomic import TEMP_MARK
+
+DEADLINE_S = 180
+FILES = ['criterion.pt', 'history.json', 'optimizer.pt', 'params.pt']
+
+
+def plain_net(callbacks, **kwargs):
+    params = dict(module=MLP, max_epochs=2, lr=0.1, callbacks=callbacks,
+                  train_split=None, verbose=0)
+    params.update(kwargs)
+    return NeuralNetClassifier(**params)
+
+
+# ---------------------------------------------------------------- the lock
+
+
+def start_holder(cwd, prefix, markers):
+    """A job in its own process, in ``cwd`` with ParamsCheckpoint's default
+    ``dirname=''``, holding the lock of its ``prefix`` files after epoch 1."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')}
+    env.update(OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join([str(WORKERS), str(REPO)]))
+    log = markers / 'holder.log'
+    holder = subprocess.Popen(
+        [sys.executable, str(WORKERS / 'params_parity.py'), 'hold', prefix, str(markers)],
+        cwd=cwd, env=env, stdout=open(log, 'wb'), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + DEADLINE_S
+    while not (markers / 'held').exists():
+        if holder.poll() is not None or time.monotonic() > deadline:
+            holder.kill()
+            pytest.fail("the holder never held its lock:\n" + log.read_text())
+        time.sleep(0.1)
+    return holder
+
+
+def test_jobs_of_other_prefixes_share_a_folder_and_leave_no_lock_file(
+        tmp_path, monkeypatch):
+    """skorch's run (dirname='', fn_prefix='') and one with another prefix run
+    beside a job in the same working directory; the same prefix is refused;
+    no lock file is left in the working directory."""
+    work, markers = tmp_path / 'work', tmp_path / 'markers'
+    work.mkdir()
+    markers.mkdir()
+    X, y = make_data(n=64)
+    holder = start_holder(work, 'a_', markers)
+    try:
+        monkeypatch.chdir(work)
+        # a save of the holder's in flight: not a leftover of these jobs
+        in_flight = f'.a_params.pt{TEMP_MARK}0123456789ab'
+        (work / in_flight).write_bytes(b'')
+        for prefix in ('', 'b_'):
+            net = plain_net([ParamsCheckpoint(monitor=None, fn_prefix=prefix)])
+            net.fit(X, y)
+            assert len(net.history) == 2
+        assert (work / in_flight).exists()
+        assert (work / '.a_lock').exists()
+        net = plain_net([ParamsCheckpoint(monitor=None, fn_prefix='a_')])
+        with pytest.raises(FolderInUseError,
+                           match=rf"in use by another running job \(pid {holder.pid} on host"
+                                 r".*fn_prefix='a_'"):
+            net.fit(X, y)
+        assert len(net.history) == 0
+    finally:
+        (markers / 'go').touch()
+        returncode = holder.wait(timeout=DEADLINE_S)
+    assert returncode == 0, (markers / 'holder.log').read_text()
+    (work / in_flight).unlink()
+    # what skorch's Checkpoint leaves for these three prefixes
+    skorch_folder = tmp_path / 'skorch'
+    for prefix in ('', 'a_', 'b_'):
+        plain_net([Checkpoint(monitor=None, fn_prefix=prefix, dirname=str(skorch_folder))],
+                  max_epochs=1).fit(X, y)
+    assert sorted(os.listdir(work)) == sorted(os.listdir(skorch_folder))
+    assert sorted(os.listdir(work)) == sorted(
+        prefix + name for prefix in ('', 'a_', 'b_') for name in FILES)
+
+
+def _contend(folder, inside, until):
+    """In a forked child: take and release the lock of one prefix as often as
+    possible; exit 3 if another holder was inside at the same time."""
+    from skorch_accel_callbacks.lock import PrefixLock
+
+    rounds = 0
+    while time.monotonic() < until:
+        lock = PrefixLock(folder, 'x_')
+        try:
+            lock.acquire()
+        except FolderInUseError:
+            continue
+        try:
+            fd = os.open(inside, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            os._exit(3)
+        os.close(fd)
+        os.remove(inside)
+        lock.release()
+        rounds += 1
+    os._exit(0 if rounds else 4)
+
+
+def test_lock_removed_on_release_still_excludes(tmp_path):
+    """Holders that remove the lock file on release, in a race with others
+    that opened it just before: never two holders at once (a flock on a file
+    that was unlinked would make a second one)."""
+    inside = str(tmp_path / 'inside')
+    until = time.monotonic() + 4
+    children = []
+    for _ in range(4):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child)
+            try:
+                _contend(str(tmp_path), inside, until)
+            finally:
+                os._exit(5)
+        children.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+    assert codes == [0, 0, 0, 0], "3: two holders at once; 4: never got the lock"
+    assert not (tmp_path / '.x_lock').exists()
+
+
+def held_by_another_process(path):
+    """Whether a job in another process would be refused the lock at ``path``."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os._exit(0)
+        except BlockingIOError:
+            os._exit(1)
+        except BaseException:
+            os._exit(2)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1
