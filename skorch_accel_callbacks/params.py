@@ -85,6 +85,33 @@ def _temp_name_pattern(name):
     return rf"(?:\.{''.join(parts)}{re.escape(TEMP_MARK)}[0-9a-f]{{12}})"
 
 
+_MISSING = object()
+
+
+def _state_attr(f_key):
+    """The attribute of the net whose ``state_dict`` the file ``f_key`` holds
+    (``'f_params'`` -> ``'module_'``), None for the history and the pickle."""
+    if f_key in ('f_history', 'f_pickle'):
+        return None
+    return 'module_' if f_key == 'f_params' else f_key[2:] + '_'
+
+
+def _stateless(net, attr):
+    """The object ``net.<attr>`` if it has no state to save (no ``state_dict``:
+    not a torch Module or Optimizer, e.g. a criterion that is a plain
+    function), else None."""
+    obj = getattr(net, attr, _MISSING) if attr is not None else _MISSING
+    if obj is _MISSING or hasattr(obj, 'state_dict'):
+        return None
+    return obj
+
+
+def _describe_object(obj):
+    name = getattr(obj, '__qualname__', None)
+    kind = type(obj).__name__
+    return f"{name}, a {kind}" if name else f"a {kind}"
+
+
 class _SaveFailed(Exception):
     """Ends a save whose failure was already reported (``on_error='warn'``)."""
 
@@ -159,6 +186,14 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     - ``initialize`` raises if a folder to write into cannot be created or
       written; ``on_train_begin`` raises if ``f_pickle`` is set and the net
       cannot be pickled (checked by pickling it, without keeping the bytes).
+    - A file whose object has no state (no ``state_dict``: not a torch
+      Module or Optimizer, e.g. a criterion that is a plain function, the
+      usual way round DDP's refusal of parameterless criteria) is skipped,
+      with one warning when training begins; the other files are saved
+      together. skorch's ``Checkpoint`` fails to save it in every epoch
+      (a message to ``sink``) and saves the others; ours would otherwise
+      have saved nothing. It is not loaded either
+      (:meth:`get_formatted_files`).
     - Messages go to ``sink`` on the main process only.
     - ``load_best=True`` loads the best checkpoint on every rank.
 
@@ -291,6 +326,21 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     _staged = None
     # PrefixLock on this checkpoint's files while training, on the main process
     _lock = None
+    # the name in messages: TrainEndParamsCheckpoint for its checkpoint_
+    _owner = None
+
+    def stateless_files(self, net):
+        """The ``f_*`` arguments (name -> value) whose objects in ``net`` have
+        no state to save (no ``state_dict``): neither saved nor loaded."""
+        return {key: val for key, val in sorted(self._f_kwargs().items())
+                if val is not None and _stateless(net, _state_attr(key)) is not None}
+
+    def get_formatted_files(self, net):
+        """skorch's formatted file names, less those of :meth:`stateless_files`:
+        the files that ``net.load_params(checkpoint=self)`` loads."""
+        files = super().get_formatted_files(net)
+        skipped = self.stateless_files(net)
+        return {key: val for key, val in files.items() if key not in skipped}
 
     def __getstate__(self):
         # a net pickled for f_pickle during a save must not carry that save
@@ -372,6 +422,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
                          f"{type(self).__name__}: locking the files of fn_prefix="
                          f"{self.fn_prefix!r} in folder {self.dirname or '.'}")
         try:
+            self._warn_stateless(net)
             self.finish_interrupted_save(net)
             if self.f_pickle:
                 sync.run_on_main(
@@ -381,6 +432,17 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             # skorch calls no on_train_end after a failed on_train_begin
             self.release_folder()
             raise
+
+    def _warn_stateless(self, net):
+        owner = self._owner or type(self).__name__
+        for key, val in self.stateless_files(net).items():
+            attr = _state_attr(key)
+            message = (
+                f"{owner}: {key}={val!r} is not saved (nor loaded): net.{attr} "
+                f"({_describe_object(_stateless(net, attr))}) has no state_dict, it is "
+                f"not a torch Module or Optimizer; set {key}=None to not be told")
+            say(net, self.sink, message)
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     def _check_picklable(self, net):
         with unwrapped(net):
@@ -411,7 +473,8 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         """Save the model; call it on every process.
 
         Saves what the ``f_*`` arguments name: module parameters, optimizer
-        and criterion states, custom modules, history and the pickled net.
+        and criterion states, custom modules, history and the pickled net;
+        not the files of :meth:`stateless_files`.
         Each file is written by :meth:`_save_params` (or the pickle by
         :meth:`_save_pickle`) on the main process under a temporary name;
         then all of them are moved into place together, complete on disk
@@ -420,6 +483,8 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         """
         kwargs_module, kwargs_other = _check_f_arguments(
             self.__class__.__name__, **self._f_kwargs())
+        kwargs_module = {attr: val for attr, val in kwargs_module.items()
+                         if _stateless(net, attr) is None}
         self._staged = atomic.StagedFiles(self.journal_path)
         try:
             with unwrapped(net):
@@ -520,8 +585,10 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
     :class:`ParamsCheckpoint`, stored as ``checkpoint_``: only the main
     process writes, files are moved into place atomically and saved
     unwrapped, every rank waits until they are complete, a failed save
-    warns or (``on_error='raise'``) raises on every rank, and ``f_pickle``
-    on a net that cannot be pickled raises when training begins.
+    warns or (``on_error='raise'``) raises on every rank, ``f_pickle``
+    on a net that cannot be pickled raises when training begins, and a file
+    whose object has no state (a criterion that is a plain function) is
+    skipped with one warning when training begins.
 
     Parameters
     ----------
@@ -591,6 +658,7 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
             on_error=self.on_error,
             **self._f_kwargs()
         )
+        self.checkpoint_._owner = type(self).__name__
         self.checkpoint_.initialize()
         return self
 

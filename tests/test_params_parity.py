@@ -15,14 +15,21 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
+import numpy as np
 import pytest
 from skorch import NeuralNetClassifier
-from skorch.callbacks import Checkpoint
+from skorch.callbacks import Checkpoint, TrainEndCheckpoint
 
-from common import MLP, make_data
+from common import MLP, make_data, plain_criterion
 from launcher import REPO, WORKERS
-from skorch_accel_callbacks import FolderInUseError, ParamsCheckpoint
+from skorch_accel_callbacks import (
+    FolderInUseError,
+    LoadInitParams,
+    ParamsCheckpoint,
+    TrainEndParamsCheckpoint,
+)
 from skorch_accel_callbacks.atomic import TEMP_MARK
 
 DEADLINE_S = 180
@@ -156,3 +163,58 @@ def held_by_another_process(path):
         except BaseException:
             os._exit(2)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1
+
+
+# ---------------------------------------------------------------- no state
+
+
+@pytest.mark.parametrize('ours, theirs, kwargs', [
+    (ParamsCheckpoint, Checkpoint, {'monitor': 'train_loss_best'}),
+    (TrainEndParamsCheckpoint, TrainEndCheckpoint, {}),
+], ids=['ParamsCheckpoint', 'TrainEndParamsCheckpoint'])
+def test_criterion_without_state_is_skipped_as_skorch_does(tmp_path, ours, theirs, kwargs):
+    """A criterion that is a plain function (f_criterion left at its
+    default): params, optimizer and history are saved, as skorch's
+    Checkpoint does, with one warning; and they load."""
+    X, y = make_data()
+    listings, events = {}, {}
+    for cls in (theirs, ours):
+        folder = tmp_path / cls.__name__
+        cp = cls(dirname=str(folder), **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            net = plain_net([cp], criterion=plain_criterion, max_epochs=3).fit(X, y)
+        listings[cls] = sorted(os.listdir(folder))
+        if 'monitor' in kwargs:
+            events[cls] = net.history[:, 'event_cp']
+    texts = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert not [text for text in texts if 'Unable to save' in text]
+    skipped = [text for text in texts if 'f_criterion' in text]
+    assert len(skipped) == 1, texts
+    assert skipped[0].startswith(f"{ours.__name__}: f_criterion='criterion.pt' is not saved")
+    assert 'net.criterion_ (log_nll, a function) has no state_dict' in skipped[0]
+    prefix = cp.fn_prefix
+    assert listings[ours] == listings[theirs] == [
+        prefix + name for name in ('history.json', 'optimizer.pt', 'params.pt')]
+    if events:
+        assert events[ours] == events[theirs] and any(events[ours])
+    # loaded without a criterion file: by LoadInitParams, and by load_params
+    fresh = plain_net([LoadInitParams(cp)], criterion=plain_criterion, max_epochs=0)
+    fresh.fit(X, y)
+    assert len(fresh.history) == 3
+    np.testing.assert_allclose(fresh.predict_proba(X), net.predict_proba(X), atol=1e-6)
+    by_hand = plain_net([], criterion=plain_criterion).initialize()
+    by_hand.load_params(checkpoint=getattr(cp, 'checkpoint_', cp))
+    np.testing.assert_allclose(by_hand.predict_proba(X), net.predict_proba(X), atol=1e-6)
+
+
+def test_load_best_with_a_criterion_without_state(tmp_path):
+    X, y = make_data()
+    cp = ParamsCheckpoint(monitor='train_loss_best', dirname=str(tmp_path), load_best=True)
+    net = plain_net([cp], criterion=plain_criterion, max_epochs=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', UserWarning)
+        net.fit(X, y)
+    best = plain_net([], criterion=plain_criterion).initialize()
+    best.load_params(f_params=str(tmp_path / 'params.pt'))
+    np.testing.assert_allclose(net.predict_proba(X), best.predict_proba(X), atol=1e-6)
