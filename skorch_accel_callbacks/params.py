@@ -38,6 +38,7 @@ from skorch_accel_callbacks.atomic import TEMP_MARK, atomic_path
 from skorch_accel_callbacks.base import InitParamsOnly, check_sink, say
 from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.lock import FolderInUseError, PrefixLock
+from skorch_accel_callbacks.mixin import dump_net
 from skorch_accel_callbacks.wrapping import unwrapped
 
 __all__ = ['LoadInitParams', 'ParamsCheckpoint', 'TrainEndParamsCheckpoint']
@@ -218,8 +219,11 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
       File for the training history.
 
     f_pickle : file-like object, str, None (default=None)
-      File for the whole pickled net (pickled unwrapped); format specifiers
-      as for ``f_params``.
+      File for the whole pickled net; format specifiers as for
+      ``f_params``. The net is pickled unwrapped and its accelerator as its
+      settings (:func:`~skorch_accel_callbacks.mixin.dump_net`): unpickled
+      in another process, a net pickled by a job of several processes gets
+      an accelerator of that process and predicts on its own.
 
     fn_prefix : str (default='')
       Prefix of every file name given as a string.
@@ -447,7 +451,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     def _check_picklable(self, net):
         with unwrapped(net):
             try:
-                pickle.dump(net, _NullWriter())
+                dump_net(net, _NullWriter())
             except Exception as exc:  # pylint: disable=broad-except
                 raise pickle.PicklingError(
                     f"{type(self).__name__}: f_pickle={self.f_pickle!r} is set "
@@ -523,7 +527,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     def _save_pickle(self, f, net):
         def write(target):
             with open_file_like(target, 'wb') as file:
-                pickle.dump(net, file)
+                dump_net(net, file)
         self._save_file(net, f, 'pickle', write, every_rank=False)
 
     def _save_file(self, net, f, log_name, write, every_rank):

@@ -12,6 +12,7 @@ Jobs that must run beside each other run in real processes
 
 import fcntl
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -19,8 +20,10 @@ import warnings
 
 import numpy as np
 import pytest
+from accelerate.state import AcceleratorState
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Checkpoint, TrainEndCheckpoint
+from skorch.exceptions import DeviceWarning
 
 from common import MLP, make_data, plain_criterion
 from launcher import REPO, WORKERS
@@ -218,3 +221,40 @@ def test_load_best_with_a_criterion_without_state(tmp_path):
     best = plain_net([], criterion=plain_criterion).initialize()
     best.load_params(f_params=str(tmp_path / 'params.pt'))
     np.testing.assert_allclose(net.predict_proba(X), best.predict_proba(X), atol=1e-6)
+
+
+# ---------------------------------------------------------------- pickling
+
+
+def test_net_pickled_in_two_processes_is_usable_in_one(run_workers, tmp_path):
+    """Pickled in a job of 2 processes (by ParamsCheckpoint's f_pickle, and
+    by hand while wrapped in DDP), unpickled in a process that runs no job:
+    the net has an accelerator of this process and predicts X[:20] as the
+    job did, 20 rows."""
+    folder = tmp_path / 'pickles'
+    folder.mkdir()
+    results = run_workers('params_parity.py', 'pickle', nproc=2, timeout=300,
+                          args=('pickle', str(folder)))
+    for res in results:
+        assert res['num_processes'] == 2
+        assert res['fixed']['is_ddp']
+        for kind in ('fixed', 'stock'):
+            assert res[kind]['rows'] == 20
+            assert res[kind]['in_job'] == {'num_processes': 2, 'rows': 20}
+    X, y = make_data(n=128)
+    for name in ('fixed/net.pkl', 'fixed/direct.pkl', 'stock/net.pkl'):
+        # as in a new process: no accelerate state of any job
+        AcceleratorState._reset_state(True)
+        with open(folder / name, 'rb') as f, warnings.catch_warnings():
+            warnings.simplefilter('ignore', DeviceWarning)
+            net = pickle.load(f)
+        assert net.accelerator.num_processes == 1, name
+        proba = net.predict_proba(X[:20])
+        assert proba.shape == (20, 2), name
+        reference = np.load(folder / name.split('/')[0] / 'proba.npy')
+        np.testing.assert_allclose(proba, reference, atol=1e-6, err_msg=name)
+        if name.startswith('fixed'):
+            # and trains on (max_epochs=2 more), in this process alone
+            net.partial_fit(X, y)
+            assert len(net.history) == 4
+    AcceleratorState._reset_state(True)
