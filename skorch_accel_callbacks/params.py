@@ -52,6 +52,11 @@ def _check_arguments(owner):
             f"{type(owner).__name__}: on_error must be one of "
             f"{ON_ERROR_CHOICES}, got {owner.on_error!r}")
     check_sink(owner.sink, type(owner).__name__)
+    event_name = getattr(owner, 'event_name', None)
+    if event_name is not None and not isinstance(event_name, str):
+        raise TypeError(
+            f"{type(owner).__name__}: event_name must be a str (the history "
+            f"column) or None, got {event_name!r}")
 
 
 def _creation_error(folder):
@@ -185,8 +190,10 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     - When training begins, the main process completes a save that a crash
       interrupted and removes the temporary files killed saves left.
     - ``initialize`` raises if a folder to write into cannot be created or
-      written; ``on_train_begin`` raises if ``f_pickle`` is set and the net
-      cannot be pickled (checked by pickling it, without keeping the bytes).
+      written, if ``sink`` is not callable (``ValueError``) or if
+      ``event_name`` is neither a str nor None (``TypeError``);
+      ``on_train_begin`` raises if ``f_pickle`` is set and the net cannot
+      be pickled (checked by pickling it, without keeping the bytes).
     - A file whose object has no state (no ``state_dict``: not a torch
       Module or Optimizer, e.g. a criterion that is a plain function, the
       usual way round DDP's refusal of parameterless criteria) is skipped,
@@ -702,6 +709,9 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
     use_safetensors : bool (default=False)
       Whether the files were saved with ``safetensors``.
 
+    ``initialize`` raises ``TypeError`` if ``checkpoint`` is not a skorch
+    ``Checkpoint`` or ``TrainEndCheckpoint`` (a path, for instance).
+
     Examples
     --------
     Run this several times; each run continues from the best checkpoint of
@@ -712,6 +722,15 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
     >>> net.fit(X, y)
 
     """
+
+    def initialize(self):
+        if not isinstance(self.checkpoint, (Checkpoint, TrainEndCheckpoint)):
+            raise TypeError(
+                f"{type(self).__name__}: checkpoint must be a skorch Checkpoint or "
+                f"TrainEndCheckpoint (such as a ParamsCheckpoint or "
+                f"TrainEndParamsCheckpoint), got {self.checkpoint!r} of type "
+                f"{type(self.checkpoint).__name__}")
+        return super().initialize()
 
     # pylint: disable=arguments-differ
     def on_train_begin(self, net, X=None, y=None, **kwargs):

@@ -258,3 +258,29 @@ def test_net_pickled_in_two_processes_is_usable_in_one(run_workers, tmp_path):
             net.partial_fit(X, y)
             assert len(net.history) == 4
     AcceleratorState._reset_state(True)
+
+
+# ---------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize('callback, error, match', [
+    (ParamsCheckpoint(sink=None), ValueError, r"ParamsCheckpoint: sink must be a callable"),
+    (ParamsCheckpoint(sink='print'), ValueError,
+     r"ParamsCheckpoint: sink must be a callable .*got 'print'"),
+    (TrainEndParamsCheckpoint(sink=None), ValueError,
+     r"TrainEndParamsCheckpoint: sink must be a callable"),
+    (TrainEndParamsCheckpoint(sink='print'), ValueError,
+     r"TrainEndParamsCheckpoint: sink must be a callable .*got 'print'"),
+    (ParamsCheckpoint(event_name=123), TypeError,
+     r"ParamsCheckpoint: event_name must be a str \(the history column\) or None, got 123"),
+    (LoadInitParams('runs/params.pt'), TypeError,
+     r"LoadInitParams: checkpoint must be a skorch Checkpoint or TrainEndCheckpoint "
+     r".*got 'runs/params.pt' of type str"),
+], ids=['sink-None', 'sink-str', 'te-sink-None', 'te-sink-str', 'event_name-int',
+        'load-str'])
+def test_bad_arguments_raise_at_initialize(tmp_path, monkeypatch, callback, error, match):
+    monkeypatch.chdir(tmp_path)
+    net = plain_net([callback])
+    with pytest.raises(error, match=match):
+        net.initialize()
+    assert os.listdir(tmp_path) == []
