@@ -354,8 +354,10 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         return {key: val for key, val in files.items() if key not in skipped}
 
     def __getstate__(self):
-        # a net pickled for f_pickle during a save must not carry that save
-        return dict(self.__dict__, _staged=None)
+        # a net pickled for f_pickle during a save must not carry that save,
+        # nor the lock its training holds: a lock belongs to its process, and
+        # a copy that believed it held one would train on without taking it
+        return dict(self.__dict__, _staged=None, _lock=None)
 
     @property
     def journal_path(self):

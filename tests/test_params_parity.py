@@ -10,22 +10,27 @@ Jobs that must run beside each other run in real processes
 ``run_workers`` fixture.
 """
 
+import copy
 import fcntl
+import inspect
 import os
 import pickle
 import subprocess
 import sys
 import time
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from accelerate.state import AcceleratorState
+from sklearn.base import clone
+from sklearn.model_selection import cross_validate
 from skorch import NeuralNetClassifier
-from skorch.callbacks import Checkpoint, TrainEndCheckpoint
+from skorch.callbacks import Callback, Checkpoint, TrainEndCheckpoint
 from skorch.exceptions import DeviceWarning
 
-from common import MLP, make_data, plain_criterion
+from common import MLP, make_accelerator, make_data, make_net, plain_criterion
 from launcher import REPO, WORKERS
 from skorch_accel_callbacks import (
     FolderInUseError,
@@ -284,3 +289,78 @@ def test_bad_arguments_raise_at_initialize(tmp_path, monkeypatch, callback, erro
     with pytest.raises(error, match=match):
         net.initialize()
     assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------- copies
+
+
+class LockProbe(Callback):
+    """At every epoch's end: whether a job in another process would be
+    refused the lock of each of ``paths``."""
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def initialize(self):
+        self.held_ = []
+        return self
+
+    def on_epoch_end(self, net, **kwargs):
+        self.held_.append([held_by_another_process(path) for path in self.paths])
+
+
+@pytest.fixture
+def fitted(tmp_path):
+    """A net of this package's mixin with all three params callbacks, fitted
+    in this process alone."""
+    X, y = make_data(n=128)
+    cp = ParamsCheckpoint(monitor=None, dirname=str(tmp_path / 'cp'), f_pickle='net.pkl')
+    te = TrainEndParamsCheckpoint(dirname=str(tmp_path / 'te'))
+    locks = [str(tmp_path / 'cp' / '.lock'), str(tmp_path / 'te' / '.train_end_lock')]
+    net = make_net(make_accelerator(), max_epochs=2, train_split=None, callbacks=[
+        ('cp', cp), ('te', te), ('load', LoadInitParams(cp)), ('probe', LockProbe(locks))])
+    net.fit(X, y)
+    assert dict(net.callbacks_)['probe'].held_ == [[True, True], [True, True]]
+    return SimpleNamespace(net=net, X=X, y=y, locks=locks, folder=tmp_path)
+
+
+def test_copies_of_a_fitted_net_predict_and_train_on(fitted):
+    """pickle, deepcopy, and the net that f_pickle pickled while training
+    (its callbacks then held their locks): each predicts as the net, and
+    trains on with the locks of its checkpoint files held again."""
+    X, y = fitted.X, fitted.y
+    with open(fitted.folder / 'cp' / 'net.pkl', 'rb') as f:
+        from_f_pickle = pickle.load(f)
+    copies = {'pickle': pickle.loads(pickle.dumps(fitted.net)),
+              'deepcopy': copy.deepcopy(fitted.net), 'f_pickle': from_f_pickle}
+    reference = fitted.net.predict_proba(X)
+    for name, net in copies.items():
+        assert net.accelerator is not fitted.net.accelerator
+        np.testing.assert_allclose(net.predict_proba(X), reference, atol=1e-6,
+                                   err_msg=name)
+        net.partial_fit(X, y)
+        assert len(net.history) == 4, name
+        assert dict(net.callbacks_)['probe'].held_[-2:] == [[True, True]] * 2, name
+        assert not [path for path in fitted.locks if os.path.exists(path)], name
+
+
+def test_clone_of_a_fitted_net_fits_also_in_cross_validate(fitted):
+    X, y = fitted.X, fitted.y
+    cloned = clone(fitted.net)
+    assert not getattr(cloned, 'initialized_', False)
+    cloned.fit(X, y)
+    # LoadInitParams loaded the fitted net's checkpoint, then 2 epochs
+    assert len(cloned.history) == 4
+    scores = cross_validate(fitted.net, X, y, cv=2)
+    assert len(scores['test_score']) == 2
+
+
+def test_get_params_lists_init_arguments_only(fitted):
+    copied = pickle.loads(pickle.dumps(fitted.net))
+    for net in (fitted.net, copied):
+        for name in ('cp', 'te', 'load'):
+            callback = dict(net.callbacks_)[name]
+            arguments = set(inspect.signature(type(callback)).parameters) - {'kwargs'}
+            assert set(callback.get_params(deep=False)) == arguments, name
+            cloned = clone(callback)
+            assert cloned.get_params(deep=False).keys() == arguments
