@@ -1,4 +1,5 @@
-"""One job per folder: an exclusive ``flock`` on ``<folder>/.lock``."""
+"""One job per folder (an exclusive ``flock`` on ``<folder>/.lock``), or per
+set of files: :class:`PrefixLock` on the files of one ``fn_prefix``."""
 
 import fcntl
 import json
@@ -6,7 +7,7 @@ import os
 import socket
 import threading
 
-__all__ = ['FolderInUseError', 'FolderLock', 'LOCK_NAME']
+__all__ = ['FolderInUseError', 'FolderLock', 'LOCK_NAME', 'PrefixLock']
 
 LOCK_NAME = '.lock'
 
@@ -17,8 +18,11 @@ class FolderInUseError(RuntimeError):
 
 # flock refuses a second open file of the same process too; the callbacks of
 # one job that share a folder share its lock: lock file's real path ->
-# [open file, number of holders]
+# [open file, number of holders, remove the file on the last release]
 _HELD = {}
+# a lock file that keeps being replaced under us (by holders that remove it
+# on release) is retried this often before giving up
+_ATTEMPTS = 50
 # reentrant: release() also runs from __del__, whenever the collector does
 _HELD_GUARD = threading.RLock()
 
@@ -29,10 +33,28 @@ class FolderLock:
     The kernel releases the lock when the holder's process ends, however it
     ends, so a job that was killed leaves no stale lock behind. The file
     keeps the holder's pid and host, so that a refused job can say who holds
-    it; it stays on disk (it is the lock's anchor, not its state). Within
-    one process the lock is shared (counted): a job's callbacks that use the
-    same folder do not refuse each other. A copy (pickle, deepcopy) of a
-    lock holds nothing: a lock belongs to its process.
+    it. By default it stays on disk (it is the lock's anchor, not its
+    state); with ``remove_on_release=True`` the last holder removes it when
+    it releases the lock (a killed holder leaves it, unlocked, until the
+    next holder releases it). Within one process the lock is shared
+    (counted): a job's callbacks that use the same folder do not refuse each
+    other. A copy (pickle, deepcopy) of a lock holds nothing: a lock belongs
+    to its process.
+
+    Parameters
+    ----------
+    folder : str or path-like
+      The folder of the lock file.
+
+    name : str (default='.lock')
+      Name of the lock file in ``folder``.
+
+    remove_on_release : bool (default=False)
+      Whether the last holder in the process removes the lock file when it
+      releases the lock. Every holder of a lock file must either leave it or
+      remove it only while it still holds the lock (as this class does):
+      :meth:`acquire` checks after locking that the file it locked is still
+      the one at the path.
 
     Examples
     --------
@@ -41,9 +63,10 @@ class FolderLock:
 
     """
 
-    def __init__(self, folder, name=LOCK_NAME):
+    def __init__(self, folder, name=LOCK_NAME, remove_on_release=False):
         self.folder = os.fspath(folder) or '.'
         self.path = os.path.join(self.folder, name)
+        self.remove_on_release = remove_on_release
         self._key = os.path.realpath(self.path)
         self._file = None
 
@@ -59,41 +82,65 @@ class FolderLock:
             if self._file is None:
                 held = _HELD.get(self._key)
                 if held is None:
-                    held = _HELD[self._key] = [self._lock_file(), 0]
+                    held = _HELD[self._key] = [self._lock_file(), 0, True]
                 held[1] += 1
+                # the file stays if any holder in this process wants it kept
+                held[2] = held[2] and self.remove_on_release
                 self._file = held[0]
         return self
 
     def _lock_file(self):
-        lock_file = open(self.path, 'a+', encoding='utf-8')
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock_file.seek(0)
+        # A holder that removes the lock file on release (remove_on_release)
+        # unlinks it while it still holds the flock, then closes it. Another
+        # job may have opened the old file just before: its flock then
+        # succeeds on a file that no longer has a name, while a third job
+        # creates a new file at the path and locks that one; both would hold
+        # "the" lock. So a flock counts only if the file locked is still the
+        # one at the path (same device and inode) once it is held; if not,
+        # the file is closed and the path opened again. A refusal is checked
+        # the same way: the holder may have released (and removed) the file
+        # between our open and our flock.
+        for _ in range(_ATTEMPTS):
+            lock_file = open(self.path, 'a+', encoding='utf-8')
             try:
-                holder = json.loads(lock_file.read())
-                holder = f"pid {holder['pid']} on host {holder['host']}"
-            except (ValueError, KeyError, TypeError):
-                # the holder is between taking the lock and writing its name
-                holder = 'a job that is starting'
-            lock_file.close()
-            raise FolderInUseError(
-                f"checkpoint folder {self.folder} is in use by another running job "
-                f"({holder}, lock file {self.path}): two jobs saving into one "
-                "folder would overwrite or retire each other's checkpoints; wait for "
-                "it to end or give this job its own folder") from None
-        except BaseException:
-            lock_file.close()
-            raise
-        lock_file.seek(0)
-        lock_file.truncate()
-        json.dump({'pid': os.getpid(), 'host': socket.gethostname()}, lock_file)
-        lock_file.flush()
-        return lock_file
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not _is_at_path(lock_file, self.path):
+                    lock_file.close()
+                    continue
+                holder = _holder(lock_file)
+                lock_file.close()
+                raise FolderInUseError(self._refusal(holder)) from None
+            except BaseException:
+                lock_file.close()
+                raise
+            try:
+                if not _is_at_path(lock_file, self.path):
+                    lock_file.close()
+                    continue
+                lock_file.seek(0)
+                lock_file.truncate()
+                json.dump({'pid': os.getpid(), 'host': socket.gethostname()}, lock_file)
+                lock_file.flush()
+            except BaseException:
+                lock_file.close()
+                raise
+            return lock_file
+        raise FolderInUseError(
+            f"lock file {self.path} was replaced {_ATTEMPTS} times while this job "
+            "tried to lock it: other jobs keep taking and releasing it; try again")
+
+    def _refusal(self, holder):
+        return (
+            f"checkpoint folder {self.folder} is in use by another running job "
+            f"({holder}, lock file {self.path}): two jobs saving into one "
+            "folder would overwrite or retire each other's checkpoints; wait for "
+            "it to end or give this job its own folder")
 
     def release(self):
         """Release this hold; the last one in the process closes the file,
-        which releases the flock."""
+        which releases the flock (removing the file first with
+        ``remove_on_release``)."""
         with _HELD_GUARD:
             if self._file is None:
                 return
@@ -101,8 +148,17 @@ class FolderLock:
             held = _HELD[self._key]
             held[1] -= 1
             if held[1] == 0:
-                held[0].close()
                 del _HELD[self._key]
+                lock_file, _, remove = held
+                try:
+                    # removed while still locked: see _lock_file; a file that
+                    # someone else put at the path is not ours to remove
+                    if remove and _is_at_path(lock_file, self.path):
+                        os.remove(self.path)
+                except OSError:
+                    pass
+                finally:
+                    lock_file.close()
 
     def __getstate__(self):
         return dict(self.__dict__, _file=None)
@@ -110,3 +166,55 @@ class FolderLock:
     # a lock dropped without release (a fit that raised, then forgotten)
     # closes its file itself, without a ResourceWarning
     __del__ = release
+
+
+class PrefixLock(FolderLock):
+    """The lock of the files whose names start with ``prefix`` in ``folder``,
+    for one job: ``flock`` on ``<folder>/.<prefix>lock``, removed when
+    released.
+
+    Jobs that write files of different prefixes into one folder do not refuse
+    each other; two with the same prefix do. No lock file is left behind by a
+    job that ends normally (one killed leaves it, unlocked, until the next
+    job with that prefix releases it). With ``prefix=''`` the lock file is
+    ``<folder>/.lock``, the lock of a whole folder (:class:`FolderLock`).
+
+    Examples
+    --------
+    >>> lock = PrefixLock('run1', 'train_end_').acquire()  # run1/.train_end_lock
+    >>> lock.release()  # and run1/.train_end_lock is gone
+
+    """
+
+    def __init__(self, folder, prefix=''):
+        super().__init__(folder, name=f'.{prefix}lock', remove_on_release=True)
+        self.prefix = prefix
+
+    def _refusal(self, holder):
+        return (
+            f"checkpoint folder {self.folder} is in use by another running job "
+            f"({holder}, lock file {self.path}) for the files of fn_prefix="
+            f"{self.prefix!r}: two jobs saving the same files would overwrite "
+            "each other's; wait for it to end, or give this job its own folder "
+            "or fn_prefix")
+
+
+def _is_at_path(lock_file, path):
+    """Whether ``lock_file`` (open) is the file that ``path`` names now."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(lock_file.fileno())
+    return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _holder(lock_file):
+    """Who holds ``lock_file``, as its holder wrote it."""
+    lock_file.seek(0)
+    try:
+        holder = json.loads(lock_file.read())
+        return f"pid {holder['pid']} on host {holder['host']}"
+    except (ValueError, KeyError, TypeError):
+        # the holder is between taking the lock and writing its name
+        return 'a job that is starting'

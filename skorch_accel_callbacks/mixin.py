@@ -1,11 +1,128 @@
-"""Fixes for skorch's ``AccelerateMixin`` (measured on skorch 1.4.0 + accelerate 1.15)."""
+"""Fixes for skorch's ``AccelerateMixin`` (measured on skorch 1.4.0 + accelerate 1.15),
+and how a net with an accelerator is pickled (:func:`dump_net`)."""
+
+import pickle
+import warnings
+from contextlib import contextmanager
 
 import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
 
 from skorch_accel_callbacks import accelerate_io, sync
 from skorch_accel_callbacks.wrapping import bare_modules, unwrapped
 
-__all__ = ['AccelerateFixesMixin']
+__all__ = ['AccelerateFixesMixin', 'dump_net']
+
+# the handlers of an Accelerator that a new one in another process gets too
+_HANDLERS = ('ddp_handler', 'scaler_handler', 'autocast_handler', 'init_handler')
+
+
+def _accelerator_settings(accelerator):
+    """What an ``Accelerator`` was made with, less its processes: the
+    arguments that make an equivalent one in another process."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    handlers = [getattr(accelerator, name, None) for name in _HANDLERS]
+    return {
+        'cpu': accelerator.device.type == 'cpu',
+        'mixed_precision': accelerator.mixed_precision,
+        'device_placement': accelerator.device_placement,
+        'dataloader_config': accelerator.dataloader_config,
+        'step_scheduler_with_optimizer': accelerator.step_scheduler_with_optimizer,
+        'rng_types': list(accelerator.rng_types),
+        'gradient_accumulation_plugin': GradientAccumulationPlugin(
+            **accelerator.gradient_state.plugin_kwargs),
+        'kwargs_handlers': [handler for handler in handlers if handler is not None],
+    }
+
+
+def accelerator_of_this_process(settings):
+    """The ``Accelerator`` of an unpickled net: one of the process that
+    unpickles it, never the pickled one's processes.
+
+    Where this process already runs accelerate (a job that made its
+    ``Accelerator``), the new one shares that state, as every
+    ``Accelerator`` of a process does: its processes, device, mixed
+    precision and gradient accumulation stay as they are. Elsewhere it is a
+    new accelerator of this process alone (unless the environment says it is
+    one of a launched job's processes: unpickle after making the job's
+    ``Accelerator`` there), with the pickled one's settings; a mixed
+    precision this process cannot run is dropped with a warning.
+    """
+    from accelerate.state import GradientState, is_initialized
+    from accelerate.utils import GradientAccumulationPlugin
+
+    settings = dict(settings)
+    if is_initialized():
+        del settings['cpu'], settings['mixed_precision']
+        settings['gradient_accumulation_plugin'] = GradientAccumulationPlugin(
+            **GradientState().plugin_kwargs)
+        return Accelerator(**settings)
+    try:
+        return Accelerator(**settings)
+    except ValueError as exc:
+        if settings['mixed_precision'] in (None, 'no'):
+            raise
+        warnings.warn(
+            f"the unpickled net's accelerator runs without mixed precision: "
+            f"mixed_precision={settings['mixed_precision']!r} cannot run in this "
+            f"process ({exc})", UserWarning)
+        settings['mixed_precision'] = 'no'
+        return Accelerator(**settings)
+
+
+class _ThisProcessAccelerator:
+    """Stands for an ``Accelerator`` in a pickle (or deep copy): unpickled,
+    it is :func:`accelerator_of_this_process` of the pickled one's settings."""
+
+    def __init__(self, accelerator):
+        self.settings = _accelerator_settings(accelerator)
+
+    def __reduce__(self):
+        return accelerator_of_this_process, (self.settings,)
+
+
+class _NetPickler(pickle.Pickler):
+    """A pickler that pickles every ``Accelerator`` as
+    :class:`_ThisProcessAccelerator`."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, Accelerator):
+            return _ThisProcessAccelerator(obj).__reduce__()
+        return NotImplemented
+
+
+def dump_net(net, file):
+    """Pickle ``net`` into ``file`` (open for binary writing) without its
+    accelerator's processes.
+
+    The accelerator is pickled as its settings and unpickled as
+    :func:`accelerator_of_this_process`: a net pickled in a job of several
+    processes predicts on its own after unpickling in one process, instead
+    of believing it runs in the job's processes (skorch's ``AccelerateMixin``
+    with a plain ``pickle.dump``: its predictions came back with padding
+    rows of the job's data sharding). Other objects pickle as with
+    ``pickle.dump``.
+    """
+    _NetPickler(file, protocol=pickle.DEFAULT_PROTOCOL).dump(net)
+
+
+@contextmanager
+def _bare_optimizers(net):
+    """Inside, the net's optimizers are the torch optimizers that accelerate's
+    ``AcceleratedOptimizer`` wraps (which carry the process state)."""
+    wrappers = {}
+    for name in net._optimizers:
+        optimizer = getattr(net, name + '_', None)
+        if isinstance(optimizer, AcceleratedOptimizer):
+            wrappers[name + '_'] = optimizer
+            setattr(net, name + '_', optimizer.optimizer)
+    try:
+        yield
+    finally:
+        for attr, wrapper in wrappers.items():
+            setattr(net, attr, wrapper)
 
 
 def _has_trainable_parameters(module):
@@ -37,6 +154,13 @@ class AccelerateFixesMixin:
     - ``accelerator._dataloaders`` keeps at most the latest training and the
       latest evaluation loader of the net, instead of growing by two per fit
       and one per predict and holding every data set alive.
+    - The net pickles (and deep-copies) without its accelerator's process
+      state: modules and optimizers unwrapped, the accelerator as its
+      settings. Unpickled, it gets an accelerator of the process that
+      unpickles it (see :func:`dump_net`): a net pickled in a job of several
+      processes predicts and trains in one process on its own, and one
+      pickled while wrapped in DDP loads where no process group exists. The
+      modules are prepared again when training begins.
 
     Examples
     --------
@@ -51,6 +175,16 @@ class AccelerateFixesMixin:
     def initialize(self):
         self._wrapped_with_accelerator = False
         return super().initialize()
+
+    def __getstate__(self):
+        with unwrapped(self), _bare_optimizers(self):
+            state = super().__getstate__()
+        # the loaders hold the data sets; the registry the accelerator's objects
+        state.pop('_accelerator_loaders', None)
+        state.pop('_accelerator_registered', None)
+        if isinstance(state.get('accelerator'), Accelerator):
+            state['accelerator'] = _ThisProcessAccelerator(state['accelerator'])
+        return state
 
     def _initialize_accelerator(self):
         if self._wrapped_with_accelerator:

@@ -22,6 +22,8 @@ What they change, for a plain ``NeuralNet`` as for one with skorch's
 
 import os
 import pickle
+import re
+import string
 import uuid
 import warnings
 
@@ -35,7 +37,8 @@ from skorch_accel_callbacks import atomic, sync, triggers
 from skorch_accel_callbacks.atomic import TEMP_MARK, atomic_path
 from skorch_accel_callbacks.base import InitParamsOnly, check_sink, say
 from skorch_accel_callbacks.errors import CorruptCheckpointError
-from skorch_accel_callbacks.lock import FolderInUseError, FolderLock
+from skorch_accel_callbacks.lock import FolderInUseError, PrefixLock
+from skorch_accel_callbacks.mixin import dump_net
 from skorch_accel_callbacks.wrapping import unwrapped
 
 __all__ = ['LoadInitParams', 'ParamsCheckpoint', 'TrainEndParamsCheckpoint']
@@ -49,6 +52,11 @@ def _check_arguments(owner):
             f"{type(owner).__name__}: on_error must be one of "
             f"{ON_ERROR_CHOICES}, got {owner.on_error!r}")
     check_sink(owner.sink, type(owner).__name__)
+    event_name = getattr(owner, 'event_name', None)
+    if event_name is not None and not isinstance(event_name, str):
+        raise TypeError(
+            f"{type(owner).__name__}: event_name must be a str (the history "
+            f"column) or None, got {event_name!r}")
 
 
 def _creation_error(folder):
@@ -65,6 +73,49 @@ def _creation_error(folder):
     os.close(fd)
     os.remove(probe)
     return None
+
+
+def _temp_name_pattern(name):
+    """A regex of the temporary names (:func:`atomic.unique_name`) of the
+    files that the name template ``name`` (``'params_{last_epoch[epoch]}.pt'``)
+    stands for."""
+    parts = []
+    try:
+        for literal, field, _, _ in string.Formatter().parse(name):
+            parts.append(re.escape(literal))
+            if field is not None:
+                parts.append('.*')
+    except ValueError:
+        # not a valid template (saving it fails and says so): the name as is
+        parts = [re.escape(name)]
+    return rf"(?:\.{''.join(parts)}{re.escape(TEMP_MARK)}[0-9a-f]{{12}})"
+
+
+_MISSING = object()
+
+
+def _state_attr(f_key):
+    """The attribute of the net whose ``state_dict`` the file ``f_key`` holds
+    (``'f_params'`` -> ``'module_'``), None for the history and the pickle."""
+    if f_key in ('f_history', 'f_pickle'):
+        return None
+    return 'module_' if f_key == 'f_params' else f_key[2:] + '_'
+
+
+def _stateless(net, attr):
+    """The object ``net.<attr>`` if it has no state to save (no ``state_dict``:
+    not a torch Module or Optimizer, e.g. a criterion that is a plain
+    function), else None."""
+    obj = getattr(net, attr, _MISSING) if attr is not None else _MISSING
+    if obj is _MISSING or hasattr(obj, 'state_dict'):
+        return None
+    return obj
+
+
+def _describe_object(obj):
+    name = getattr(obj, '__qualname__', None)
+    kind = type(obj).__name__
+    return f"{name}, a {kind}" if name else f"a {kind}"
 
 
 class _SaveFailed(Exception):
@@ -129,15 +180,28 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
       exception, with a note naming the file; the others raise
       :class:`~skorch_accel_callbacks.RankError`). Either way none of the
       save's files replaces the previous checkpoint's.
-    - While training, the job holds a lock on ``dirname``
-      (``<dirname>/.lock``, see :class:`AccelerateCheckpoint`): a second
-      job started on the same folder is refused when its training begins,
-      naming the holder. A killed job leaves no stale lock.
+    - While training, the job holds a lock on the files it writes:
+      ``<dirname>/.<fn_prefix>lock`` (:class:`~skorch_accel_callbacks.lock.PrefixLock`).
+      A second job started on the same files (same ``dirname`` and
+      ``fn_prefix``) is refused when its training begins, naming the
+      holder; jobs with different ``fn_prefix`` share a folder. The lock
+      file is removed when training ends; a killed job leaves no stale lock
+      (its lock file stays, unlocked, until the next job of that prefix).
     - When training begins, the main process completes a save that a crash
       interrupted and removes the temporary files killed saves left.
     - ``initialize`` raises if a folder to write into cannot be created or
-      written; ``on_train_begin`` raises if ``f_pickle`` is set and the net
-      cannot be pickled (checked by pickling it, without keeping the bytes).
+      written, if ``sink`` is not callable (``ValueError``) or if
+      ``event_name`` is neither a str nor None (``TypeError``);
+      ``on_train_begin`` raises if ``f_pickle`` is set and the net cannot
+      be pickled (checked by pickling it, without keeping the bytes).
+    - A file whose object has no state (no ``state_dict``: not a torch
+      Module or Optimizer, e.g. a criterion that is a plain function, the
+      usual way round DDP's refusal of parameterless criteria) is skipped,
+      with one warning when training begins; the other files are saved
+      together. skorch's ``Checkpoint`` fails to save it in every epoch
+      (a message to ``sink``) and saves the others; ours would otherwise
+      have saved nothing. It is not loaded either
+      (:meth:`get_formatted_files`).
     - Messages go to ``sink`` on the main process only.
     - ``load_best=True`` loads the best checkpoint on every rank.
 
@@ -162,8 +226,11 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
       File for the training history.
 
     f_pickle : file-like object, str, None (default=None)
-      File for the whole pickled net (pickled unwrapped); format specifiers
-      as for ``f_params``.
+      File for the whole pickled net; format specifiers as for
+      ``f_params``. The net is pickled unwrapped and its accelerator as its
+      settings (:func:`~skorch_accel_callbacks.mixin.dump_net`): unpickled
+      in another process, a net pickled by a job of several processes gets
+      an accelerator of that process and predicts on its own.
 
     fn_prefix : str (default='')
       Prefix of every file name given as a string.
@@ -268,12 +335,29 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
 
     # the StagedFiles of the save in progress, on every rank; None between saves
     _staged = None
-    # FolderLock on dirname while training, on the main process
+    # PrefixLock on this checkpoint's files while training, on the main process
     _lock = None
+    # the name in messages: TrainEndParamsCheckpoint for its checkpoint_
+    _owner = None
+
+    def stateless_files(self, net):
+        """The ``f_*`` arguments (name -> value) whose objects in ``net`` have
+        no state to save (no ``state_dict``): neither saved nor loaded."""
+        return {key: val for key, val in sorted(self._f_kwargs().items())
+                if val is not None and _stateless(net, _state_attr(key)) is not None}
+
+    def get_formatted_files(self, net):
+        """skorch's formatted file names, less those of :meth:`stateless_files`:
+        the files that ``net.load_params(checkpoint=self)`` loads."""
+        files = super().get_formatted_files(net)
+        skipped = self.stateless_files(net)
+        return {key: val for key, val in files.items() if key not in skipped}
 
     def __getstate__(self):
-        # a net pickled for f_pickle during a save must not carry that save
-        return dict(self.__dict__, _staged=None)
+        # a net pickled for f_pickle during a save must not carry that save,
+        # nor the lock its training holds: a lock belongs to its process, and
+        # a copy that believed it held one would train on without taking it
+        return dict(self.__dict__, _staged=None, _lock=None)
 
     @property
     def journal_path(self):
@@ -284,8 +368,10 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         """Complete the file moves of a save that a crash interrupted and
         remove the temporary files of killed saves; call it on every rank.
 
-        Nothing is done while another running job holds the folder's lock:
-        the save in flight is that job's. Training and
+        Nothing is done while another running job holds the lock of this
+        checkpoint's files (same ``dirname`` and ``fn_prefix``): the save in
+        flight is that job's. Temporary files of other prefixes are left
+        alone. Training and
         :class:`LoadInitParams` call it before they read or write; call it
         yourself before ``net.load_params(checkpoint=cp)`` on files that a
         killed job may have left.
@@ -294,12 +380,12 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             if not os.path.isdir(self.dirname or '.'):
                 return
             try:
-                lock = FolderLock(self.dirname).acquire()
+                lock = PrefixLock(self.dirname, self.fn_prefix).acquire()
             except FolderInUseError:
                 return
             try:
                 finished = atomic.finish_staged(self.journal_path)
-                atomic.remove_temp_files(self.dirname, self.fn_prefix)
+                self._remove_temp_files()
             except ValueError as exc:
                 raise CorruptCheckpointError(str(exc)) from exc
             finally:
@@ -309,14 +395,36 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         sync.run_on_main(net, finish, f"{type(self).__name__}: completing an interrupted "
                                       f"save ({self.journal_path})")
 
+    def _remove_temp_files(self):
+        """Remove the temporary files that killed saves of this checkpoint's
+        files left; those of other files (another ``fn_prefix``, another
+        job's save in flight) are not touched."""
+        patterns = {}
+        for val in self._f_kwargs().values():
+            if not isinstance(val, str):
+                continue
+            folder, name = os.path.split(os.path.join(self.dirname, self.fn_prefix + val))
+            # a folder named by a format specifier is not known here
+            if '{' in folder:
+                continue
+            patterns.setdefault(folder, []).append(_temp_name_pattern(name))
+        for folder, names in patterns.items():
+            if not os.path.isdir(folder or '.'):
+                continue
+            pattern = re.compile('|'.join(names))
+            for entry in os.listdir(folder or '.'):
+                if pattern.fullmatch(entry):
+                    os.remove(os.path.join(folder, entry))
+
     def _lock_folder(self):
         # held until training ends (or this process ends: the kernel frees it)
         if self._lock is None:
-            self._lock = FolderLock(self.dirname).acquire()
+            self._lock = PrefixLock(self.dirname, self.fn_prefix).acquire()
 
     def release_folder(self):
-        """Release the folder's lock that training holds (the kernel also
-        releases it when the process ends)."""
+        """Release the lock of this checkpoint's files that training holds,
+        removing its lock file (the kernel also releases it when the process
+        ends)."""
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -324,17 +432,35 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     # pylint: disable=arguments-differ
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         sync.run_on_main(net, self._lock_folder,
-                         f"{type(self).__name__}: locking folder {self.dirname or '.'}")
-        self.finish_interrupted_save(net)
-        if self.f_pickle:
-            sync.run_on_main(
-                net, lambda: self._check_picklable(net),
-                f"{type(self).__name__}: pickling the net for f_pickle")
+                         f"{type(self).__name__}: locking the files of fn_prefix="
+                         f"{self.fn_prefix!r} in folder {self.dirname or '.'}")
+        try:
+            self._warn_stateless(net)
+            self.finish_interrupted_save(net)
+            if self.f_pickle:
+                sync.run_on_main(
+                    net, lambda: self._check_picklable(net),
+                    f"{type(self).__name__}: pickling the net for f_pickle")
+        except BaseException:
+            # skorch calls no on_train_end after a failed on_train_begin
+            self.release_folder()
+            raise
+
+    def _warn_stateless(self, net):
+        owner = self._owner or type(self).__name__
+        for key, val in self.stateless_files(net).items():
+            attr = _state_attr(key)
+            message = (
+                f"{owner}: {key}={val!r} is not saved (nor loaded): net.{attr} "
+                f"({_describe_object(_stateless(net, attr))}) has no state_dict, it is "
+                f"not a torch Module or Optimizer; set {key}=None to not be told")
+            say(net, self.sink, message)
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     def _check_picklable(self, net):
         with unwrapped(net):
             try:
-                pickle.dump(net, _NullWriter())
+                dump_net(net, _NullWriter())
             except Exception as exc:  # pylint: disable=broad-except
                 raise pickle.PicklingError(
                     f"{type(self).__name__}: f_pickle={self.f_pickle!r} is set "
@@ -360,7 +486,8 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         """Save the model; call it on every process.
 
         Saves what the ``f_*`` arguments name: module parameters, optimizer
-        and criterion states, custom modules, history and the pickled net.
+        and criterion states, custom modules, history and the pickled net;
+        not the files of :meth:`stateless_files`.
         Each file is written by :meth:`_save_params` (or the pickle by
         :meth:`_save_pickle`) on the main process under a temporary name;
         then all of them are moved into place together, complete on disk
@@ -369,6 +496,8 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         """
         kwargs_module, kwargs_other = _check_f_arguments(
             self.__class__.__name__, **self._f_kwargs())
+        kwargs_module = {attr: val for attr, val in kwargs_module.items()
+                         if _stateless(net, attr) is None}
         self._staged = atomic.StagedFiles(self.journal_path)
         try:
             with unwrapped(net):
@@ -407,7 +536,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     def _save_pickle(self, f, net):
         def write(target):
             with open_file_like(target, 'wb') as file:
-                pickle.dump(net, file)
+                dump_net(net, file)
         self._save_file(net, f, 'pickle', write, every_rank=False)
 
     def _save_file(self, net, f, log_name, write, every_rank):
@@ -469,8 +598,10 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
     :class:`ParamsCheckpoint`, stored as ``checkpoint_``: only the main
     process writes, files are moved into place atomically and saved
     unwrapped, every rank waits until they are complete, a failed save
-    warns or (``on_error='raise'``) raises on every rank, and ``f_pickle``
-    on a net that cannot be pickled raises when training begins.
+    warns or (``on_error='raise'``) raises on every rank, ``f_pickle``
+    on a net that cannot be pickled raises when training begins, and a file
+    whose object has no state (a criterion that is a plain function) is
+    skipped with one warning when training begins.
 
     Parameters
     ----------
@@ -540,6 +671,7 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
             on_error=self.on_error,
             **self._f_kwargs()
         )
+        self.checkpoint_._owner = type(self).__name__
         self.checkpoint_.initialize()
         return self
 
@@ -579,6 +711,9 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
     use_safetensors : bool (default=False)
       Whether the files were saved with ``safetensors``.
 
+    ``initialize`` raises ``TypeError`` if ``checkpoint`` is not a skorch
+    ``Checkpoint`` or ``TrainEndCheckpoint`` (a path, for instance).
+
     Examples
     --------
     Run this several times; each run continues from the best checkpoint of
@@ -589,6 +724,15 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
     >>> net.fit(X, y)
 
     """
+
+    def initialize(self):
+        if not isinstance(self.checkpoint, (Checkpoint, TrainEndCheckpoint)):
+            raise TypeError(
+                f"{type(self).__name__}: checkpoint must be a skorch Checkpoint or "
+                f"TrainEndCheckpoint (such as a ParamsCheckpoint or "
+                f"TrainEndParamsCheckpoint), got {self.checkpoint!r} of type "
+                f"{type(self.checkpoint).__name__}")
+        return super().initialize()
 
     # pylint: disable=arguments-differ
     def on_train_begin(self, net, X=None, y=None, **kwargs):

@@ -20,14 +20,18 @@ from sklearn.base import clone
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback, Checkpoint, LoadInitState, TrainEndCheckpoint
 
+from common import MLP, make_data
 from conftest import read_results
 from launcher import launch
-from skorch_accel_callbacks import (LoadInitParams, ParamsCheckpoint, RankError,
-                                    TrainEndParamsCheckpoint)
+from skorch_accel_callbacks import (
+    LoadInitParams,
+    ParamsCheckpoint,
+    RankError,
+    TrainEndParamsCheckpoint,
+)
 from skorch_accel_callbacks.atomic import TEMP_MARK
 from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.lock import LOCK_NAME
-from common import MLP, make_data
 
 
 def _launch_both(base, nproc):
@@ -73,7 +77,7 @@ def without_probes(events):
 
 
 def test_really_distributed(runs):
-    for res, kill in zip(runs.results, runs.kill):
+    for res, kill in zip(runs.results, runs.kill, strict=True):
         assert res['num_processes'] == runs.nproc
         assert res['decision']['num_processes'] == runs.nproc
         assert res['decision']['is_ddp'] == (runs.nproc == 2)
@@ -306,9 +310,9 @@ def test_plain_net_same_files_and_events_as_skorch(tmp_path):
         fresh = plain_net([cp]).initialize()
         fresh.load_params(checkpoint=cp)
         np.testing.assert_allclose(fresh.predict_proba(X), net.predict_proba(X))
-    # ours also leaves its folder lock's file (LOCK_NAME), as AccelerateCheckpoint does
-    assert listings[0] == [name for name in listings[1] if name != LOCK_NAME]
-    assert LOCK_NAME in listings[1] and 'run_params_3.pt' in listings[1]
+    # ours removes the lock of its files when training ends: no lock file left
+    assert listings[0] == listings[1]
+    assert 'run_params_3.pt' in listings[1]
     assert events[0] == events[1]
     np.testing.assert_allclose(probas[0], probas[1], atol=1e-6)
 
@@ -334,7 +338,7 @@ def test_overridden_save_model_and_save_params_are_used(tmp_path):
     net.fit(X, y)
     assert calls == ['save_model', ['f_module', 'use_safetensors'],
                      ['f_history', 'use_safetensors']]
-    assert sorted(os.listdir(tmp_path)) == [LOCK_NAME, 'history.json', 'params.pt']
+    assert sorted(os.listdir(tmp_path)) == ['history.json', 'params.pt']
 
 
 def test_train_end_checkpoint_and_load_init_resume(tmp_path):
@@ -344,7 +348,7 @@ def test_train_end_checkpoint_and_load_init_resume(tmp_path):
     first = plain_net([te, LoadInitParams(te)], max_epochs=2).fit(X, y)
     assert sink == ['Final checkpoint triggered']
     assert sorted(os.listdir(tmp_path)) == [
-        LOCK_NAME, 'train_end_criterion.pt', 'train_end_history.json',
+        'train_end_criterion.pt', 'train_end_history.json',
         'train_end_optimizer.pt', 'train_end_params.pt']
     second = plain_net([te, LoadInitParams(te)], max_epochs=0).fit(X, y)
     # the history and parameters of the first run were loaded
