@@ -10,20 +10,26 @@ contents as ``Accelerator.save_state``, so an accelerate upgrade that moves
 these internals fails one obvious test.
 """
 
+import warnings
 from contextlib import contextmanager
 
+from accelerate import Accelerator
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
+from accelerate.state import GradientState, is_initialized
 from accelerate.utils import (
     OPTIMIZER_NAME,
     RNG_STATE_NAME,
     SAFE_WEIGHTS_NAME,
     WEIGHTS_NAME,
     DistributedType,
+    GradientAccumulationPlugin,
     load,
     save,
 )
 
 __all__ = [
+    'accelerator_of_this_process',
+    'accelerator_settings',
     'check_plain_state',
     'dataloaders',
     'load_state',
@@ -113,6 +119,60 @@ def registries_of(accelerator, own_models, own_optimizers):
 
 
 # ---------------------------------------------------------------- settings
+
+# the handlers of an Accelerator that a new one in another process gets too
+_HANDLERS = ('ddp_handler', 'scaler_handler', 'autocast_handler', 'init_handler')
+
+
+def accelerator_settings(accelerator):
+    """What an ``Accelerator`` was made with, less its processes: the
+    arguments that make an equivalent one in another process."""
+    handlers = [getattr(accelerator, name, None) for name in _HANDLERS]
+    return {
+        'cpu': accelerator.device.type == 'cpu',
+        'mixed_precision': accelerator.mixed_precision,
+        'device_placement': accelerator.device_placement,
+        'dataloader_config': accelerator.dataloader_config,
+        'step_scheduler_with_optimizer': accelerator.step_scheduler_with_optimizer,
+        'rng_types': list(accelerator.rng_types),
+        'gradient_accumulation_plugin': GradientAccumulationPlugin(
+            **accelerator.gradient_state.plugin_kwargs),
+        'kwargs_handlers': [handler for handler in handlers if handler is not None],
+    }
+
+
+def accelerator_of_this_process(settings):
+    """The ``Accelerator`` of an unpickled net: one of the process that
+    unpickles it, never the pickled one's processes.
+
+    Where this process already runs accelerate (a job that made its
+    ``Accelerator``), the new one shares that state, as every
+    ``Accelerator`` of a process does: its processes, device, mixed
+    precision and gradient accumulation stay as they are. Elsewhere it is a
+    new accelerator of this process alone (unless the environment says it is
+    one of a launched job's processes: unpickle after making the job's
+    ``Accelerator`` there), with the pickled one's settings; a mixed
+    precision this process cannot run is dropped with a warning.
+    """
+    settings = dict(settings)
+    if is_initialized():
+        del settings['cpu'], settings['mixed_precision']
+        settings['gradient_accumulation_plugin'] = GradientAccumulationPlugin(
+            **GradientState().plugin_kwargs)
+        return Accelerator(**settings)
+    try:
+        return Accelerator(**settings)
+    except ValueError as exc:
+        if settings['mixed_precision'] in (None, 'no'):
+            raise
+        warnings.warn(
+            f"the unpickled net's accelerator runs without mixed precision: "
+            f"mixed_precision={settings['mixed_precision']!r} cannot run in this "
+            f"process ({exc})", UserWarning)
+        settings['mixed_precision'] = 'no'
+        return Accelerator(**settings)
+
+
 
 def save_on_each_node(accelerator):
     return bool(accelerator.project_configuration.save_on_each_node)

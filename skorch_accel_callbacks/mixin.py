@@ -2,7 +2,6 @@
 and how a net with an accelerator is pickled (:func:`dump_net`)."""
 
 import pickle
-import warnings
 from contextlib import contextmanager
 
 import torch
@@ -14,73 +13,15 @@ from skorch_accel_callbacks.wrapping import bare_modules, unwrapped
 
 __all__ = ['AccelerateFixesMixin', 'dump_net']
 
-# the handlers of an Accelerator that a new one in another process gets too
-_HANDLERS = ('ddp_handler', 'scaler_handler', 'autocast_handler', 'init_handler')
-
-
-def _accelerator_settings(accelerator):
-    """What an ``Accelerator`` was made with, less its processes: the
-    arguments that make an equivalent one in another process."""
-    from accelerate.utils import GradientAccumulationPlugin
-
-    handlers = [getattr(accelerator, name, None) for name in _HANDLERS]
-    return {
-        'cpu': accelerator.device.type == 'cpu',
-        'mixed_precision': accelerator.mixed_precision,
-        'device_placement': accelerator.device_placement,
-        'dataloader_config': accelerator.dataloader_config,
-        'step_scheduler_with_optimizer': accelerator.step_scheduler_with_optimizer,
-        'rng_types': list(accelerator.rng_types),
-        'gradient_accumulation_plugin': GradientAccumulationPlugin(
-            **accelerator.gradient_state.plugin_kwargs),
-        'kwargs_handlers': [handler for handler in handlers if handler is not None],
-    }
-
-
-def accelerator_of_this_process(settings):
-    """The ``Accelerator`` of an unpickled net: one of the process that
-    unpickles it, never the pickled one's processes.
-
-    Where this process already runs accelerate (a job that made its
-    ``Accelerator``), the new one shares that state, as every
-    ``Accelerator`` of a process does: its processes, device, mixed
-    precision and gradient accumulation stay as they are. Elsewhere it is a
-    new accelerator of this process alone (unless the environment says it is
-    one of a launched job's processes: unpickle after making the job's
-    ``Accelerator`` there), with the pickled one's settings; a mixed
-    precision this process cannot run is dropped with a warning.
-    """
-    from accelerate.state import GradientState, is_initialized
-    from accelerate.utils import GradientAccumulationPlugin
-
-    settings = dict(settings)
-    if is_initialized():
-        del settings['cpu'], settings['mixed_precision']
-        settings['gradient_accumulation_plugin'] = GradientAccumulationPlugin(
-            **GradientState().plugin_kwargs)
-        return Accelerator(**settings)
-    try:
-        return Accelerator(**settings)
-    except ValueError as exc:
-        if settings['mixed_precision'] in (None, 'no'):
-            raise
-        warnings.warn(
-            f"the unpickled net's accelerator runs without mixed precision: "
-            f"mixed_precision={settings['mixed_precision']!r} cannot run in this "
-            f"process ({exc})", UserWarning)
-        settings['mixed_precision'] = 'no'
-        return Accelerator(**settings)
-
-
 class _ThisProcessAccelerator:
     """Stands for an ``Accelerator`` in a pickle (or deep copy): unpickled,
     it is :func:`accelerator_of_this_process` of the pickled one's settings."""
 
     def __init__(self, accelerator):
-        self.settings = _accelerator_settings(accelerator)
+        self.settings = accelerate_io.accelerator_settings(accelerator)
 
     def __reduce__(self):
-        return accelerator_of_this_process, (self.settings,)
+        return accelerate_io.accelerator_of_this_process, (self.settings,)
 
 
 class _NetPickler(pickle.Pickler):
