@@ -2,22 +2,8 @@
 
 :class:`ParamsCheckpoint`, :class:`TrainEndParamsCheckpoint` and
 :class:`LoadInitParams` subclass skorch's ``Checkpoint``,
-``TrainEndCheckpoint`` and ``LoadInitState`` and take the same arguments.
-What they change, for a plain ``NeuralNet`` as for one with skorch's
-``AccelerateMixin``:
-
-- whether to checkpoint is decided on the main process and sent to every
-  rank, so ranks whose own validation scores differ still save together;
-- only the main process writes, every file under a temporary name; the
-  files of a save are moved into place together, with a journal that
-  completes the moves after a crash, so a checkpoint is always the files of
-  one complete save; no rank leaves a save before they are on disk;
-- modules are saved and loaded unwrapped: no ``module.`` key prefix and no
-  new ``accelerator.prepare`` call (which would register the model again);
-- a failed save is not silent: a warning, or an exception with
-  ``on_error='raise'``, on every rank;
-- problems visible before training (a folder that cannot be written, a net
-  that cannot be pickled for ``f_pickle``) raise before the first epoch.
+``TrainEndCheckpoint`` and ``LoadInitState`` and take the same arguments;
+what they change is listed once, in :class:`ParamsCheckpoint`'s docstring.
 """
 
 import os
@@ -27,10 +13,7 @@ import string
 import uuid
 import warnings
 
-import safetensors.torch
-import torch
 from skorch.callbacks import Checkpoint, LoadInitState, TrainEndCheckpoint
-from skorch.history import History
 from skorch.utils import _check_f_arguments, noop, open_file_like
 
 from skorch_accel_callbacks import atomic, sync, triggers
@@ -39,6 +22,7 @@ from skorch_accel_callbacks.base import InitParamsOnly, check_sink, say
 from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.lock import FolderInUseError, PrefixLock
 from skorch_accel_callbacks.mixin import dump_net
+from skorch_accel_callbacks.readers import first_unloadable
 from skorch_accel_callbacks.wrapping import unwrapped
 
 __all__ = ['LoadInitParams', 'ParamsCheckpoint', 'TrainEndParamsCheckpoint']
@@ -261,6 +245,26 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
 
     **kwargs
       ``f_<name>`` for a custom module ``net.<name>_``.
+
+    Attributes
+    ----------
+    f_history_ : str or None
+      The formatted history file name (as in skorch).
+
+    Raises
+    ------
+    ValueError, TypeError
+      At ``initialize``: ``on_error``, ``sink`` or ``event_name`` of the
+      wrong kind.
+    OSError
+      At ``initialize``: a folder to write into cannot be created or
+      written. With ``on_error='raise'``, a failed save (on the rank that
+      failed; the others raise :class:`~skorch_accel_callbacks.RankError`).
+    pickle.PicklingError
+      When training begins, if ``f_pickle`` is set and the net cannot be
+      pickled.
+    skorch_accel_callbacks.FolderInUseError
+      When training begins: another running job saves the same files.
 
     Examples
     --------
@@ -626,6 +630,16 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
     **kwargs
       ``f_<name>`` for a custom module ``net.<name>_``.
 
+    Attributes
+    ----------
+    checkpoint_ : ParamsCheckpoint
+      The checkpoint that saves at the end of training (as in skorch).
+
+    Raises
+    ------
+    ValueError, TypeError, OSError, skorch_accel_callbacks.FolderInUseError
+      As :class:`ParamsCheckpoint`.
+
     Examples
     --------
     Save at the end of each run and continue from there on the next one:
@@ -714,6 +728,23 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
     ``initialize`` raises ``TypeError`` if ``checkpoint`` is not a skorch
     ``Checkpoint`` or ``TrainEndCheckpoint`` (a path, for instance).
 
+    Attributes
+    ----------
+    did_load_ : bool
+      Whether a checkpoint was looked for (once per ``initialize``).
+
+    Raises
+    ------
+    TypeError
+      At ``initialize``: ``checkpoint`` is not a skorch ``Checkpoint`` or
+      ``TrainEndCheckpoint``.
+    CorruptCheckpointError
+      When training begins: a file of the checkpoint does not load (the
+      message names it), on every rank.
+    skorch_accel_callbacks.RankError
+      When training begins, on the ranks where loading succeeded, when it
+      failed on another (or only some ranks found the files).
+
     Examples
     --------
     Run this several times; each run continues from the best checkpoint of
@@ -778,14 +809,11 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
         for key, file in files():
             if not isinstance(file, (str, os.PathLike)):
                 continue
-            try:
-                if key == 'f_history':
-                    History.from_file(file)
-                elif self.use_safetensors:
-                    safetensors.torch.load_file(file)
-                else:
-                    torch.load(file, map_location='cpu', weights_only=True)
-            except Exception as reason:  # pylint: disable=broad-except
+            kind = ('json' if key == 'f_history'
+                    else 'safetensors' if self.use_safetensors else 'torch')
+            at_fault = first_unloadable([file], kind)
+            if at_fault is not None:
+                _, reason = at_fault
                 return CorruptCheckpointError(
                     f"{file} cannot be loaded: {type(reason).__name__}: {reason}")
         return exc

@@ -5,11 +5,12 @@ rarely says which file it was reading; after a load failed, the files are
 read again one by one, on that error path only, to name it.
 """
 
+import functools
 import os
 
+import torch
 from safetensors.torch import load_file
 
-from skorch_accel_callbacks import accelerate_io
 from skorch_accel_callbacks.atomic import read_json
 
 __all__ = ['first_unloadable', 'load_without_code']
@@ -18,7 +19,8 @@ __all__ = ['first_unloadable', 'load_without_code']
 _READERS = {
     'safetensors': load_file,
     'json': read_json,
-    'torch': accelerate_io.load_weights_only,
+    # on the CPU: the file of a GPU run is not at fault where no GPU is
+    'torch': functools.partial(torch.load, map_location='cpu', weights_only=True),
 }
 
 
