@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from conftest import read_results
+from testutil import read_results
 from launcher import launch
 
 

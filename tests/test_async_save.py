@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common import make_accelerator, make_data, make_net
-from conftest import read_results
+from testutil import read_results
 from launcher import launch
 from resume_runs import assert_identical, final_state
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, async_save

@@ -16,7 +16,7 @@ from skorch.callbacks import Callback
 from sklearn.base import clone
 
 from common import MLP, make_accelerator, make_data, make_net
-from conftest import read_results
+from testutil import read_results
 from resume_runs import assert_identical, final_state, run
 from skorch_accel_callbacks import (AccelerateCheckpoint, AccelerateLoadInitState,
                                     CheckpointError)

@@ -7,13 +7,12 @@ import sys
 
 import pytest
 
-from launcher import REPO, WORKERS
+from launcher import REPO, WORKERS, launch
+from testutil import read_results
 
 
 @pytest.fixture(scope='module', params=[1, 2], ids=['1proc', '2proc'])
 def foundation(request, tmp_path_factory):
-    from conftest import read_results
-    from launcher import launch
     nproc = request.param
     out = tmp_path_factory.mktemp(f'foundation{nproc}')
     launch('foundation.py', nproc=nproc, env={'RESULT_DIR': str(out)}).check()
@@ -125,7 +124,6 @@ def test_runs_under_real_torchrun(tmp_path):
          '--nproc_per_node', '2', str(WORKERS / 'foundation.py')],
         env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from conftest import read_results
     results = read_results(tmp_path, 'foundation', 2)
     assert [r['num_processes'] for r in results] == [2, 2]
     assert all(r['is_ddp'] for r in results)

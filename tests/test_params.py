@@ -20,7 +20,7 @@ from sklearn.base import clone
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback, Checkpoint, LoadInitState, TrainEndCheckpoint
 
-from conftest import read_results
+from testutil import read_results
 from launcher import launch
 from skorch_accel_callbacks import (LoadInitParams, ParamsCheckpoint, RankError,
                                     TrainEndParamsCheckpoint)

@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 
-from faultsuite import reference, run_job  # noqa: F401 (reference: a fixture)
-import faultjob  # noqa: E402 (faultsuite puts the workers on sys.path)
+import faultjob
+from faultsuite import run_job
 from skorch_accel_callbacks import CheckpointError, CorruptCheckpointError
 
 

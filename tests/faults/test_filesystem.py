@@ -17,9 +17,10 @@ import subprocess
 
 import pytest
 
-from faultsuite import final_state, read_json, reference, run_job  # noqa: F401
+from faultsuite import final_state, run_job
 from resume_runs import assert_identical
 from skorch_accel_callbacks import storage
+from testutil import read_json
 
 NO_SPACE = os.strerror(errno.ENOSPC)
 PR_CAPBSET_DROP = 24

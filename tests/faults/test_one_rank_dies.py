@@ -8,10 +8,10 @@ timeout, so a rank 0 that ended did so on its own. The checkpoint of epoch 1
 stays complete, and resuming from it ends bit-identical.
 """
 
-from faultsuite import (COLLECTIVE_TIMEOUT, final_state, read_json,  # noqa: F401
-                        reference, run_job)
+from faultsuite import COLLECTIVE_TIMEOUT, final_state, run_job
 from resume_runs import assert_identical
 from skorch_accel_callbacks import storage
+from testutil import read_json
 
 GRACE = 3 * COLLECTIVE_TIMEOUT
 

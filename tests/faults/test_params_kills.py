@@ -13,9 +13,10 @@ optimizer or history of another.
 import json
 import random
 
-from faultsuite import read_json, run_job
+from faultsuite import run_job
 from params_killable import PARAMS_POINTS
 from skorch_accel_callbacks.storage import TEMP_MARK
+from testutil import read_json
 
 
 def test_params_checkpoint_kills_load_one_whole_save(tmp_path, record_property):

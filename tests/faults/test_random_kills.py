@@ -16,10 +16,11 @@ may hang (launch deadline).
 import os
 import random
 
-from faultsuite import final_state, read_json, reference, run_job  # noqa: F401 (fixture)
+from faultsuite import final_state, run_job
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
 from resume_runs import assert_identical
 from skorch_accel_callbacks import storage
+from testutil import read_json
 
 KILLS_PER_RUN = 3
 MIN_KILLS = 20

@@ -19,10 +19,10 @@ import pytest
 from skorch import NeuralNetClassifier
 
 from common import MLP, make_data
-from faultsuite import read_json  # also puts the workers on sys.path
-import faultjob  # noqa: E402
+import faultjob
 from skorch_accel_callbacks import (CheckpointError, CorruptCheckpointError, LoadInitParams,
                                     ParamsCheckpoint, storage)
+from testutil import read_json
 
 
 class Payload:
