@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from common import make_accelerator, make_data, make_net
-from testutil import read_results
 from launcher import launch
-from resume_runs import assert_identical, final_state
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, async_save
+from testutil import assert_identical, final_state, read_results
 
 
 def run(folder, tag, nproc=2, expect_ok=True, dirname='ckpt', **env):

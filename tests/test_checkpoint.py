@@ -6,7 +6,6 @@ launches.
 """
 
 import json
-import os
 
 import pytest
 import torch
@@ -16,10 +15,10 @@ from skorch.callbacks import Callback
 from sklearn.base import clone
 
 from common import MLP, make_accelerator, make_data, make_net
-from testutil import read_results
-from resume_runs import assert_identical, final_state, run
+from resume_runs import run
 from skorch_accel_callbacks import (AccelerateCheckpoint, AccelerateLoadInitState,
                                     CheckpointError)
+from testutil import assert_identical, edit_manifest, final_state, read_results
 
 
 def fit(dirname, max_epochs=3, resume='latest', accelerator=None, **cp_kwargs):
@@ -32,15 +31,6 @@ def fit(dirname, max_epochs=3, resume='latest', accelerator=None, **cp_kwargs):
     X, y = make_data(n=160)
     net.fit(X, y)
     return net, cp, load
-
-
-def edit_manifest(folder, **changes):
-    path = os.path.join(folder, 'manifest.json')
-    with open(path) as f:
-        manifest = json.load(f)
-    manifest.update(changes)
-    with open(path, 'w') as f:
-        json.dump(manifest, f)
 
 
 # ---------------------------------------------------------------- in process

@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from resume_runs import assert_identical, final_state, run
+from resume_runs import run
+from testutil import assert_identical, final_state
 
 CASES = [
     ('basic', 1), ('basic', 2),

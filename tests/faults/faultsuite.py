@@ -3,10 +3,7 @@
 Its fixtures (the reference run) are in tests/faults/conftest.py.
 """
 
-import os
 from pathlib import Path
-
-import torch
 
 from launcher import launch
 
@@ -23,7 +20,3 @@ def run_job(script, folder, dirname, tag, *, nproc=2, timeout=180, grace=10.0,
     env.setdefault('COLLECTIVE_TIMEOUT', str(COLLECTIVE_TIMEOUT))
     return launch(WORKERS / script, dirname, tag, nproc=nproc, timeout=timeout,
                   grace=grace, preexec_fn=preexec_fn, env=env)
-
-
-def final_state(folder, tag):
-    return torch.load(os.path.join(folder, f'{tag}-rank0.pt'), weights_only=False)

@@ -6,7 +6,6 @@ Single-process cases run in this process; a checkpoint of 2 processes comes
 from the reference run, and one launch checks a rank's missing file.
 """
 
-import json
 import shutil
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 import faultjob
 from faultsuite import run_job
 from skorch_accel_callbacks import CheckpointError, CorruptCheckpointError
+from testutil import edit_manifest
 
 
 @pytest.fixture(scope='module')
@@ -45,13 +45,6 @@ def fit(net):
 
 def loaded_from(net):
     return net.callbacks_[0][1].loaded_from_
-
-
-def edit_manifest(folder, edit):
-    path = folder / 'manifest.json'
-    manifest = json.loads(path.read_text())
-    edit(manifest)
-    path.write_text(json.dumps(manifest))
 
 
 def test_truncated_model_file_is_named(ckpt):

@@ -17,10 +17,9 @@ import subprocess
 
 import pytest
 
-from faultsuite import final_state, run_job
-from resume_runs import assert_identical
+from faultsuite import run_job
 from skorch_accel_callbacks import storage
-from testutil import read_json
+from testutil import assert_identical, final_state, read_json
 
 NO_SPACE = os.strerror(errno.ENOSPC)
 PR_CAPBSET_DROP = 24

@@ -8,10 +8,9 @@ timeout, so a rank 0 that ended did so on its own. The checkpoint of epoch 1
 stays complete, and resuming from it ends bit-identical.
 """
 
-from faultsuite import COLLECTIVE_TIMEOUT, final_state, run_job
-from resume_runs import assert_identical
+from faultsuite import COLLECTIVE_TIMEOUT, run_job
 from skorch_accel_callbacks import storage
-from testutil import read_json
+from testutil import assert_identical, final_state, read_json
 
 GRACE = 3 * COLLECTIVE_TIMEOUT
 

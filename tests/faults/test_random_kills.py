@@ -16,11 +16,10 @@ may hang (launch deadline).
 import os
 import random
 
-from faultsuite import final_state, run_job
+from faultsuite import run_job
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
-from resume_runs import assert_identical
 from skorch_accel_callbacks import storage
-from testutil import read_json
+from testutil import assert_identical, final_state, read_json
 
 KILLS_PER_RUN = 3
 MIN_KILLS = 20

@@ -30,7 +30,7 @@ import torch
 from skorch.callbacks import Callback
 
 import faultjob
-from common import rank
+from common import BatchEnds, rank
 from faultjob import EpochTracker, die, hold
 from skorch_accel_callbacks import async_save, storage, sync, training_state
 
@@ -163,21 +163,12 @@ class Instrument:
         storage._remove = remove_part
 
 
-class BatchKiller(Callback):
+class BatchKiller(BatchEnds):
     def __init__(self, instrument):
         self.instrument = instrument
 
-    def initialize(self):
-        self.batches_ = 0
-        return self
-
-    def on_epoch_begin(self, net, **kwargs):
-        self.batches_ = 0
-
-    def on_batch_end(self, net, training=False, **kwargs):
-        if training:
-            self.batches_ += 1
-            self.instrument.fire(f'batch-{self.batches_}')
+    def at_batch(self, net, batch):
+        self.instrument.fire(f'batch-{batch}')
 
 
 class Freeze(Callback):

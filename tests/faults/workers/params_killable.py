@@ -21,7 +21,7 @@ from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
 from skorch.hf import AccelerateMixin
 
-from common import make_accelerator, make_data, make_net, params_digest, rank
+from common import BatchEnds, make_accelerator, make_data, make_net, params_digest, rank
 from faultjob import EpochTracker, die, hold
 from skorch_accel_callbacks import (AccelerateFixesMixin, LoadInitParams, ParamsCheckpoint,
                                     storage, unwrapped)
@@ -118,15 +118,10 @@ class RecordLoad(Callback):
             json.dump(snapshot(net), f)
 
 
-class BatchKiller(Callback):
-    def on_epoch_begin(self, net, **kwargs):
-        self.batches_ = 0
-
-    def on_batch_end(self, net, training=False, **kwargs):
-        if training:
-            self.batches_ += 1
-            if due(f'batch-{self.batches_}'):
-                stop(f'batch-{self.batches_}')
+class BatchKiller(BatchEnds):
+    def at_batch(self, net, batch):
+        if due(f'batch-{batch}'):
+            stop(f'batch-{batch}')
 
 
 def main():
