@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from sklearn.base import clone
 
 from common import make_accelerator, make_data, make_net
 from launcher import launch
@@ -126,8 +127,12 @@ def test_snapshot_is_taken_when_saving(tmp_path, monkeypatch):
         assert torch.equal(on_disk[key], value), key
 
 
-def test_options_are_stored_and_checked():
+def test_options_survive_clone_and_are_checked():
     cp = AccelerateCheckpoint(async_save=True, durable=False)
-    assert cp.get_params()['async_save'] is True and cp.get_params()['durable'] is False
+    cloned = clone(cp)
+    assert cloned is not cp
+    assert cloned.async_save is True and cloned.durable is False
+    cloned.set_params(async_save=False)
+    assert cloned.async_save is False and cp.async_save is True
     with pytest.raises(ValueError, match='async_save'):
         AccelerateCheckpoint(async_save='yes').initialize()

@@ -197,12 +197,37 @@ def test_bad_arguments_raise_at_initialize(kwargs):
         AccelerateCheckpoint(**kwargs).initialize()
 
 
-def test_get_params_and_clone():
+def test_clone_and_set_params():
+    """What a grid search does with the callbacks: clone, then set params."""
     cp = AccelerateCheckpoint(dirname='x', monitor='valid_loss_best', keep_last=3)
-    assert clone(cp).get_params() == cp.get_params()
     load = AccelerateLoadInitState(cp, resume='best')
-    assert load.get_params()['resume'] == 'best'
-    assert clone(load).resume == 'best'
+    cloned = clone(load)
+    assert type(cloned) is AccelerateLoadInitState and cloned is not load
+    assert cloned.resume == 'best'
+    # the checkpoint is cloned too: an independent object with the same arguments
+    assert type(cloned.checkpoint) is AccelerateCheckpoint and cloned.checkpoint is not cp
+    assert cloned.checkpoint.get_params() == cp.get_params()
+    assert (cloned.checkpoint.dirname, cloned.checkpoint.monitor,
+            cloned.checkpoint.keep_last) == ('x', 'valid_loss_best', 3)
+    # set_params, nested too, changes the attributes of the clone only
+    cloned.set_params(resume='latest', checkpoint__keep_last=5, checkpoint__dirname='y')
+    assert (cloned.resume, cloned.checkpoint.keep_last, cloned.checkpoint.dirname) == (
+        'latest', 5, 'y')
+    assert (load.resume, cp.keep_last, cp.dirname) == ('best', 3, 'x')
+    assert cloned.get_params()['checkpoint__keep_last'] == 5
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
+    "initialize() stores private attributes (_lock, _saver, ...) without a "
+    "trailing underscore; skorch's get_params reports them as arguments, so "
+    "clone() of a fitted net's callbacks fails (skorch's own Checkpoint clones)"))
+def test_clone_after_fit(tmp_path):
+    cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'), keep_last=3)
+    load = AccelerateLoadInitState(cp)
+    net = make_net(make_accelerator(), callbacks=[cp, load], max_epochs=1)
+    net.fit(*make_data(n=64))
+    cloned = clone(load)
+    assert cloned.checkpoint.keep_last == 3 and cloned.checkpoint is not cp
 
 
 def test_callback_order_does_not_matter(tmp_path):
