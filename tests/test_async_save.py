@@ -36,6 +36,7 @@ def latest(ckpt):
     return json.loads((ckpt / 'latest.json').read_text())['name']
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('nproc', [1, 2])
 def test_kill_during_background_write_then_resume_is_bit_identical(tmp_path, nproc):
     full = run(tmp_path, 'full', nproc, dirname='full')

@@ -256,6 +256,7 @@ def test_saving_warns_about_unsaveable_callback_state(tmp_path):
 
 # ---------------------------------------------------------------- launches
 
+@pytest.mark.slow
 def test_kill_inside_the_save_leaves_a_partial_folder_that_is_ignored(tmp_path):
     full = run(tmp_path, 'full', dirname='full')
     killed = run(tmp_path, 'killed', expect_ok=False, KILL='save:4')
@@ -284,6 +285,7 @@ def test_failed_save_on_one_rank_raises_on_every_rank(tmp_path):
     assert not (ckpt / 'epoch-0002').exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('per_node', [False, True], ids=['shared-folder', 'folder-per-node'])
 def test_two_nodes(tmp_path, per_node):
     """Two node ranks on loopback (nnodes=2, one process each), as torchrun

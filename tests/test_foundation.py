@@ -112,6 +112,7 @@ def test_parameterless_criterion(foundation):
         assert results[0]['stock_nll_error'] is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which('torchrun') is None and not os.path.exists(
     os.path.join(os.path.dirname(sys.executable), 'torchrun')), reason='no torchrun')
 def test_runs_under_real_torchrun(tmp_path):

@@ -49,10 +49,13 @@ def _launch_both(base, nproc):
             'left_by_kill': left_by_kill, 'torn': torn}
 
 
-@pytest.fixture(scope='module', params=[1, 2], ids=['1proc', '2proc'])
+@pytest.fixture(scope='module', params=[
+    pytest.param(1, id='1proc', marks=pytest.mark.slow),
+    pytest.param(2, id='2proc', marks=pytest.mark.slow)])
 def runs(request, tmp_path_factory):
     """Both launches for ``nproc`` processes, once per module (the suite runs
-    with ``--dist loadfile``, so one worker builds it)."""
+    with ``--dist loadfile``, so one worker builds it). Slow: params_main.py
+    runs every check in one long launch."""
     nproc = request.param
     base = tmp_path_factory.mktemp(f'params{nproc}')
     meta = _launch_both(base, nproc)

@@ -16,6 +16,8 @@ from faultsuite import run_job
 from skorch_accel_callbacks import CheckpointError, CorruptCheckpointError
 from testutil import edit_manifest
 
+pytestmark = pytest.mark.faults
+
 
 @pytest.fixture(scope='module')
 def saved(tmp_path_factory):
@@ -79,6 +81,7 @@ def test_missing_rng_file_is_named(ckpt):
     assert len(net.history) == 0  # not one epoch began
 
 
+@pytest.mark.slow
 def test_missing_rng_file_of_rank_1_fails_every_rank(reference, tmp_path):
     ckpt = shutil.copytree(reference / 'ckpt', tmp_path / 'ckpt')
     folder = ckpt / 'epoch-0003'
@@ -125,6 +128,7 @@ def test_manifest_that_is_not_json_is_named(ckpt):
         fit(net)
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_world_size(reference, tmp_path):
     ckpt = shutil.copytree(reference / 'ckpt', tmp_path / 'ckpt')
     net = job(ckpt)

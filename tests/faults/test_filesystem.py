@@ -22,6 +22,8 @@ from faultsuite import run_job
 from skorch_accel_callbacks import storage
 from testutil import assert_identical, final_state, read_json
 
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.needs_root]
+
 NO_SPACE = os.strerror(errno.ENOSPC)
 PR_CAPBSET_DROP = 24
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 1, 2

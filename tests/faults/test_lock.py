@@ -22,6 +22,8 @@ from common import make_accelerator, make_data, make_net
 from launcher import REPO
 from skorch_accel_callbacks import LoadInitParams, ParamsCheckpoint, storage
 
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+
 DEADLINE_S = 180
 
 

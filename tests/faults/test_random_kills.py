@@ -16,10 +16,14 @@ may hang (launch deadline).
 import os
 import random
 
+import pytest
+
 from faultsuite import run_job
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
 from skorch_accel_callbacks import storage
 from testutil import assert_identical, final_state, read_json
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 KILLS_PER_RUN = 3
 MIN_KILLS = 20

@@ -24,6 +24,8 @@ from skorch_accel_callbacks import (CheckpointError, CorruptCheckpointError, Loa
                                     ParamsCheckpoint, storage)
 from testutil import read_json
 
+pytestmark = pytest.mark.faults
+
 
 class Payload:
     """Unpickling this creates ``marker`` (an attacker would run anything)."""
