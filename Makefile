@@ -1,12 +1,13 @@
-# `make demo` runs the main job, `make test` the whole test suite, `make lint`
-# ruff (configured in pyproject.toml); each sets up its own virtual
-# environment with the pinned dependencies first.
+# `make demo` runs the main job, `make test` the whole test suite,
+# `make test-quick` its quick subset (1- and 2-process basics, no slow or fault
+# tests), `make lint` ruff (configured in pyproject.toml); each sets up its own
+# virtual environment with the pinned dependencies first.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-quick lint bench clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile tests
+
+test-quick: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow and not faults" tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

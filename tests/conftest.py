@@ -1,23 +1,16 @@
-import json
-import sys
-from pathlib import Path
+"""Fixtures and report hooks of the whole suite.
+
+The modules the tests import (tests/, tests/workers, tests/faults,
+tests/faults/workers) are on ``sys.path`` through ``pythonpath`` in
+setup.cfg; helpers shared by test modules are in testutil.py (a module
+named ``conftest`` cannot be imported: pytest owns the name, and
+tests/faults has one of its own).
+"""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parent / 'workers'))
-
-from launcher import launch  # noqa: E402
-
-
-def read_results(folder, name, world_size):
-    """Each rank's JSON result of a worker script, indexed by rank."""
-    results = []
-    for rank in range(world_size):
-        path = Path(folder) / f'{name}-rank{rank}.json'
-        assert path.exists(), f"rank {rank} wrote no result {path.name}"
-        results.append(json.loads(path.read_text()))
-    return results
+from launcher import launch
+from testutil import read_results
 
 
 @pytest.fixture

@@ -63,6 +63,23 @@ def _kill(proc):
     proc.wait()
 
 
+def _wait(procs, deadline, grace):
+    """Wait until every process ended, the deadline passed (returns True),
+    or ``grace`` seconds passed since the first one failed."""
+    first_failure = None
+    while any(proc.poll() is None for proc in procs):
+        now = time.monotonic()
+        if first_failure is None and any(
+                proc.poll() not in (None, 0) for proc in procs):
+            first_failure = now
+        if now > deadline:
+            return True
+        if first_failure is not None and now > first_failure + grace:
+            break
+        time.sleep(0.05)
+    return False
+
+
 def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
            grace=10.0, preexec_fn=None, _retries=1):
     """Run ``script`` in ``nnodes * nproc`` processes and wait for them.
@@ -99,41 +116,35 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
             [str(WORKERS), str(REPO), base_env.get('PYTHONPATH', '')]),
     })
     base_env.update(env or {})
-    logdir = Path(tempfile.mkdtemp(prefix='launch-'))
-    procs, logs = [], []
-    start = time.monotonic()
-    for rank in range(world_size):
-        rank_env = dict(base_env)
-        if distributed:
-            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank % nproc),
-                            GROUP_RANK=str(rank // nproc), NODE_RANK=str(rank // nproc))
-        log = open(logdir / f'rank{rank}.log', 'wb')
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), *map(str, args)], env=rank_env,
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=preexec_fn))
-
-    deadline = start + timeout
-    first_failure = None
-    timed_out = False
-    while any(proc.poll() is None for proc in procs):
-        now = time.monotonic()
-        if first_failure is None and any(
-                proc.poll() not in (None, 0) for proc in procs):
-            first_failure = now
-        if now > deadline:
-            timed_out = True
-            break
-        if first_failure is not None and now > first_failure + grace:
-            break
-        time.sleep(0.05)
-    for proc in procs:
-        _kill(proc)
-    for log in logs:
-        log.close()
-    outputs = [(logdir / f'rank{rank}.log').read_text(errors='replace')
-               for rank in range(world_size)]
+    # the ranks' output goes to files (a pipe could fill up and block a
+    # rank); the folder is removed once they are read, on error paths too
+    with tempfile.TemporaryDirectory(prefix='launch-') as tmp:
+        logdir = Path(tmp)
+        procs, logs = [], []
+        start = time.monotonic()
+        try:
+            for rank in range(world_size):
+                rank_env = dict(base_env)
+                if distributed:
+                    rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank % nproc),
+                                    GROUP_RANK=str(rank // nproc),
+                                    NODE_RANK=str(rank // nproc))
+                log = open(logdir / f'rank{rank}.log', 'wb')
+                logs.append(log)
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(script), *map(str, args)], env=rank_env,
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, preexec_fn=preexec_fn))
+            timed_out = _wait(procs, start + timeout, grace)
+        finally:
+            # also when a rank failed to start or the test was interrupted:
+            # no rank outlives its launch
+            for proc in procs:
+                _kill(proc)
+            for log in logs:
+                log.close()
+        outputs = [(logdir / f'rank{rank}.log').read_text(errors='replace')
+                   for rank in range(world_size)]
     result = LaunchResult(
         returncodes=[proc.returncode for proc in procs], outputs=outputs,
         timed_out=timed_out, duration=time.monotonic() - start,

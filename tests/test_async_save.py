@@ -13,12 +13,12 @@ import time
 
 import pytest
 import torch
+from sklearn.base import clone
 
 from common import make_accelerator, make_data, make_net
-from conftest import read_results
 from launcher import launch
-from resume_runs import assert_identical, final_state
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, accelerate_io
+from testutil import assert_identical, final_state, read_results
 
 
 def run(folder, tag, nproc=2, expect_ok=True, dirname='ckpt', **env):
@@ -36,6 +36,7 @@ def latest(ckpt):
     return json.loads((ckpt / 'latest.json').read_text())['name']
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('nproc', [1, 2])
 def test_kill_during_background_write_then_resume_is_bit_identical(tmp_path, nproc):
     full = run(tmp_path, 'full', nproc, dirname='full')
@@ -127,8 +128,12 @@ def test_snapshot_is_taken_when_saving(tmp_path, monkeypatch):
         assert torch.equal(on_disk[key], value), key
 
 
-def test_options_are_stored_and_checked():
+def test_options_survive_clone_and_are_checked():
     cp = AccelerateCheckpoint(async_save=True, durable=False)
-    assert cp.get_params()['async_save'] is True and cp.get_params()['durable'] is False
+    cloned = clone(cp)
+    assert cloned is not cp
+    assert cloned.async_save is True and cloned.durable is False
+    cloned.set_params(async_save=False)
+    assert cloned.async_save is False and cp.async_save is True
     with pytest.raises(ValueError, match='async_save'):
         AccelerateCheckpoint(async_save='yes').initialize()

@@ -6,21 +6,19 @@ launches.
 """
 
 import json
-import os
 
 import pytest
 import torch
 from accelerate.utils import ProjectConfiguration
+from sklearn.base import clone
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
-from sklearn.base import clone
 
 from common import MLP, make_accelerator, make_data, make_net
-from conftest import read_results
-from resume_runs import assert_identical, final_state, run
+from resume_runs import run
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
 from skorch_accel_callbacks.manifest import FORMAT_VERSION
-from skorch_accel_callbacks import (AccelerateCheckpoint, AccelerateLoadInitState,
-                                    CheckpointError)
+from testutil import assert_identical, edit_manifest, final_state, read_results
 
 
 def fit(dirname, max_epochs=3, resume='latest', accelerator=None, **cp_kwargs):
@@ -33,15 +31,6 @@ def fit(dirname, max_epochs=3, resume='latest', accelerator=None, **cp_kwargs):
     X, y = make_data(n=160)
     net.fit(X, y)
     return net, cp, load
-
-
-def edit_manifest(folder, **changes):
-    path = os.path.join(folder, 'manifest.json')
-    with open(path) as f:
-        manifest = json.load(f)
-    manifest.update(changes)
-    with open(path, 'w') as f:
-        json.dump(manifest, f)
 
 
 # ---------------------------------------------------------------- in process
@@ -211,12 +200,33 @@ def test_bad_arguments_raise_at_initialize(kwargs):
         AccelerateCheckpoint(**kwargs).initialize()
 
 
-def test_get_params_and_clone():
+def test_clone_and_set_params():
+    """What a grid search does with the callbacks: clone, then set params."""
     cp = AccelerateCheckpoint(dirname='x', monitor='valid_loss_best', keep_last=3)
-    assert clone(cp).get_params() == cp.get_params()
     load = AccelerateLoadInitState(cp, resume='best')
-    assert load.get_params()['resume'] == 'best'
-    assert clone(load).resume == 'best'
+    cloned = clone(load)
+    assert type(cloned) is AccelerateLoadInitState and cloned is not load
+    assert cloned.resume == 'best'
+    # the checkpoint is cloned too: an independent object with the same arguments
+    assert type(cloned.checkpoint) is AccelerateCheckpoint and cloned.checkpoint is not cp
+    assert cloned.checkpoint.get_params() == cp.get_params()
+    assert (cloned.checkpoint.dirname, cloned.checkpoint.monitor,
+            cloned.checkpoint.keep_last) == ('x', 'valid_loss_best', 3)
+    # set_params, nested too, changes the attributes of the clone only
+    cloned.set_params(resume='latest', checkpoint__keep_last=5, checkpoint__dirname='y')
+    assert (cloned.resume, cloned.checkpoint.keep_last, cloned.checkpoint.dirname) == (
+        'latest', 5, 'y')
+    assert (load.resume, cp.keep_last, cp.dirname) == ('best', 3, 'x')
+    assert cloned.get_params()['checkpoint__keep_last'] == 5
+
+
+def test_clone_after_fit(tmp_path):
+    cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'), keep_last=3)
+    load = AccelerateLoadInitState(cp)
+    net = make_net(make_accelerator(), callbacks=[cp, load], max_epochs=1)
+    net.fit(*make_data(n=64))
+    cloned = clone(load)
+    assert cloned.checkpoint.keep_last == 3 and cloned.checkpoint is not cp
 
 
 def test_callback_order_does_not_matter(tmp_path):
@@ -245,6 +255,7 @@ def test_saving_warns_about_unsaveable_callback_state(tmp_path):
 
 # ---------------------------------------------------------------- launches
 
+@pytest.mark.slow
 def test_kill_inside_the_save_leaves_a_partial_folder_that_is_ignored(tmp_path):
     full = run(tmp_path, 'full', dirname='full')
     killed = run(tmp_path, 'killed', expect_ok=False, KILL='save:4')
@@ -273,6 +284,7 @@ def test_failed_save_on_one_rank_raises_on_every_rank(tmp_path):
     assert not (ckpt / 'epoch-0002').exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('per_node', [False, True], ids=['shared-folder', 'folder-per-node'])
 def test_two_nodes(tmp_path, per_node):
     """Two node ranks on loopback (nnodes=2, one process each), as torchrun

@@ -43,7 +43,7 @@ def _demo_module():
 
 # ---------------------------------------------------------------- resume_demo
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope='module', params=[pytest.param('demo', marks=pytest.mark.slow)])
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp('demo')
     returncode, output = _run([sys.executable, str(EXAMPLES / 'resume_demo.py'),
@@ -121,6 +121,7 @@ def test_multigpu_config_is_a_two_process_multi_gpu_config():
     assert not config.use_cpu
 
 
+@pytest.mark.slow
 def test_save_load_every_combination_predicts_identically(tmp_path):
     returncode, output = _run(
         [sys.executable, '-m', 'accelerate.commands.launch',
@@ -145,6 +146,7 @@ def _sha(result):
     return found[0]
 
 
+@pytest.mark.slow
 def test_resume_after_kill_matches_the_uninterrupted_run(tmp_path):
     script = MULTIGPU / 'resume_after_kill.py'
     common = ('--cpu', '--epochs', '4')

@@ -1,5 +1,6 @@
 """sync, unwrapped and the fixed mixin, in 1 and in 2 real processes."""
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -7,13 +8,12 @@ import sys
 
 import pytest
 
-from launcher import REPO, WORKERS
+from launcher import REPO, WORKERS, launch
+from testutil import read_results
 
 
 @pytest.fixture(scope='module', params=[1, 2], ids=['1proc', '2proc'])
 def foundation(request, tmp_path_factory):
-    from conftest import read_results
-    from launcher import launch
     nproc = request.param
     out = tmp_path_factory.mktemp(f'foundation{nproc}')
     launch('foundation.py', nproc=nproc, env={'RESULT_DIR': str(out)}).check()
@@ -78,7 +78,7 @@ def test_upstream_save_params_grows_registry(foundation):
     """Documents skorch 1.4's behaviour that ``unwrapped`` avoids."""
     nproc, results = foundation
     models = results[0]['stock_models_per_save']
-    growth = [b - a for a, b in zip(models, models[1:])]
+    growth = [b - a for a, b in itertools.pairwise(models)]
     # one more registered model per save under DDP; a single process re-uses it
     assert growth == ([1, 1, 1] if nproc == 2 else [0, 0, 0])
 
@@ -113,6 +113,7 @@ def test_parameterless_criterion(foundation):
         assert results[0]['stock_nll_error'] is None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which('torchrun') is None and not os.path.exists(
     os.path.join(os.path.dirname(sys.executable), 'torchrun')), reason='no torchrun')
 def test_runs_under_real_torchrun(tmp_path):
@@ -125,7 +126,6 @@ def test_runs_under_real_torchrun(tmp_path):
          '--nproc_per_node', '2', str(WORKERS / 'foundation.py')],
         env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from conftest import read_results
     results = read_results(tmp_path, 'foundation', 2)
     assert [r['num_processes'] for r in results] == [2, 2]
     assert all(r['is_ddp'] for r in results)

@@ -21,7 +21,6 @@ from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback, Checkpoint, LoadInitState, TrainEndCheckpoint
 
 from common import MLP, make_data
-from conftest import read_results
 from launcher import launch
 from skorch_accel_callbacks import (
     LoadInitParams,
@@ -32,6 +31,7 @@ from skorch_accel_callbacks import (
 from skorch_accel_callbacks.atomic import TEMP_MARK
 from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.lock import LOCK_NAME
+from testutil import read_results
 
 
 def _launch_both(base, nproc):
@@ -55,10 +55,13 @@ def _launch_both(base, nproc):
             'left_by_kill': left_by_kill, 'torn': torn}
 
 
-@pytest.fixture(scope='module', params=[1, 2], ids=['1proc', '2proc'])
+@pytest.fixture(scope='module', params=[
+    pytest.param(1, id='1proc', marks=pytest.mark.slow),
+    pytest.param(2, id='2proc', marks=pytest.mark.slow)])
 def runs(request, tmp_path_factory):
     """Both launches for ``nproc`` processes, once per module (the suite runs
-    with ``--dist loadfile``, so one worker builds it)."""
+    with ``--dist loadfile``, so one worker builds it). Slow: params_main.py
+    runs every check in one long launch."""
     nproc = request.param
     base = tmp_path_factory.mktemp(f'params{nproc}')
     meta = _launch_both(base, nproc)
@@ -284,6 +287,13 @@ def test_clone_and_get_params():
     load = clone(LoadInitParams(cp, use_safetensors=True))
     assert load.use_safetensors and isinstance(load.checkpoint, ParamsCheckpoint)
     assert load.checkpoint.get_params() == cp.get_params()
+
+
+def test_clone_after_fit(tmp_path):
+    cp = ParamsCheckpoint(monitor=None, dirname=str(tmp_path), on_error='raise')
+    plain_net([cp, LoadInitParams(cp)], max_epochs=1).fit(*make_data(n=64))
+    cloned = clone(cp)
+    assert cloned is not cp and cloned.on_error == 'raise'
 
 
 def plain_net(callbacks, **kwargs):

@@ -79,6 +79,7 @@ def test_readme_has_the_blocks_this_test_expects():
         compile('\n' * (line - 1) + source, str(README), 'exec')
 
 
+@pytest.mark.slow
 def test_python_blocks_run_in_order_in_one_process(tmp_path):
     blocks = tmp_path / 'blocks.json'
     blocks.write_text(json.dumps(
@@ -100,6 +101,7 @@ def test_python_blocks_run_in_order_in_one_process(tmp_path):
     assert (tmp_path / 'checkpoints-node0' / 'epoch-0002').is_dir()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', [b[1]['name'] for b in SCRIPTS])
 def test_script_blocks_start_and_resume_in_two_processes(tmp_path, monkeypatch, name):
     _, _, _, source = next(b for b in SCRIPTS if b[1]['name'] == name)
@@ -120,8 +122,8 @@ def test_make_targets_and_paths_named_in_the_readme_exist():
     makefile = (REPO / 'Makefile').read_text()
     targets = set(re.findall(r'^([\w-]+):', makefile, flags=re.M))
     text = README.read_text()
-    named = set(re.findall(r'\bmake (\w+)', '\n'.join(source for *_, source in SHELL)))
-    named |= set(re.findall(r'``make (\w+)', text))
+    named = set(re.findall(r'\bmake ([\w-]+)', '\n'.join(source for *_, source in SHELL)))
+    named |= set(re.findall(r'``make ([\w-]+)', text))
     assert named and named <= targets, named - targets
     paths = set(re.findall(r'\b((?:examples|tests|benchmarks)/[\w./-]*\w)', text))
     missing = sorted(p for p in paths if not (REPO / p).exists())

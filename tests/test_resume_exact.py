@@ -10,16 +10,25 @@ import os
 
 import pytest
 
-from resume_runs import assert_identical, final_state, run
+from resume_runs import run
+from testutil import assert_identical, final_state
 
 CASES = [
     ('basic', 1), ('basic', 2),
     ('earlystop', 1), ('earlystop', 2),
     ('accumulate', 2), ('twomodules', 2), ('novalid', 2), ('stock', 2),
 ]
+# the basic cases stay in the quick subset (make test-quick)
+QUICK = [('basic', 1), ('basic', 2)]
 
 
-@pytest.fixture(scope='module', params=CASES, ids=[f'{s}-{n}proc' for s, n in CASES])
+def case_param(case):
+    scenario, nproc = case
+    return pytest.param(case, id=f'{scenario}-{nproc}proc',
+                        marks=() if case in QUICK else pytest.mark.slow)
+
+
+@pytest.fixture(scope='module', params=[case_param(case) for case in CASES])
 def case(request, tmp_path_factory):
     scenario, nproc = request.param
     folder = tmp_path_factory.mktemp(f'{scenario}{nproc}')
@@ -56,8 +65,8 @@ def test_ranks_agree(case):
     assert len({res['digest'] for res in case['resumed']}) == 1
 
 
-@pytest.mark.parametrize('case', [('earlystop', 1), ('earlystop', 2)],
-                         ids=['earlystop-1proc', 'earlystop-2proc'], indirect=True)
+@pytest.mark.parametrize('case', [case_param(('earlystop', 1)), case_param(('earlystop', 2))],
+                         indirect=True)
 def test_early_stopping_stops_at_the_same_epoch(case):
     full = case['full'][0]['history']
     resumed = case['resumed'][0]['history']
@@ -85,8 +94,9 @@ def test_retention_keeps_the_last_two_and_the_one_resumed_from(case):
         f'epoch-{n_epochs - 1:04d}', f'epoch-{n_epochs:04d}', 'latest.json']
 
 
-@pytest.mark.parametrize('case', [('basic', 1), ('basic', 2)],
-                         ids=['basic-1proc', 'basic-2proc'], indirect=True)
+@pytest.mark.slow  # one more launch
+@pytest.mark.parametrize('case', [case_param(('basic', 1)), case_param(('basic', 2))],
+                         indirect=True)
 def test_finished_run_trains_nothing_more(case):
     again = run(case['folder'], 'again', case['nproc'], SCENARIO='basic')
     assert again[0]['loaded_from'].endswith('epoch-0006')

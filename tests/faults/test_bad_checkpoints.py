@@ -6,16 +6,18 @@ Single-process cases run in this process; a checkpoint of 2 processes comes
 from the reference run, and one launch checks a rank's missing file.
 """
 
-import json
 import shutil
 
 import pytest
 import torch
 
-from faultsuite import reference, run_job  # noqa: F401 (reference: a fixture)
-import faultjob  # noqa: E402 (faultsuite puts the workers on sys.path)
+import faultjob
+from faultsuite import run_job
 from skorch_accel_callbacks import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.manifest import FORMAT_VERSION
+from testutil import edit_manifest
+
+pytestmark = pytest.mark.faults
 
 
 @pytest.fixture(scope='module')
@@ -46,13 +48,6 @@ def fit(net):
 
 def loaded_from(net):
     return net.callbacks_[0][1].loaded_from_
-
-
-def edit_manifest(folder, edit):
-    path = folder / 'manifest.json'
-    manifest = json.loads(path.read_text())
-    edit(manifest)
-    path.write_text(json.dumps(manifest))
 
 
 def test_truncated_model_file_is_named(ckpt):
@@ -87,6 +82,7 @@ def test_missing_rng_file_is_named(ckpt):
     assert len(net.history) == 0  # not one epoch began
 
 
+@pytest.mark.slow
 def test_missing_rng_file_of_rank_1_fails_every_rank(reference, tmp_path):
     ckpt = shutil.copytree(reference / 'ckpt', tmp_path / 'ckpt')
     folder = ckpt / 'epoch-0003'
@@ -133,6 +129,7 @@ def test_manifest_that_is_not_json_is_named(ckpt):
         fit(net)
 
 
+@pytest.mark.slow
 def test_checkpoint_of_another_world_size(reference, tmp_path):
     ckpt = shutil.copytree(reference / 'ckpt', tmp_path / 'ckpt')
     net = job(ckpt)

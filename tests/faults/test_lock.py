@@ -17,10 +17,12 @@ import time
 import pytest
 
 from faultsuite import WORKERS
-import faultjob  # noqa: E402 (faultsuite puts the workers on sys.path)
+import faultjob
 from common import make_accelerator, make_data, make_net
 from launcher import REPO
 from skorch_accel_callbacks import LoadInitParams, ParamsCheckpoint, atomic, lock
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 DEADLINE_S = 180
 

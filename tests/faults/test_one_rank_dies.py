@@ -8,10 +8,13 @@ timeout, so a rank 0 that ended did so on its own. The checkpoint of epoch 1
 stays complete, and resuming from it ends bit-identical.
 """
 
-from faultsuite import (COLLECTIVE_TIMEOUT, final_state, read_json,  # noqa: F401
-                        reference, run_job)
-from resume_runs import assert_identical
+import pytest
+
+from faultsuite import COLLECTIVE_TIMEOUT, run_job
 from skorch_accel_callbacks import manifest
+from testutil import assert_identical, final_state, read_json
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 GRACE = 3 * COLLECTIVE_TIMEOUT
 

@@ -13,9 +13,14 @@ optimizer or history of another.
 import json
 import random
 
-from faultsuite import read_json, run_job
+import pytest
+
+from faultsuite import run_job
 from params_killable import PARAMS_POINTS
 from skorch_accel_callbacks.atomic import TEMP_MARK
+from testutil import read_json
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 
 def test_params_checkpoint_kills_load_one_whole_save(tmp_path, record_property):

@@ -7,20 +7,29 @@ the process at that point SIGKILLs itself, the launcher kills the other rank
 a second later (as torchrun would), and the same command is launched again
 until a launch trains to the end. Odd-numbered runs save with
 ``async_save=True`` (commit in a writer thread, while the next epoch trains).
-Every run must end bit-identical to the
-uninterrupted reference run, every launch must resume from exactly the
-complete checkpoint that ``latest.json`` named when it started, and no launch
-may hang (launch deadline).
+Every drawn kill point must fire: the rank that dies there leaves a marker
+naming the point, its epoch and the rank just before its SIGKILL; a launch
+with a drawn kill that ends without that marker fails the run (a hook that
+is never called would otherwise pass as a clean finish). Every run must end
+bit-identical to the uninterrupted reference run, every launch must resume
+import pytest
+
+from exactly the complete checkpoint that ``latest.json`` named when it
+started, and no launch may hang (launch deadline).
 """
 
 import os
 import random
 
-from faultsuite import final_state, read_json, reference, run_job  # noqa: F401 (fixture)
+import pytest
+
+from faultsuite import run_job
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
-from resume_runs import assert_identical
 from skorch_accel_callbacks import manifest
 from skorch_accel_callbacks.folder import PARTIAL_SUFFIX
+from testutil import assert_identical, final_state, read_json
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 KILLS_PER_RUN = 3
 MIN_KILLS = 20
@@ -78,13 +87,19 @@ def one_run(seed, folder, reference, figures):
                 assert read_json(path)['loaded_from'] == expected, where
                 assert read_json(path)['num_processes'] == 2, where
         landed = sorted(folder.glob(f'killed-{tag}-*'))
-        if landed:
-            assert len(landed) == 1 and result.returncodes[who] == -9, result.report()
+        if 'KILL' in env:
+            # the drawn point fired, in its epoch, on its rank, and killed it
+            marker = folder / f'killed-{tag}-{point}-rank{who}'
+            assert landed == [marker], \
+                f"{where}: the drawn kill point did not fire\n{result.report()}"
+            assert read_json(marker) == {'point': point, 'epoch': epoch, 'rank': who}, where
+            assert result.returncodes[who] == -9, f"{where}\n{result.report()}"
             kills += 1
             figures['kills'] += 1
             figures['inside save'] += point in SAVE_POINTS
             figures['resumes'] += expected is not None
             continue
+        assert not landed, where
         result.check()
         assert read_json(folder / f'{tag}-rank0.json')['loaded_from'] == expected, where
         figures['resumes'] += expected is not None

@@ -19,10 +19,12 @@ import pytest
 from skorch import NeuralNetClassifier
 
 from common import MLP, make_data
-from faultsuite import read_json  # also puts the workers on sys.path
 import faultjob
 from skorch_accel_callbacks import (CheckpointError, CorruptCheckpointError, LoadInitParams,
                                     ParamsCheckpoint)
+from testutil import read_json
+
+pytestmark = pytest.mark.faults
 
 
 class Payload:

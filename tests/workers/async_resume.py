@@ -59,16 +59,16 @@ def kill_only_after_model_file(dirname):
     """
     slow_epoch = int(os.environ['SLOW_WRITE'].split(':')[0])
     model_file = os.path.join(dirname, f'epoch-{slow_epoch:04d}.partial', 'model.safetensors')
-    original = resume.KillAt.on_batch_end
+    original = resume.KillAt.at_batch
 
-    def on_batch_end(self, net, training=False, **kwargs):
-        if training and len(net.history) == self.epoch and self.batches_ + 1 == self.batch:
+    def at_batch(self, net, batch):
+        if len(net.history) == self.epoch and batch == self.batch:
             deadline = time.monotonic() + 120
             while not os.path.exists(model_file) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        original(self, net, training=training, **kwargs)
+        original(self, net, batch)
 
-    resume.KillAt.on_batch_end = on_batch_end
+    resume.KillAt.at_batch = at_batch
 
 
 def record_collective_threads():

@@ -12,6 +12,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import InitProcessGroupKwargs
 from skorch import NeuralNetClassifier
+from skorch.callbacks import Callback
 from skorch.hf import AccelerateMixin
 
 from skorch_accel_callbacks import AccelerateFixesMixin
@@ -88,6 +89,27 @@ def make_net(accelerator, net_cls=FixedNet, **kwargs):
     )
     params.update(kwargs)
     return net_cls(**params)
+
+
+class BatchEnds(Callback):
+    """Counts the training batches of each epoch: ``at_batch(net, batch)``
+    runs at the end of each, with its number in the epoch (from 1). The
+    jobs' kill points at batch ends subclass it."""
+
+    def initialize(self):
+        self.batches_ = 0
+        return self
+
+    def on_epoch_begin(self, net, **kwargs):
+        self.batches_ = 0
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training:
+            self.batches_ += 1
+            self.at_batch(net, self.batches_)
+
+    def at_batch(self, net, batch):
+        raise NotImplementedError
 
 
 def rank():

@@ -10,10 +10,17 @@ import tempfile
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from common import (StockNet, make_accelerator, make_data, make_net,
-                    params_digest, plain_criterion, rank, write_result)
+from common import (
+    StockNet,
+    make_accelerator,
+    make_data,
+    make_net,
+    params_digest,
+    plain_criterion,
+    rank,
+    write_result,
+)
 from skorch_accel_callbacks import RankError, sync, unwrapped
-
 
 
 def registry_sizes(accelerator):
@@ -98,25 +105,28 @@ def check_unwrapped(accelerator, X, y, tmp, out):
     out['digest_changed'] = out['digest_after_step'] != out['digest_common']
 
 
-def check_upstream_growth(accelerator, X, y, tmp, out):
-    net = make_net(accelerator, net_cls=StockNet, criterion=plain_criterion,
-                   unwrap_after_train=False, max_epochs=1)
+def models_per_save(net, accelerator, path, X, y):
+    """Fit ``net``, then save its params 3 times; the number of models the
+    accelerator holds before and after each save."""
     net.fit(X, y)
     models = [len(accelerator._models)]
     for _ in range(3):
-        net.save_params(f_params=os.path.join(tmp, 'stock.pt'))
+        net.save_params(f_params=path)
         models.append(len(accelerator._models))
-    out['stock_models_per_save'] = models
+    return models
+
+
+def check_upstream_growth(accelerator, X, y, tmp, out):
+    net = make_net(accelerator, net_cls=StockNet, criterion=plain_criterion,
+                   unwrap_after_train=False, max_epochs=1)
+    out['stock_models_per_save'] = models_per_save(
+        net, accelerator, os.path.join(tmp, 'stock.pt'), X, y)
 
 
 def check_fixed_mixin(accelerator, X, y, tmp, out):
     net = make_net(accelerator, unwrap_after_train=False, max_epochs=1)
-    net.fit(X, y)
-    models = [len(accelerator._models)]
-    for _ in range(3):
-        net.save_params(f_params=os.path.join(tmp, 'fixed.pt'))
-        models.append(len(accelerator._models))
-    out['fixed_models_per_save'] = models
+    out['fixed_models_per_save'] = models_per_save(
+        net, accelerator, os.path.join(tmp, 'fixed.pt'), X, y)
     loaders = []
     for _ in range(3):
         net.partial_fit(X, y)

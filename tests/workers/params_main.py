@@ -24,10 +24,23 @@ from skorch.helper import predefined_split
 from skorch.hf import AccelerateMixin
 from torch.nn.parallel import DistributedDataParallel
 
-from common import (MLP, make_accelerator, make_data, make_net,
-                    params_digest, plain_criterion, rank, write_result)
-from skorch_accel_callbacks import (LoadInitParams, ParamsCheckpoint,
-                                    TrainEndParamsCheckpoint, sync, unwrapped)
+from common import (
+    MLP,
+    make_accelerator,
+    make_data,
+    make_net,
+    params_digest,
+    plain_criterion,
+    rank,
+    write_result,
+)
+from skorch_accel_callbacks import (
+    LoadInitParams,
+    ParamsCheckpoint,
+    TrainEndParamsCheckpoint,
+    sync,
+    unwrapped,
+)
 from skorch_accel_callbacks.wrapping import is_wrapped
 
 SLOW_WRITE_S = 0.3

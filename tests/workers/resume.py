@@ -35,31 +35,39 @@ from skorch.callbacks import Callback, EarlyStopping, LRScheduler
 from skorch.dataset import ValidSplit
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 
-from common import (MLP, FixedNet, StockNet, make_accelerator, make_data, make_net,
-                    params_digest, plain_criterion, rank, write_result)
-from skorch_accel_callbacks import (AccelerateCheckpoint, AccelerateLoadInitState,
-                                    manifest, sync, training_state)
+from common import (
+    MLP,
+    BatchEnds,
+    FixedNet,
+    StockNet,
+    make_accelerator,
+    make_data,
+    make_net,
+    params_digest,
+    plain_criterion,
+    rank,
+    write_result,
+)
+from skorch_accel_callbacks import (
+    AccelerateCheckpoint,
+    AccelerateLoadInitState,
+    manifest,
+    sync,
+    training_state,
+)
 
 
-class KillAt(Callback):
-    """Die like a preempted node: SIGKILL, no cleanup, no Python exit."""
+class KillAt(BatchEnds):
+    """Die like a preempted node after batch ``batch`` of ``epoch``: SIGKILL,
+    no cleanup, no Python exit."""
 
     def __init__(self, epoch, batch):
         self.epoch = epoch
         self.batch = batch
 
-    def initialize(self):
-        self.batches_ = 0
-        return self
-
-    def on_epoch_begin(self, net, **kwargs):
-        self.batches_ = 0
-
-    def on_batch_end(self, net, training=False, **kwargs):
-        if training:
-            self.batches_ += 1
-            if len(net.history) == self.epoch and self.batches_ == self.batch:
-                os.kill(os.getpid(), signal.SIGKILL)
+    def at_batch(self, net, batch):
+        if len(net.history) == self.epoch and batch == self.batch:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def kill_inside_save(epoch):

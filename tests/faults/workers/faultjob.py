@@ -6,6 +6,7 @@ on), with dropout, momentum and an LR scheduler: a resume that restored any
 of them wrongly would not end bit-identical.
 """
 
+import json
 import os
 import signal
 import sys
@@ -60,23 +61,27 @@ def data():
     return make_data(n=64)
 
 
-def note(what, point):
+def note(what, point, epoch=None):
     """Leave ``<WHAT>-<TAG>-<POINT>-rank<R>`` in RESULT_DIR for the test
-    (TAG: the launch's tag)."""
+    (TAG: the launch's tag), holding JSON: the point, its epoch, the rank."""
     out = os.environ.get('RESULT_DIR', '.')
-    with open(os.path.join(out, f'{what}-{sys.argv[2]}-{point}-rank{rank()}'), 'w') as f:
-        f.write(point)
+    path = os.path.join(out, f'{what}-{sys.argv[2]}-{point}-rank{rank()}')
+    with open(path, 'w') as f:
+        json.dump({'point': point, 'epoch': epoch, 'rank': rank()}, f)
+        # on disk before the SIGKILL that follows
+        f.flush()
+        os.fsync(f.fileno())
 
 
-def die(point):
+def die(point, epoch=None):
     """SIGKILL this process, after leaving a note of where for the test."""
-    note('killed', point)
+    note('killed', point, epoch)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def hold(point):
+def hold(point, epoch=None):
     """Stay at ``point`` (a job that is busy there) until the test kills it."""
-    note('held', point)
+    note('held', point, epoch)
     time.sleep(600)
 
 

@@ -5,7 +5,8 @@ usage: killable.py DIRNAME TAG
 Environment:
 - KILL=EPOCH:POINT:RANK: rank RANK SIGKILLs itself at POINT (one of
   faultjob.BATCH_POINTS or SAVE_POINTS) of epoch EPOCH; before it dies it
-  leaves ``killed-<TAG>-<POINT>-rank<RANK>`` in RESULT_DIR;
+  leaves ``killed-<TAG>-<POINT>-rank<RANK>`` in RESULT_DIR (JSON: point,
+  epoch, rank), the proof that the point was reached;
 - HOLD=EPOCH:POINT:RANK: as KILL, but the rank waits there (notes
   ``held-...``) until it is killed;
 - ASYNC=1: ``AccelerateCheckpoint(async_save=True)`` (the kill points of the
@@ -30,7 +31,7 @@ import torch
 from skorch.callbacks import Callback
 
 import faultjob
-from common import rank
+from common import BatchEnds, rank
 from faultjob import EpochTracker, die, hold
 from skorch_accel_callbacks import accelerate_io, atomic, folder, manifest, sync, training_state
 
@@ -50,7 +51,18 @@ def half_written(path, write):
 
 class Instrument:
     """Wraps the functions that the save goes through; ``fire`` dies at the
-    chosen point of the chosen epoch on the chosen rank."""
+    chosen point of the chosen epoch on the chosen rank.
+
+    Each is replaced where the code that calls it looks it up:
+    ``accelerate.checkpointing.save`` and ``accelerate_io.save`` (model,
+    optimizer), ``torch.save`` (random states), ``training_state.save_file``
+    (loader state), ``atomic.write_json`` (manifest, ``latest.json``),
+    ``os.replace`` (the commit's rename), ``atomic.discard_in_background``
+    (retention) and ``atomic.remove`` (the removal it starts). A package
+    function that moves or is renamed must be followed here: a hook that is
+    never called leaves its kill point unfired, which test_random_kills
+    reports.
+    """
 
     def __init__(self, epoch, point, who, action=die):
         self.epoch, self.point, self.who = epoch, point, who
@@ -73,10 +85,13 @@ class Instrument:
 
     def fire(self, point, path=None):
         if self.due(point, path):
-            self.action(point)
+            self.action(point, self.epoch)
 
     def install(self):
-        instrument, fire, due, die = self, self.fire, self.due, self.action
+        instrument, fire, due = self, self.fire, self.due
+
+        def die(point):
+            instrument.action(point, instrument.epoch)
 
         save = accelerate.checkpointing.save
 
@@ -133,7 +148,9 @@ class Instrument:
         replace = os.replace
 
         def os_replace(src, dst):
-            renaming = str(src).endswith(folder.PARTIAL_SUFFIX)
+            # the commit's rename, not a leftover partial folder marked discarded
+            renaming = (str(src).endswith(folder.PARTIAL_SUFFIX)
+                        and atomic.DISCARD_MARK not in str(dst))
             if renaming:
                 fire('before-rename', src)
             replace(src, dst)
@@ -142,11 +159,12 @@ class Instrument:
 
         os.replace = os_replace
 
-        discard = atomic.discard_in_background
+        # what retention (CheckpointFolder.retire) calls
+        discard_in_background = atomic.discard_in_background
 
         def discard_folder(path):
             fire('before-discard')
-            return discard(path)
+            return discard_in_background(path)
 
         atomic.discard_in_background = discard_folder
 
@@ -163,21 +181,12 @@ class Instrument:
         atomic.remove = remove_part
 
 
-class BatchKiller(Callback):
+class BatchKiller(BatchEnds):
     def __init__(self, instrument):
         self.instrument = instrument
 
-    def initialize(self):
-        self.batches_ = 0
-        return self
-
-    def on_epoch_begin(self, net, **kwargs):
-        self.batches_ = 0
-
-    def on_batch_end(self, net, training=False, **kwargs):
-        if training:
-            self.batches_ += 1
-            self.instrument.fire(f'batch-{self.batches_}')
+    def at_batch(self, net, batch):
+        self.instrument.fire(f'batch-{batch}')
 
 
 class Freeze(Callback):

@@ -5,9 +5,9 @@ usage: params_killable.py DIRNAME TAG
 Each launch loads what the previous one left (skorch's LoadInitState
 semantics) and trains 2 epochs, saving params, optimizer and history every
 epoch. KILL=EPOCH:POINT:RANK (or HOLD=..., to wait there until killed) as
-in killable.py, with the points of PARAMS_POINTS: batch ends, a half-written params file, before and after the
-journal of the save's moves, before and after each file's move. Rank 0
-appends what it is about to save (history length, digests of the
+in killable.py, with the points of PARAMS_POINTS: batch ends, a half-written
+params file, before and after the journal of the save's moves, before and
+after each file's move. Rank 0 appends what it is about to save (history length, digests of the
 parameters and of the optimizer state) to ``saves.jsonl``; every rank writes
 the same of what it loaded to ``loaded-<TAG>-rank<r>.json`` when training
 begins.
@@ -21,10 +21,15 @@ from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
 from skorch.hf import AccelerateMixin
 
-from common import make_accelerator, make_data, make_net, params_digest, rank
+from common import BatchEnds, make_accelerator, make_data, make_net, params_digest, rank
 from faultjob import EpochTracker, die, hold
-from skorch_accel_callbacks import (AccelerateFixesMixin, LoadInitParams, ParamsCheckpoint,
-                                    atomic, unwrapped)
+from skorch_accel_callbacks import (
+    AccelerateFixesMixin,
+    LoadInitParams,
+    ParamsCheckpoint,
+    atomic,
+    unwrapped,
+)
 from skorch_accel_callbacks.atomic import TEMP_MARK
 
 FILES = ('params.pt', 'optimizer.pt', 'history.json')
@@ -118,15 +123,10 @@ class RecordLoad(Callback):
             json.dump(snapshot(net), f)
 
 
-class BatchKiller(Callback):
-    def on_epoch_begin(self, net, **kwargs):
-        self.batches_ = 0
-
-    def on_batch_end(self, net, training=False, **kwargs):
-        if training:
-            self.batches_ += 1
-            if due(f'batch-{self.batches_}'):
-                stop(f'batch-{self.batches_}')
+class BatchKiller(BatchEnds):
+    def at_batch(self, net, batch):
+        if due(f'batch-{batch}'):
+            stop(f'batch-{batch}')
 
 
 def main():

@@ -1,0 +1,74 @@
+"""Helpers shared by the test modules of tests/ and tests/faults/.
+
+A plain module with a name of its own (``conftest`` is pytest's: there is
+one in tests/ and one in tests/faults/). The pytest configuration puts
+tests/, tests/workers, tests/faults and tests/faults/workers on
+``sys.path`` (``pythonpath`` in setup.cfg).
+"""
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+
+def read_results(folder, name, world_size):
+    """Each rank's JSON result of a worker script, indexed by rank."""
+    results = []
+    for rank in range(world_size):
+        path = Path(folder) / f'{name}-rank{rank}.json'
+        assert path.exists(), f"rank {rank} wrote no result {path.name}"
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def read_json(path):
+    return json.loads(Path(path).read_text())
+
+
+def edit_manifest(folder, edit=None, **changes):
+    """Rewrite ``folder/manifest.json``: ``edit(manifest)`` changes it in
+    place, ``changes`` replace top-level entries."""
+    path = Path(folder) / 'manifest.json'
+    manifest = json.loads(path.read_text())
+    if edit is not None:
+        edit(manifest)
+    manifest.update(changes)
+    path.write_text(json.dumps(manifest))
+
+
+def final_state(folder, tag):
+    """What a job's rank 0 wrote to ``<TAG>-rank0.pt`` when training ended:
+    parameters, optimizer states and history, to compare bit for bit."""
+    return torch.load(os.path.join(folder, f'{tag}-rank0.pt'), weights_only=False)
+
+
+def assert_identical(a, b):
+    """Bit-identical parameters and optimizer states, equal per-epoch losses."""
+    assert a['params'].keys() == b['params'].keys()
+    for name in a['params']:
+        for key, tensor in a['params'][name].items():
+            assert torch.equal(tensor, b['params'][name][key]), f"{name}.{key} differs"
+    assert a['optimizers'].keys() == b['optimizers'].keys()
+    for name in a['optimizers']:
+        _assert_nested_equal(a['optimizers'][name], b['optimizers'][name], name)
+    assert len(a['history']) == len(b['history'])
+    for row_a, row_b in zip(a['history'], b['history'], strict=True):
+        for key in ('train_loss', 'valid_loss', 'event_lr'):
+            assert row_a[key] == row_b[key], (row_a['epoch'], key, row_a[key], row_b[key])
+
+
+def _assert_nested_equal(a, b, where):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_nested_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_nested_equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    else:
+        assert a == b, where
