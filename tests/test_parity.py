@@ -5,7 +5,6 @@ test failed on 0.1.0. One process, in this process."""
 
 import copy
 import inspect
-import json
 import os
 import pickle
 import time
@@ -28,6 +27,7 @@ from skorch_accel_callbacks import (
     ParamsCheckpoint,
     accelerate_io,
 )
+from testutil import edit_manifest
 
 
 def callbacks(dirname, **cp_kwargs):
@@ -42,15 +42,6 @@ def fitted(dirname, max_epochs=2, accelerator=None, data=None, **cp_kwargs):
                    max_epochs=max_epochs)
     net.fit(*(data or make_data(n=96)))
     return net
-
-
-def edit_manifest(folder, **changes):
-    path = os.path.join(folder, 'manifest.json')
-    with open(path) as f:
-        manifest = json.load(f)
-    manifest.update(changes)
-    with open(path, 'w') as f:
-        json.dump(manifest, f)
 
 
 # ---------------------------------------------------------------- scikit-learn
@@ -294,13 +285,13 @@ def test_another_optimizer_class_is_refused_before_training(tmp_path):
 @pytest.mark.parametrize('fmt', ['1', None, 1.5])
 def test_a_manifest_with_a_malformed_format_version_is_a_damaged_checkpoint(tmp_path, fmt):
     fitted(tmp_path / 'ck', max_epochs=2)
-    edit_manifest(tmp_path / 'ck' / 'epoch-0002', format_version=fmt)
+    edit_manifest(tmp_path / 'ck' / 'epoch-0002', lambda m: m.update(format_version=fmt))
     cp, load = callbacks(tmp_path / 'ck')
     net = make_net(make_accelerator(), callbacks=[cp, load], max_epochs=3)
     with pytest.warns(UserWarning, match=r"skipping checkpoint .*epoch-0002.* format_version"):
         net.fit(*make_data(n=96))
     assert load.loaded_from_.endswith('epoch-0001')
-    edit_manifest(tmp_path / 'ck' / 'epoch-0002', format_version=fmt)
+    edit_manifest(tmp_path / 'ck' / 'epoch-0002', lambda m: m.update(format_version=fmt))
     named = AccelerateCheckpoint(dirname=str(tmp_path / 'ck')).initialize()
     with pytest.raises(CorruptCheckpointError, match='format_version'):
         named.find(str(tmp_path / 'ck' / 'epoch-0002'))
