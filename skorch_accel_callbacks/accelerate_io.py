@@ -40,10 +40,14 @@ __all__ = [
     'write_large_state',
 ]
 
-# back-ends that save models through collectives of their own
-_NOT_PLAIN = (
-    DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM,
-    DistributedType.XLA)
+# back-ends that save models through collectives of their own -> what
+# selects them
+_NOT_PLAIN = {
+    DistributedType.FSDP: 'FullyShardedDataParallelPlugin',
+    DistributedType.DEEPSPEED: 'DeepSpeedPlugin',
+    DistributedType.MEGATRON_LM: 'MegatronLMPlugin',
+    DistributedType.XLA: 'TPU',
+}
 
 
 # ---------------------------------------------------------------- registries
@@ -123,12 +127,22 @@ def uses_automatic_naming(accelerator):
 
 
 def check_plain_state(accelerator, what):
-    """Raise ``ValueError`` if the back-end saves models with collectives."""
-    if accelerator.distributed_type in _NOT_PLAIN:
+    """Raise ``ValueError`` naming the back-end if it saves models with
+    collectives of its own (FSDP, DeepSpeed, Megatron-LM, XLA).
+
+    accelerate picks the back-end from its plugin (or the launcher's
+    configuration) and reports it as ``accelerator.distributed_type``; a
+    plugin it ignores (an FSDP plugin on CPU) selects nothing, and the
+    models are then prepared as without it.
+    """
+    kind = accelerator.distributed_type
+    if kind in _NOT_PLAIN:
+        name = getattr(kind, 'value', kind)
         raise ValueError(
-            f"{what} does not support {accelerator.distributed_type}: its models "
-            "are saved with collectives of their own; supported are one process "
-            "and DDP (MULTI_CPU, MULTI_GPU)")
+            f"{what} does not support accelerate's {name} back-end ({_NOT_PLAIN[kind]}): "
+            "it shards or places the models itself and saves them with collectives "
+            "of its own. Supported are one process and DistributedDataParallel "
+            "(distributed_type NO, MULTI_CPU, MULTI_GPU and the other MULTI_* devices)")
 
 
 # ---------------------------------------------------------------- files

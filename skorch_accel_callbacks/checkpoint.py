@@ -55,6 +55,9 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     - With ``ProjectConfiguration(save_on_each_node=True)`` the local main
       process of every node commits its own copy; give each node its own
       ``dirname`` (the filesystems are then not shared).
+    - One process and DistributedDataParallel are supported: with
+      accelerate's FSDP, DeepSpeed, Megatron-LM or XLA back-end, training
+      fails when it begins, naming the back-end.
 
     Parameters
     ----------
@@ -100,8 +103,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
       committing process writes them and commits the folder as above, so a
       crash during the write leaves the previous checkpoint as ``latest``.
       At most one save is in flight: the next save, and the end of
-      training, wait for it, and raise on every rank if it failed. Not for
-      FSDP, DeepSpeed or Megatron-LM.
+      training, wait for it, and raise on every rank if it failed.
 
     Attributes
     ----------
@@ -122,8 +124,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
       At ``initialize``: an argument of the wrong type or range.
     TypeError, ValueError
       When training begins: a net without an accelerator, an accelerator
-      with ``automatic_checkpoint_naming``, ``async_save`` with FSDP or
-      DeepSpeed.
+      with ``automatic_checkpoint_naming`` or with the FSDP, DeepSpeed,
+      Megatron-LM or XLA back-end.
     CheckpointError
       When training begins: the accelerator holds models that are not the
       net's; ``save_on_each_node`` committers that share one folder.
@@ -297,8 +299,11 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                 "AccelerateCheckpoint names and retires its checkpoint folders itself; "
                 "create the Accelerator without "
                 "ProjectConfiguration(automatic_checkpoint_naming=True)")
-        if self.async_save:
-            accelerate_io.check_plain_state(accelerator, 'async_save=True')
+        # before the model layout, which would blame the modules of a back-end
+        # that shards or wraps them itself
+        accelerate_io.check_plain_state(
+            accelerator,
+            'AccelerateCheckpoint' + ('(async_save=True)' if self.async_save else ''))
         with own_registries(net):
             manifest.model_layout(net)
 
