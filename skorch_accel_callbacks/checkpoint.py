@@ -1,6 +1,7 @@
 """AccelerateCheckpoint: decide when to save the whole training state, and save it."""
 
 import os
+import time
 import warnings
 
 from skorch.callbacks import Callback
@@ -8,7 +9,13 @@ from skorch.utils import noop
 
 from skorch_accel_callbacks import accelerate_io, manifest, sync, training_state, triggers
 from skorch_accel_callbacks.background import BackgroundSaver
-from skorch_accel_callbacks.base import FolderStateCallback, check_sink, move_callback, say
+from skorch_accel_callbacks.base import (
+    FolderStateCallback,
+    check_sink,
+    format_bytes,
+    move_callback,
+    say,
+)
 from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
 from skorch_accel_callbacks.wrapping import own_registries
 
@@ -55,6 +62,9 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     - With ``ProjectConfiguration(save_on_each_node=True)`` the local main
       process of every node commits its own copy; give each node its own
       ``dirname`` (the filesystems are then not shared).
+    - Each save's message (to ``sink``) says its size and how long it took,
+      with ``async_save`` also how long training waited; the manifest
+      records when it was saved, its bytes and its duration.
     - One process and DistributedDataParallel are supported: with
       accelerate's FSDP, DeepSpeed, Megatron-LM or XLA back-end, training
       fails when it begins, naming the back-end.
@@ -331,7 +341,9 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         with ``stopped_early``, stopped by a callback: resuming such a
         checkpoint trains nothing).
         """
+        entered = time.monotonic()
         self.wait_for_saves(net)
+        started = time.monotonic()
         name = self.checkpoint_name(net)
         folder = self.folder_
         committer = self.is_committer(net)
@@ -352,22 +364,37 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                 training_state.save_history(partial, net)
                 training_state.save_callback_states(partial, net)
                 sealed = manifest.build(net, name, best, finished, stopped_early, self._data)
+                # called by manifest.write once every file is flushed
+                sealed['save_seconds'] = lambda: round(time.monotonic() - started, 3)
+        written = {}
 
         def commit():
-            folder.commit(name, sealed, durable=self.durable, best=best)
+            written.update(folder.commit(name, sealed, durable=self.durable, best=best))
             folder.retire(self.keep_last)
 
-        message = f"Saved checkpoint {folder.path(name)}" + (" (finished)" if finished else '')
+        def message():
+            # the committing process knows the size; only the main process,
+            # a committer, says it
+            text = f"Saved checkpoint {folder.path(name)}" + (" (finished)" if finished else '')
+            if written:
+                text += (f": {format_bytes(written['bytes'])} in "
+                         f"{written['save_seconds']:.2f} s")
+                if 'blocked_seconds' in written:
+                    text += f", training blocked {written['blocked_seconds']:.2f} s"
+            return text
+
         if self.async_save:
             # every other rank's files are complete: the others agreed above
             if committer:
+                # training waited for the previous save too
+                sealed['blocked_seconds'] = round(time.monotonic() - entered, 3)
                 self._saver.start(partial, snapshot, commit)
             self._in_flight = (folder.path(name), message)
         else:
             with sync.agree(net, f"committing checkpoint {folder.path(name)}"):
                 if committer:
                     commit()
-            say(net, self.sink, message)
+            say(net, self.sink, message())
         self.last_saved_ = name
 
     def wait_for_saves(self, net):
@@ -383,7 +410,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             self._in_flight = None
             with sync.agree(net, f"writing checkpoint {path} in the background"):
                 self._saver.join()
-            say(net, self.sink, message)
+            say(net, self.sink, message())
         # after the writer: with async_save, it starts them
         self.folder_.wait_for_removals()
 

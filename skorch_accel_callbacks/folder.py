@@ -240,17 +240,18 @@ class CheckpointFolder:
     def commit(self, name, sealed, durable, best):
         """Seal the partial folder of ``name`` with the manifest ``sealed``,
         rename it into place and point ``latest.json`` (and ``best.json``
-        if ``best``) at it.
+        if ``best``) at it; return the manifest written.
 
         Runs on the committing process, in the background with
         ``async_save``: it touches no net and runs no collective.
         """
         partial = self.partial_path(name)
-        manifest.write(partial, sealed, durable=durable)
+        written = manifest.write(partial, sealed, durable=durable)
         atomic.replace_folder(partial, self.path(name))
         atomic.write_json(self._pointer('latest'), {'name': name})
         if best:
             atomic.write_json(self._pointer('best'), {'name': name})
+        return written
 
     def retire(self, keep_last):
         """Remove all but the ``keep_last`` newest checkpoints, the best one
