@@ -28,6 +28,7 @@ __all__ = [
     'dataloaders',
     'load_state',
     'load_weights_only',
+    'model_file',
     'models',
     'optimizers',
     'prune_registries',
@@ -152,7 +153,8 @@ def rng_file(rank):
     return f'{RNG_STATE_NAME}_{rank}.pkl'
 
 
-def _model_file(index, safe_serialization):
+def model_file(index, safe_serialization):
+    """accelerate's name for the file of the ``index``-th model."""
     name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
     return name if index == 0 else name.replace('.', f'_{index}.')
 
@@ -208,7 +210,7 @@ def write_large_state(folder, model_states, optimizer_states, each_node, safe_se
     Runs on any thread: it touches no accelerator and runs no collective.
     """
     for i, state in enumerate(model_states):
-        save(state, f"{folder}/{_model_file(i, safe_serialization)}",
+        save(state, f"{folder}/{model_file(i, safe_serialization)}",
              save_on_each_node=each_node, safe_serialization=safe_serialization)
     for i, state in enumerate(optimizer_states):
         save(state, f"{folder}/{_optimizer_file(i)}",

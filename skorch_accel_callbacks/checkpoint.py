@@ -7,7 +7,7 @@ import warnings
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
-from skorch_accel_callbacks import accelerate_io, manifest, sync, training_state, triggers
+from skorch_accel_callbacks import accelerate_io, export, manifest, sync, training_state, triggers
 from skorch_accel_callbacks.background import BackgroundSaver
 from skorch_accel_callbacks.base import (
     FolderStateCallback,
@@ -65,6 +65,10 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     - Each save's message (to ``sink``) says its size and how long it took,
       with ``async_save`` also how long training waited; the manifest
       records when it was saved, its bytes and its duration.
+    - ``net.load_params(checkpoint=cp)`` loads the model(s) of the newest
+      complete checkpoint into any net, as with skorch's ``Checkpoint``
+      (:meth:`get_formatted_files`); ``python -m skorch_accel_callbacks``
+      lists, verifies and exports the checkpoints of a folder.
     - One process and DistributedDataParallel are supported: with
       accelerate's FSDP, DeepSpeed, Megatron-LM or XLA back-end, training
       fails when it begins, naming the back-end.
@@ -158,6 +162,11 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     Let training go on while a checkpoint is written:
 
     >>> cp = AccelerateCheckpoint(dirname='run1', async_save=True)
+
+    The model of the newest checkpoint, in a net without accelerate:
+
+    >>> net = NeuralNetClassifier(MyModule).initialize()
+    >>> net.load_params(checkpoint=AccelerateCheckpoint(dirname='run1'))
 
     """
 
@@ -319,14 +328,81 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
     # ------------------------------------------------------------ reading
 
+    def _reader(self):
+        # reading needs no lock, nor initialize(): a script that only loads
+        # a checkpoint creates the callback and reads
+        folder = getattr(self, 'folder_', None)
+        return folder if folder is not None else CheckpointFolder(self.dirname)
+
     def committed(self):
         """Names of the committed checkpoint folders, oldest commit first."""
-        return self.folder_.committed()
+        return self._reader().committed()
 
     def find(self, which='latest'):
         """Path of the checkpoint to resume from, or None; see
         :meth:`CheckpointFolder.find`."""
-        return self.folder_.find(which)
+        return self._reader().find(which)
+
+    # ------------------------------------------------------------ skorch's load_params
+
+    @property
+    def f_history(self):
+        """The history's file in a checkpoint; skorch's ``load_params``
+        reads the history of a checkpoint when this is not None."""
+        return training_state.HISTORY_NAME
+
+    @property
+    def f_history_(self):
+        """Path of the history of the newest complete checkpoint."""
+        return self.get_formatted_files(None)['f_history']
+
+    def get_formatted_files(self, net, which='latest'):
+        """The files of a checkpoint as arguments of skorch's ``load_params``.
+
+        ``net.load_params(checkpoint=cp)`` calls it, so it loads the
+        model(s) and the history of the newest complete checkpoint into any
+        net: a plain skorch net without accelerate, an accelerated net,
+        wrapped or not, in one process or many. It loads neither the
+        optimizer nor the rest of the training state (resuming is
+        :class:`AccelerateLoadInitState`'s). The model files are
+        safetensors (unless ``safe_serialization=False``): torch 2.13 reads
+        them with ``torch.load``; with an older torch, pass
+        ``use_safetensors=True`` to ``load_params``.
+
+        Parameters
+        ----------
+        net : skorch.NeuralNet or None
+          Unused; skorch passes the net.
+
+        which : str (default='latest')
+          ``'latest'`` (the newest complete checkpoint), ``'best'``, the name
+          of a checkpoint (``'epoch-0003'``) or the path of a checkpoint
+          folder.
+
+        Returns
+        -------
+        files : dict
+          ``f_params`` (the module ``module``), ``f_<name>`` for every other
+          module or criterion the checkpoint holds (those with trainable
+          parameters, such as ``f_criterion``), ``f_history``.
+
+        Raises
+        ------
+        FileNotFoundError
+          There is no checkpoint (of that name) in ``dirname``.
+        CorruptCheckpointError, CheckpointError
+          The checkpoint chosen is damaged (the message names the file), or
+          of a newer format.
+
+        Examples
+        --------
+        >>> cp = AccelerateCheckpoint(dirname='run1')
+        >>> net = NeuralNetClassifier(MyModule).initialize()
+        >>> net.load_params(checkpoint=cp)  # the newest checkpoint
+        >>> net.load_params(**cp.get_formatted_files(net, which='best'))
+
+        """
+        return export.checkpoint_files(export.find_checkpoint(self.dirname, which))
 
     # ------------------------------------------------------------ saving
 

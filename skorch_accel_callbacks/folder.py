@@ -17,12 +17,18 @@ from skorch_accel_callbacks import accelerate_io, atomic, manifest, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.lock import FolderLock
 
-__all__ = ['CheckpointFolder', 'PARTIAL_SUFFIX', 'POINTERS', 'is_committer']
+__all__ = ['CheckpointFolder', 'PARTIAL_SUFFIX', 'POINTERS', 'is_checkpoint_name',
+           'is_committer']
 
 PARTIAL_SUFFIX = '.partial'
 POINTERS = ('latest', 'best')
 _NAME_RE = re.compile(r'^epoch-(\d+)$')
 _PROBE_PREFIX = '.node-probe-'
+
+
+def is_checkpoint_name(name):
+    """Whether ``name`` is the name of a checkpoint folder (``epoch-NNNN``)."""
+    return bool(_NAME_RE.match(name))
 
 
 def is_committer(net):

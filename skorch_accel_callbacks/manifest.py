@@ -29,6 +29,7 @@ __all__ = [
     'check_compatible',
     'check_rank_files',
     'check_same_data',
+    'model_files',
     'model_layout',
     'optimizer_layout',
     'read',
@@ -188,6 +189,31 @@ def read(folder):
             raise CorruptCheckpointError(
                 f"{file} has {actual} bytes, {path} says {size}: the file is damaged")
     return manifest
+
+
+def model_files(manifest, folder):
+    """``(module name, file name)`` of each model file of a checkpoint, in
+    accelerate's order: ``[('module', 'model.safetensors'), ...]``.
+
+    Raises :class:`CorruptCheckpointError` naming the file if the manifest
+    does not list a model's file.
+    """
+    path = os.path.join(folder, MANIFEST_NAME)
+    models = manifest.get('models')
+    if not isinstance(models, list):
+        raise CorruptCheckpointError(f"{path} lists no models")
+    found = []
+    for index, entry in enumerate(models):
+        if not (isinstance(entry, list) and entry and isinstance(entry[0], str)):
+            raise CorruptCheckpointError(f"{path}: models[{index}] is not [name, shapes]")
+        names = [accelerate_io.model_file(index, safe) for safe in (True, False)]
+        listed = [name for name in names if name in manifest.get('files', {})]
+        if not listed:
+            raise CorruptCheckpointError(
+                f"{os.path.join(folder, names[0])} is missing: the manifest lists "
+                f"model {entry[0]!r} but not its file")
+        found.append((entry[0], listed[0]))
+    return found
 
 
 def _layout_differences(saved, current):
