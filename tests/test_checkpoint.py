@@ -11,15 +11,15 @@ import os
 import pytest
 import torch
 from accelerate.utils import ProjectConfiguration
+from sklearn.base import clone
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
-from sklearn.base import clone
 
 from common import MLP, make_accelerator, make_data, make_net
 from conftest import read_results
 from resume_runs import assert_identical, final_state, run
-from skorch_accel_callbacks import (AccelerateCheckpoint, AccelerateLoadInitState,
-                                    CheckpointError)
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
+from skorch_accel_callbacks.manifest import FORMAT_VERSION
 
 
 def fit(dirname, max_epochs=3, resume='latest', accelerator=None, **cp_kwargs):
@@ -57,7 +57,7 @@ def test_manifest_describes_the_checkpoint(tmp_path):
     fit(tmp_path / 'ck', max_epochs=1)
     folder = tmp_path / 'ck' / 'epoch-0001'
     manifest = json.loads((folder / 'manifest.json').read_text())
-    assert manifest['format_version'] == 1 and manifest['world_size'] == 1
+    assert manifest['format_version'] == FORMAT_VERSION and manifest['world_size'] == 1
     assert manifest['models'] == [['module', {
         'lin.weight': [32, 20], 'lin.bias': [32], 'out.weight': [2, 32], 'out.bias': [2]}]]
     on_disk = {p.name: p.stat().st_size for p in folder.iterdir() if p.name != 'manifest.json'}
@@ -66,6 +66,8 @@ def test_manifest_describes_the_checkpoint(tmp_path):
             'callbacks.json', 'callbacks.safetensors',
             'loader_state_0.safetensors'} <= set(on_disk)
     assert set(manifest['versions']) == {'torch', 'accelerate', 'skorch', 'skorch-accel-callbacks'}
+    assert manifest['bytes'] == sum(on_disk.values())
+    assert manifest['save_seconds'] > 0 and isinstance(manifest['saved_at'], str)
 
 
 def test_resume_continues_to_max_epochs(tmp_path):
