@@ -20,6 +20,7 @@ from skorch_accel_callbacks import export as exporting, inspection
 from skorch_accel_callbacks.base import format_bytes
 from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.folder import POINTERS, CheckpointFolder, is_checkpoint_name
+from skorch_accel_callbacks.manifest import MANIFEST_NAME
 
 __all__ = ['main']
 
@@ -32,9 +33,11 @@ class UsageError(Exception):
 
 def _split(path, name):
     """``(folder of checkpoints, name)``: a checkpoint folder given as DIR
-    (``DIR/epoch-0003``) stands for its parent and its name."""
+    (``DIR/epoch-0003``, or any folder with a manifest) stands for its
+    parent and its name."""
     path = os.path.normpath(path)
-    if name is None and is_checkpoint_name(os.path.basename(path)):
+    if name is None and (is_checkpoint_name(os.path.basename(path))
+                         or os.path.isfile(os.path.join(path, MANIFEST_NAME))):
         return os.path.dirname(path) or os.curdir, os.path.basename(path)
     return path, name
 
@@ -153,10 +156,11 @@ def _verify(args, out):
         if pointed is None:
             raise UsageError(f"{os.path.join(dirname, name + '.json')} names no checkpoint")
         paths = [folder.path(pointed)]
-    elif is_checkpoint_name(name):
-        if name not in names:
-            raise UsageError(f"no checkpoint {name} in {dirname}; it has {names or 'none'}")
+    elif os.path.isdir(folder.path(name)):
+        # a checkpoint, or a folder given as one (renamed, copied)
         paths = [folder.path(name)]
+    elif is_checkpoint_name(name):
+        raise UsageError(f"no checkpoint {name} in {dirname}; it has {names or 'none'}")
     else:
         raise UsageError(f"NAME must be a checkpoint name (epoch-NNNN), 'latest' or "
                          f"'best', got {name!r}")

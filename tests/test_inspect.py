@@ -416,6 +416,12 @@ def test_verify_intact_then_damaged_names_each_file(tmp_path, trained):
     assert one.returncode == 0 and one.stdout.startswith(f"{folder}/epoch-0002: intact")
     latest = cli('verify', os.path.join(folder, 'epoch-0003'))
     assert latest.returncode == 1 and flipped in latest.stdout
+    # a checkpoint copied elsewhere under another name is still one
+    kept = tmp_path / 'kept'
+    os.rename(os.path.join(folder, 'epoch-0002'), kept)
+    renamed = cli('verify', kept)
+    assert renamed.returncode == 0 and renamed.stdout.startswith(f"{kept}: intact ("), \
+        renamed.stdout + renamed.stderr
 
 
 def test_verify_and_list_usage_errors_exit_2(tmp_path, trained):
