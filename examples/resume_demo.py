@@ -13,8 +13,10 @@ three times:
 
 Then it prints the per-epoch log of both runs side by side, compares the final
 parameters and optimizer state of run 1 and run 2+3 with ``torch.equal``, and
-plots both loss curves with the kill marked (``<out>/loss_curves.png``). The
-exit code is 0 when everything is bit-identical and 1 when anything differs.
+plots both loss curves with the kill marked (``<out>/loss_curves.png``). Last,
+it lists the checkpoint folder of run 2+3 with the package's command,
+``python -m skorch_accel_callbacks list``. The exit code is 0 when everything
+is bit-identical and 1 when anything differs.
 
 usage: python examples/resume_demo.py [--nproc 2] [--epochs 10] [--out runs/demo]
 
@@ -404,6 +406,27 @@ def plot(full, resumed, kill, verdict, path):
     plt.close(fig)
 
 
+def list_checkpoints(folder):
+    """Run ``python -m skorch_accel_callbacks list FOLDER`` and echo it.
+
+    The command runs with the package this script imported (a checkout
+    not installed in the environment, too).
+    """
+    import skorch_accel_callbacks
+    root = os.path.dirname(os.path.dirname(os.path.abspath(skorch_accel_callbacks.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + ([os.environ['PYTHONPATH']] if os.environ.get('PYTHONPATH') else [])))
+    print(f"  $ python -m skorch_accel_callbacks list {folder}", flush=True)
+    proc = subprocess.run(
+        [sys.executable, '-m', 'skorch_accel_callbacks', 'list', folder], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    for line in proc.stdout.splitlines():
+        print(f"  {line}")
+    if proc.returncode != 0:
+        raise DemoError(f"python -m skorch_accel_callbacks list {folder} exited with "
+                        f"code {proc.returncode}")
+
+
 # ---------------------------------------------------------------- main
 
 def _check_devices(args):
@@ -433,11 +456,11 @@ def demo(args):
     def phase(text):
         print(f"\n[{time.monotonic() - started:5.1f} s] {text}", flush=True)
 
-    phase(f"1/4 Uninterrupted run: {args.epochs} epochs in {args.nproc} process(es) "
+    phase(f"1/5 Uninterrupted run: {args.epochs} epochs in {args.nproc} process(es) "
           f"on {where} -> {dirs['uninterrupted']}")
     _launch(args, dirs['uninterrupted'], 'run 1')
 
-    phase(f"2/4 The same training in {dirs['interrupted']}, SIGKILLed during epoch "
+    phase(f"2/5 The same training in {dirs['interrupted']}, SIGKILLed during epoch "
           f"{args.kill_epoch} (after batch {KILL_AFTER_BATCH})")
     job = _launch(args, dirs['interrupted'], 'run 2', kill_epoch=args.kill_epoch)
     checkpoints = os.path.join(dirs['interrupted'], 'checkpoints')
@@ -445,10 +468,10 @@ def demo(args):
     print(f"  torchrun exit code {job.proc.returncode}; the last batch it reported: "
           f"epoch {job.last_batch[0]}, batch {job.last_batch[1]}")
 
-    phase("3/4 Relaunch, the same command unchanged")
+    phase("3/5 Relaunch, the same command unchanged")
     _launch(args, dirs['interrupted'], 'run 2, relaunched')
 
-    phase("4/4 Comparison")
+    phase("4/5 Comparison")
     full, resumed = _load(dirs['uninterrupted']), _load(dirs['interrupted'])
     resumed_from = resumed['resumed_from']
     kill = {'epoch': args.kill_epoch, 'after_batch': KILL_AFTER_BATCH,
@@ -478,7 +501,12 @@ def demo(args):
         print(f"VERDICT: IDENTICAL. All {n_tensors} tensors of the final parameters and "
               "optimizer state (momentum buffers) are bit-identical (torch.equal), and "
               "so is every per-epoch loss.")
-    print(f"Plot: {path}  ({time.monotonic() - started:.1f} s in all)")
+    print(f"Plot: {path}")
+
+    phase("5/5 The checkpoints of the killed and relaunched run, as the package's "
+          "command lists them")
+    list_checkpoints(checkpoints)
+    print(f"\n({time.monotonic() - started:.1f} s in all)")
     return 0 if not differences else 1
 
 

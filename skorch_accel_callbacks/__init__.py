@@ -15,6 +15,12 @@ The package, from the callbacks down (data flows one way, downwards):
 - ``atomic`` (atomic files), ``lock`` (one job per folder), ``sync`` (the
   only module that talks across processes), ``wrapping`` (:func:`unwrapped`),
   ``errors``.
+
+Beside them, reading a folder of checkpoints after training: ``cli`` (the
+command ``python -m skorch_accel_callbacks list|verify|export``) on
+``inspection`` (what a folder holds, whether every file loads) and
+``export`` (a checkpoint's models as files for skorch's ``load_params``,
+which ``checkpoint`` also uses).
 """
 
 from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint

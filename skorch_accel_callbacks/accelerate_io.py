@@ -34,6 +34,7 @@ __all__ = [
     'dataloaders',
     'load_state',
     'load_weights_only',
+    'model_file',
     'models',
     'optimizers',
     'prune_registries',
@@ -46,10 +47,14 @@ __all__ = [
     'write_large_state',
 ]
 
-# back-ends that save models through collectives of their own
-_NOT_PLAIN = (
-    DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM,
-    DistributedType.XLA)
+# back-ends that save models through collectives of their own -> what
+# selects them
+_NOT_PLAIN = {
+    DistributedType.FSDP: 'FullyShardedDataParallelPlugin',
+    DistributedType.DEEPSPEED: 'DeepSpeedPlugin',
+    DistributedType.MEGATRON_LM: 'MegatronLMPlugin',
+    DistributedType.XLA: 'TPU',
+}
 
 
 # ---------------------------------------------------------------- registries
@@ -183,12 +188,22 @@ def uses_automatic_naming(accelerator):
 
 
 def check_plain_state(accelerator, what):
-    """Raise ``ValueError`` if the back-end saves models with collectives."""
-    if accelerator.distributed_type in _NOT_PLAIN:
+    """Raise ``ValueError`` naming the back-end if it saves models with
+    collectives of its own (FSDP, DeepSpeed, Megatron-LM, XLA).
+
+    accelerate picks the back-end from its plugin (or the launcher's
+    configuration) and reports it as ``accelerator.distributed_type``; a
+    plugin it ignores (an FSDP plugin on CPU) selects nothing, and the
+    models are then prepared as without it.
+    """
+    kind = accelerator.distributed_type
+    if kind in _NOT_PLAIN:
+        name = getattr(kind, 'value', kind)
         raise ValueError(
-            f"{what} does not support {accelerator.distributed_type}: its models "
-            "are saved with collectives of their own; supported are one process "
-            "and DDP (MULTI_CPU, MULTI_GPU)")
+            f"{what} does not support accelerate's {name} back-end ({_NOT_PLAIN[kind]}): "
+            "it shards or places the models itself and saves them with collectives "
+            "of its own. Supported are one process and DistributedDataParallel "
+            "(distributed_type NO, MULTI_CPU, MULTI_GPU and the other MULTI_* devices)")
 
 
 # ---------------------------------------------------------------- files
@@ -198,7 +213,8 @@ def rng_file(rank):
     return f'{RNG_STATE_NAME}_{rank}.pkl'
 
 
-def _model_file(index, safe_serialization):
+def model_file(index, safe_serialization):
+    """accelerate's name for the file of the ``index``-th model."""
     name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
     return name if index == 0 else name.replace('.', f'_{index}.')
 
@@ -254,7 +270,7 @@ def write_large_state(folder, model_states, optimizer_states, each_node, safe_se
     Runs on any thread: it touches no accelerator and runs no collective.
     """
     for i, state in enumerate(model_states):
-        save(state, f"{folder}/{_model_file(i, safe_serialization)}",
+        save(state, f"{folder}/{model_file(i, safe_serialization)}",
              save_on_each_node=each_node, safe_serialization=safe_serialization)
     for i, state in enumerate(optimizer_states):
         save(state, f"{folder}/{_optimizer_file(i)}",

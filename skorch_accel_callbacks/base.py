@@ -16,7 +16,8 @@ from skorch.callbacks import PrintLog
 
 from skorch_accel_callbacks import sync
 
-__all__ = ['FolderStateCallback', 'InitParamsOnly', 'check_sink', 'move_callback', 'say']
+__all__ = ['FolderStateCallback', 'InitParamsOnly', 'check_sink', 'format_bytes',
+           'move_callback', 'say']
 
 
 def check_sink(sink, owner):
@@ -31,6 +32,16 @@ def say(net, sink, text):
     net is verbose (as skorch's callbacks do)."""
     if sync.is_main_process(net) and (sink is not print or net.verbose):
         sink(text)
+
+
+def format_bytes(size):
+    """``size`` bytes for a reader: ``'512 B'``, ``'30.1 KiB'``, ``'1.2 GiB'``."""
+    value = float(size)
+    for unit in ('B', 'KiB', 'MiB', 'GiB'):
+        if value < 1024 or unit == 'GiB':
+            break
+        value /= 1024
+    return f"{int(value)} B" if unit == 'B' else f"{value:.1f} {unit}"
 
 
 class InitParamsOnly:

@@ -1,14 +1,21 @@
 """AccelerateCheckpoint: decide when to save the whole training state, and save it."""
 
 import os
+import time
 import warnings
 
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
-from skorch_accel_callbacks import accelerate_io, manifest, sync, training_state, triggers
+from skorch_accel_callbacks import accelerate_io, export, manifest, sync, training_state, triggers
 from skorch_accel_callbacks.background import BackgroundSaver
-from skorch_accel_callbacks.base import FolderStateCallback, check_sink, move_callback, say
+from skorch_accel_callbacks.base import (
+    FolderStateCallback,
+    check_sink,
+    format_bytes,
+    move_callback,
+    say,
+)
 from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
 from skorch_accel_callbacks.wrapping import own_registries
 
@@ -55,6 +62,16 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     - With ``ProjectConfiguration(save_on_each_node=True)`` the local main
       process of every node commits its own copy; give each node its own
       ``dirname`` (the filesystems are then not shared).
+    - Each save's message (to ``sink``) says its size and how long it took,
+      with ``async_save`` also how long training waited; the manifest
+      records when it was saved, its bytes and its duration.
+    - ``net.load_params(checkpoint=cp)`` loads the model(s) of the newest
+      complete checkpoint into any net, as with skorch's ``Checkpoint``
+      (:meth:`get_formatted_files`); ``python -m skorch_accel_callbacks``
+      lists, verifies and exports the checkpoints of a folder.
+    - One process and DistributedDataParallel are supported: with
+      accelerate's FSDP, DeepSpeed, Megatron-LM or XLA back-end, training
+      fails when it begins, naming the back-end.
 
     Parameters
     ----------
@@ -100,8 +117,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
       committing process writes them and commits the folder as above, so a
       crash during the write leaves the previous checkpoint as ``latest``.
       At most one save is in flight: the next save, and the end of
-      training, wait for it, and raise on every rank if it failed. Not for
-      FSDP, DeepSpeed or Megatron-LM.
+      training, wait for it, and raise on every rank if it failed.
 
     Attributes
     ----------
@@ -122,8 +138,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
       At ``initialize``: an argument of the wrong type or range.
     TypeError, ValueError
       When training begins: a net without an accelerator, an accelerator
-      with ``automatic_checkpoint_naming``, ``async_save`` with FSDP or
-      DeepSpeed.
+      with ``automatic_checkpoint_naming`` or with the FSDP, DeepSpeed,
+      Megatron-LM or XLA back-end.
     CheckpointError
       When training begins: the accelerator holds models that are not the
       net's; ``save_on_each_node`` committers that share one folder.
@@ -146,6 +162,11 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     Let training go on while a checkpoint is written:
 
     >>> cp = AccelerateCheckpoint(dirname='run1', async_save=True)
+
+    The model of the newest checkpoint, in a net without accelerate:
+
+    >>> net = NeuralNetClassifier(MyModule).initialize()
+    >>> net.load_params(checkpoint=AccelerateCheckpoint(dirname='run1'))
 
     """
 
@@ -297,21 +318,91 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                 "AccelerateCheckpoint names and retires its checkpoint folders itself; "
                 "create the Accelerator without "
                 "ProjectConfiguration(automatic_checkpoint_naming=True)")
-        if self.async_save:
-            accelerate_io.check_plain_state(accelerator, 'async_save=True')
+        # before the model layout, which would blame the modules of a back-end
+        # that shards or wraps them itself
+        accelerate_io.check_plain_state(
+            accelerator,
+            'AccelerateCheckpoint' + ('(async_save=True)' if self.async_save else ''))
         with own_registries(net):
             manifest.model_layout(net)
 
     # ------------------------------------------------------------ reading
 
+    def _reader(self):
+        # reading needs no lock, nor initialize(): a script that only loads
+        # a checkpoint creates the callback and reads
+        folder = getattr(self, 'folder_', None)
+        return folder if folder is not None else CheckpointFolder(self.dirname)
+
     def committed(self):
         """Names of the committed checkpoint folders, oldest commit first."""
-        return self.folder_.committed()
+        return self._reader().committed()
 
     def find(self, which='latest'):
         """Path of the checkpoint to resume from, or None; see
         :meth:`CheckpointFolder.find`."""
-        return self.folder_.find(which)
+        return self._reader().find(which)
+
+    # ------------------------------------------------------------ skorch's load_params
+
+    @property
+    def f_history(self):
+        """The history's file in a checkpoint; skorch's ``load_params``
+        reads the history of a checkpoint when this is not None."""
+        return training_state.HISTORY_NAME
+
+    @property
+    def f_history_(self):
+        """Path of the history of the newest complete checkpoint."""
+        return self.get_formatted_files(None)['f_history']
+
+    def get_formatted_files(self, net, which='latest'):
+        """The files of a checkpoint as arguments of skorch's ``load_params``.
+
+        ``net.load_params(checkpoint=cp)`` calls it, so it loads the
+        model(s) and the history of the newest complete checkpoint into any
+        net: a plain skorch net without accelerate, an accelerated net,
+        wrapped or not, in one process or many. It loads neither the
+        optimizer nor the rest of the training state (resuming is
+        :class:`AccelerateLoadInitState`'s). The model files are
+        safetensors (unless ``safe_serialization=False``): torch 2.13 reads
+        them with ``torch.load``; with an older torch, pass
+        ``use_safetensors=True`` to ``load_params``.
+
+        Parameters
+        ----------
+        net : skorch.NeuralNet or None
+          Unused; skorch passes the net.
+
+        which : str (default='latest')
+          ``'latest'`` (the newest complete checkpoint), ``'best'``, the name
+          of a checkpoint (``'epoch-0003'``) or the path of a checkpoint
+          folder.
+
+        Returns
+        -------
+        files : dict
+          ``f_params`` (the module ``module``), ``f_<name>`` for every other
+          module or criterion the checkpoint holds (those with trainable
+          parameters, such as ``f_criterion``), ``f_history``.
+
+        Raises
+        ------
+        FileNotFoundError
+          There is no checkpoint (of that name) in ``dirname``.
+        CorruptCheckpointError, CheckpointError
+          The checkpoint chosen is damaged (the message names the file), or
+          of a newer format.
+
+        Examples
+        --------
+        >>> cp = AccelerateCheckpoint(dirname='run1')
+        >>> net = NeuralNetClassifier(MyModule).initialize()
+        >>> net.load_params(checkpoint=cp)  # the newest checkpoint
+        >>> net.load_params(**cp.get_formatted_files(net, which='best'))
+
+        """
+        return export.checkpoint_files(export.find_checkpoint(self.dirname, which))
 
     # ------------------------------------------------------------ saving
 
@@ -326,7 +417,9 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         with ``stopped_early``, stopped by a callback: resuming such a
         checkpoint trains nothing).
         """
+        entered = time.monotonic()
         self.wait_for_saves(net)
+        started = time.monotonic()
         name = self.checkpoint_name(net)
         folder = self.folder_
         committer = self.is_committer(net)
@@ -347,22 +440,37 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                 training_state.save_history(partial, net)
                 training_state.save_callback_states(partial, net)
                 sealed = manifest.build(net, name, best, finished, stopped_early, self._data)
+                # called by manifest.write once every file is flushed
+                sealed['save_seconds'] = lambda: round(time.monotonic() - started, 3)
+        written = {}
 
         def commit():
-            folder.commit(name, sealed, durable=self.durable, best=best)
+            written.update(folder.commit(name, sealed, durable=self.durable, best=best))
             folder.retire(self.keep_last)
 
-        message = f"Saved checkpoint {folder.path(name)}" + (" (finished)" if finished else '')
+        def message():
+            # the committing process knows the size; only the main process,
+            # a committer, says it
+            text = f"Saved checkpoint {folder.path(name)}" + (" (finished)" if finished else '')
+            if written:
+                text += (f": {format_bytes(written['bytes'])} in "
+                         f"{written['save_seconds']:.2f} s")
+                if 'blocked_seconds' in written:
+                    text += f", training blocked {written['blocked_seconds']:.2f} s"
+            return text
+
         if self.async_save:
             # every other rank's files are complete: the others agreed above
             if committer:
+                # training waited for the previous save too
+                sealed['blocked_seconds'] = round(time.monotonic() - entered, 3)
                 self._saver.start(partial, snapshot, commit)
             self._in_flight = (folder.path(name), message)
         else:
             with sync.agree(net, f"committing checkpoint {folder.path(name)}"):
                 if committer:
                     commit()
-            say(net, self.sink, message)
+            say(net, self.sink, message())
         self.last_saved_ = name
 
     def wait_for_saves(self, net):
@@ -378,7 +486,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             self._in_flight = None
             with sync.agree(net, f"writing checkpoint {path} in the background"):
                 self._saver.join()
-            say(net, self.sink, message)
+            say(net, self.sink, message())
         # after the writer: with async_save, it starts them
         self.folder_.wait_for_removals()
 

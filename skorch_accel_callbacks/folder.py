@@ -17,12 +17,19 @@ from skorch_accel_callbacks import accelerate_io, atomic, manifest, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.lock import FolderLock
 
-__all__ = ['CheckpointFolder', 'PARTIAL_SUFFIX', 'POINTERS', 'is_committer']
+__all__ = ['CheckpointFolder', 'PARTIAL_SUFFIX', 'POINTERS', 'PROBE_PREFIX',
+           'is_checkpoint_name', 'is_committer']
 
 PARTIAL_SUFFIX = '.partial'
 POINTERS = ('latest', 'best')
 _NAME_RE = re.compile(r'^epoch-(\d+)$')
-_PROBE_PREFIX = '.node-probe-'
+# files of the check that save_on_each_node committers do not share a folder
+PROBE_PREFIX = '.node-probe-'
+
+
+def is_checkpoint_name(name):
+    """Whether ``name`` is the name of a checkpoint folder (``epoch-NNNN``)."""
+    return bool(_NAME_RE.match(name))
 
 
 def is_committer(net):
@@ -136,15 +143,15 @@ class CheckpointFolder:
         """With save_on_each_node, two nodes committing into one shared folder
         would race; each committer leaves a probe file and looks for others'."""
         rank = sync.process_index(net)
-        probe = self.path(f'{_PROBE_PREFIX}{rank}')
+        probe = self.path(f'{PROBE_PREFIX}{rank}')
         with sync.agree(net, f"probing checkpoint folder {self.dirname}"):
             if committer:
                 atomic.write_json(probe, {'rank': rank})
         others = []
         if committer:
             others = sorted(
-                int(name[len(_PROBE_PREFIX):]) for name in os.listdir(self.dirname)
-                if name.startswith(_PROBE_PREFIX) and name != os.path.basename(probe))
+                int(name[len(PROBE_PREFIX):]) for name in os.listdir(self.dirname)
+                if name.startswith(PROBE_PREFIX) and name != os.path.basename(probe))
         seen = sync.gather(net, others)
         with sync.agree(net, f"removing probe files in {self.dirname}"):
             if committer:
@@ -240,17 +247,18 @@ class CheckpointFolder:
     def commit(self, name, sealed, durable, best):
         """Seal the partial folder of ``name`` with the manifest ``sealed``,
         rename it into place and point ``latest.json`` (and ``best.json``
-        if ``best``) at it.
+        if ``best``) at it; return the manifest written.
 
         Runs on the committing process, in the background with
         ``async_save``: it touches no net and runs no collective.
         """
         partial = self.partial_path(name)
-        manifest.write(partial, sealed, durable=durable)
+        written = manifest.write(partial, sealed, durable=durable)
         atomic.replace_folder(partial, self.path(name))
         atomic.write_json(self._pointer('latest'), {'name': name})
         if best:
             atomic.write_json(self._pointer('best'), {'name': name})
+        return written
 
     def retire(self, keep_last):
         """Remove all but the ``keep_last`` newest checkpoints, the best one

@@ -96,6 +96,8 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     TypeError, ValueError
       At ``initialize``: ``checkpoint`` is not an
       :class:`AccelerateCheckpoint`, ``resume`` or ``sink`` of the wrong type.
+      When training begins: accelerate's FSDP, DeepSpeed, Megatron-LM or
+      XLA back-end (``ValueError`` naming it).
     CheckpointError
       When training begins: the checkpoint cannot be resumed by this run
       (another number of processes, another model, a newer format), or no
@@ -161,6 +163,11 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         # a fit that raised before its first epoch left the epochs left there
         self._restore_max_epochs()
+        accelerator = getattr(net, 'accelerator', None)
+        if accelerator is not None:
+            # before the checkpoint's model layout is compared, which would
+            # blame the modules of a back-end that shards or wraps them itself
+            accelerate_io.check_plain_state(accelerator, type(self).__name__)
         move_callback(net, self, 'first')
         self._folder = self._checkpoint_folder(net)
         # a job refused by the lock must not have read another job's checkpoint

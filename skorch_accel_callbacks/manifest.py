@@ -6,11 +6,16 @@ manifest whose files all have the listed sizes is a complete checkpoint.
 It records the format version, the world size, the package versions, the
 model layout (each model's parameter names and shapes, in accelerate's
 order) and the number of optimizers, so that a run that cannot resume from
-it is told why before it trains.
+it is told why before it trains; and, since 0.2 without a format change
+(readers tolerate their absence), when it was saved (``saved_at``, UTC), the
+bytes of its files (``bytes``) and how long the save took
+(``save_seconds``; with ``async_save`` also ``blocked_seconds``, how long
+training waited).
 """
 
 import functools
 import os
+from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 
 from skorch_accel_callbacks import accelerate_io, atomic, sync, training_state
@@ -24,6 +29,7 @@ __all__ = [
     'check_compatible',
     'check_rank_files',
     'check_same_data',
+    'model_files',
     'model_layout',
     'optimizer_layout',
     'read',
@@ -123,12 +129,23 @@ def _file_sizes(folder):
 
 def write(folder, manifest, durable):
     """Seal ``folder``: flush its files (if ``durable``), then write the
-    manifest listing each file with its size, atomically."""
+    manifest listing each file with its size, atomically; return what was
+    written.
+
+    A callable value of ``manifest`` is called once the files are flushed,
+    and its result written (the duration of a save, which ends here).
+    ``bytes`` (the total size of the files) and ``saved_at`` (UTC, ISO 8601)
+    are added.
+    """
     files = _file_sizes(folder)
     files.pop(MANIFEST_NAME, None)
     if durable:
         atomic.fsync_files([os.path.join(folder, rel) for rel in files])
-    atomic.write_json(os.path.join(folder, MANIFEST_NAME), dict(manifest, files=files))
+    sealed = {key: value() if callable(value) else value for key, value in manifest.items()}
+    sealed.update(files=files, bytes=sum(files.values()),
+                  saved_at=datetime.now(UTC).isoformat(timespec='milliseconds'))
+    atomic.write_json(os.path.join(folder, MANIFEST_NAME), sealed)
+    return sealed
 
 
 def read(folder):
@@ -172,6 +189,31 @@ def read(folder):
             raise CorruptCheckpointError(
                 f"{file} has {actual} bytes, {path} says {size}: the file is damaged")
     return manifest
+
+
+def model_files(manifest, folder):
+    """``(module name, file name)`` of each model file of a checkpoint, in
+    accelerate's order: ``[('module', 'model.safetensors'), ...]``.
+
+    Raises :class:`CorruptCheckpointError` naming the file if the manifest
+    does not list a model's file.
+    """
+    path = os.path.join(folder, MANIFEST_NAME)
+    models = manifest.get('models')
+    if not isinstance(models, list):
+        raise CorruptCheckpointError(f"{path} lists no models")
+    found = []
+    for index, entry in enumerate(models):
+        if not (isinstance(entry, list) and entry and isinstance(entry[0], str)):
+            raise CorruptCheckpointError(f"{path}: models[{index}] is not [name, shapes]")
+        names = [accelerate_io.model_file(index, safe) for safe in (True, False)]
+        listed = [name for name in names if name in manifest.get('files', {})]
+        if not listed:
+            raise CorruptCheckpointError(
+                f"{os.path.join(folder, names[0])} is missing: the manifest lists "
+                f"model {entry[0]!r} but not its file")
+        found.append((entry[0], listed[0]))
+    return found
 
 
 def _layout_differences(saved, current):

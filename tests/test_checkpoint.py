@@ -59,6 +59,8 @@ def test_manifest_describes_the_checkpoint(tmp_path):
             'callbacks.json', 'callbacks.safetensors',
             'loader_state_0.safetensors'} <= set(on_disk)
     assert set(manifest['versions']) == {'torch', 'accelerate', 'skorch', 'skorch-accel-callbacks'}
+    assert manifest['bytes'] == sum(on_disk.values())
+    assert manifest['save_seconds'] > 0 and isinstance(manifest['saved_at'], str)
 
 
 def test_resume_continues_to_max_epochs(tmp_path):

@@ -80,6 +80,22 @@ def test_demo_prints_both_epoch_logs_side_by_side(demo):
     assert all(same == 'yes' for _, same in rows)
 
 
+def test_demo_lists_its_checkpoints_with_the_command(demo):
+    """The last step: ``python -m skorch_accel_callbacks list`` on the
+    folder of the killed and relaunched run."""
+    output = demo['output']
+    folder = demo['out'] / 'killed-and-relaunched' / 'checkpoints'
+    step = output[output.index('5/5 The checkpoints'):]
+    assert f"  $ python -m skorch_accel_callbacks list {folder}\n" in step
+    assert f"  {folder}: 3 checkpoint(s), in training order" in step
+    # resumed from epoch 2 (kept while that run trained), then epochs 3 and 4
+    rows = re.findall(r'^\s+(epoch-\d{4})\s+(\d+)\s.*\s(\S+)$', step, flags=re.M)
+    assert rows == [('epoch-0002', '2', 'ok'), ('epoch-0003', '3', 'ok'),
+                    ('epoch-0004', '4', 'ok')]
+    assert 'left over: nothing' in step  # the kill's partial folder was removed
+    assert re.search(r'lock: free \(last taken by pid \d+ on host', step)
+
+
 def test_demo_writes_a_valid_png(demo):
     import matplotlib.image
     path = demo['out'] / 'loss_curves.png'

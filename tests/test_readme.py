@@ -98,6 +98,7 @@ def test_python_blocks_run_in_order_in_one_process(tmp_path):
     assert (tmp_path / 'best' / 'params.pt').exists()
     assert (tmp_path / 'final' / 'train_end_params.pt').exists()
     assert (tmp_path / 'weights.pt').exists()
+    assert (tmp_path / 'model' / 'params.safetensors').exists()
     assert (tmp_path / 'checkpoints-node0' / 'epoch-0002').is_dir()
 
 

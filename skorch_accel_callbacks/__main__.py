@@ -1,0 +1,8 @@
+"""``python -m skorch_accel_callbacks list|verify|export ...``: see :mod:`.cli`."""
+
+import sys
+
+from skorch_accel_callbacks.cli import main
+
+if __name__ == '__main__':
+    sys.exit(main(prog='python -m skorch_accel_callbacks'))

@@ -1,0 +1,207 @@
+"""A checkpoint's model(s) as plain skorch files, for inference without accelerate.
+
+A checkpoint of :class:`~skorch_accel_callbacks.AccelerateCheckpoint` holds
+accelerate's model files (``model.safetensors``, ``model_1.safetensors``, ...
+in the order of the manifest's ``models``) beside the optimizer, random
+states and the rest of a training state. :func:`export` writes the models
+alone, under skorch's names (``params.safetensors`` for the module
+``module``, ``<name>.safetensors`` for a module or criterion ``<name>``),
+plus the history; :func:`checkpoint_files` names the files of a checkpoint
+as the arguments of skorch's ``net.load_params``. Nothing here runs code
+from a file: safetensors files are read as such, other tensor files with
+``torch.load(weights_only=True)``.
+"""
+
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from skorch_accel_callbacks import accelerate_io, manifest, training_state
+from skorch_accel_callbacks.atomic import atomic_path, read_json
+from skorch_accel_callbacks.errors import CorruptCheckpointError
+from skorch_accel_callbacks.folder import POINTERS, CheckpointFolder, is_checkpoint_name
+
+__all__ = ['checkpoint_files', 'export', 'exported_name', 'f_argument', 'find_checkpoint']
+
+
+def f_argument(module_name):
+    """The argument of skorch's ``load_params`` for a module: ``f_params``
+    for ``module``, ``f_<name>`` for the others (``f_criterion``)."""
+    return 'f_params' if module_name == 'module' else f'f_{module_name}'
+
+
+def exported_name(module_name):
+    """The file :func:`export` writes for a module: skorch's default name
+    (``params``, ``criterion``, ``<name>``) with ``.safetensors``."""
+    return ('params' if module_name == 'module' else module_name) + '.safetensors'
+
+
+def find_checkpoint(source, which='latest'):
+    """The path of one complete checkpoint.
+
+    Parameters
+    ----------
+    source : str or path-like
+      A folder of checkpoints (an ``AccelerateCheckpoint``'s ``dirname``),
+      or one checkpoint folder (``<dirname>/epoch-NNNN``).
+
+    which : str (default='latest')
+      For a folder of checkpoints: ``'latest'`` (the newest complete one),
+      ``'best'``, the name of one of its checkpoints (``'epoch-0003'``) or
+      the path of a checkpoint folder.
+
+    Raises
+    ------
+    FileNotFoundError
+      No such folder, no checkpoint in it, or no checkpoint of that name.
+    ValueError
+      ``source`` is one checkpoint and ``which`` asks to choose.
+    CorruptCheckpointError, CheckpointError
+      The checkpoint chosen is not complete (the message names the file), or
+      of a newer format.
+    """
+    source = os.fspath(source)
+    if not os.path.isdir(source):
+        raise FileNotFoundError(f"no such folder: {source}")
+    if (is_checkpoint_name(os.path.basename(os.path.normpath(source)))
+            or os.path.isfile(os.path.join(source, manifest.MANIFEST_NAME))):
+        if which != 'latest':
+            raise ValueError(
+                f"{source} is one checkpoint; which={which!r} chooses among the "
+                "checkpoints of a folder: pass that folder")
+        manifest.read(source)
+        return source
+    folder = CheckpointFolder(source)
+    if which in POINTERS:
+        found = folder.find(which)
+        if found is None:
+            raise FileNotFoundError(f"no checkpoint in {source}")
+        return found
+    which = os.fspath(which)
+    if is_checkpoint_name(which):
+        path = folder.path(which)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(
+                f"no checkpoint {which} in {source}; it has {folder.committed() or 'none'}")
+        manifest.read(path)
+        return path
+    if not os.path.isdir(which):
+        raise FileNotFoundError(
+            f"no checkpoint {which!r}: not 'latest', 'best', a checkpoint name "
+            f"(epoch-NNNN) in {source} or a checkpoint folder")
+    return folder.find(which)
+
+
+def checkpoint_files(path):
+    """The files of checkpoint ``path`` as arguments of skorch's
+    ``load_params``: ``{'f_params': <path>/model.safetensors, ...,
+    'f_history': <path>/history.json}``.
+
+    Raises :class:`CorruptCheckpointError` naming the file if the checkpoint
+    is not complete.
+    """
+    saved = manifest.read(path)
+    files = {f_argument(name): os.path.join(path, file)
+             for name, file in manifest.model_files(saved, path)}
+    files['f_history'] = os.path.join(path, training_state.HISTORY_NAME)
+    return files
+
+
+def _load_tensors(file):
+    """A state dict from a model file, without running code from it."""
+    try:
+        if file.endswith('.safetensors'):
+            return load_file(file)
+        state = accelerate_io.load_weights_only(file)
+    except Exception as exc:  # pylint: disable=broad-except
+        raise CorruptCheckpointError(
+            f"{file} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+    if not (isinstance(state, dict)
+            and all(isinstance(value, torch.Tensor) for value in state.values())):
+        raise CorruptCheckpointError(f"{file} holds no state dict of tensors")
+    # safetensors stores no two names of one tensor (tied weights)
+    return {key: value.detach().clone().contiguous() for key, value in state.items()}
+
+
+def export(source, out, which='latest'):
+    """Write the model(s) of a checkpoint into ``out`` as safetensors files
+    that skorch's ``net.load_params`` reads, in any net: with or without
+    accelerate, one process or many.
+
+    ``<out>/params.safetensors`` holds the module ``module``,
+    ``<out>/<name>.safetensors`` each other module or criterion the
+    checkpoint holds (those with trainable parameters), and
+    ``<out>/history.json`` the history. Each file is written atomically;
+    files of an earlier export into ``out`` are replaced, the checkpoint
+    is only read.
+
+    Parameters
+    ----------
+    source : str or path-like
+      A folder of checkpoints or one checkpoint folder (see
+      :func:`find_checkpoint`).
+
+    out : str or path-like
+      The folder to write into; it is created if needed.
+
+    which : str (default='latest')
+      Which checkpoint of a folder of checkpoints: ``'latest'``,
+      ``'best'``, a checkpoint name or a checkpoint folder.
+
+    Returns
+    -------
+    files : dict
+      The files written, as arguments of ``load_params``: ``{'f_params':
+      '<out>/params.safetensors', 'f_history': '<out>/history.json'}``.
+
+    Raises
+    ------
+    FileNotFoundError
+      No such folder, or no checkpoint in it (of that name).
+    ValueError
+      ``out`` is inside the checkpoint.
+    CorruptCheckpointError
+      A file of the checkpoint is missing, of another size or does not
+      load; the message names it.
+
+    Examples
+    --------
+    >>> from skorch_accel_callbacks.export import export
+    >>> files = export('checkpoints', 'model')  # the newest checkpoint
+    >>> files
+    {'f_params': 'model/params.safetensors', 'f_history': 'model/history.json'}
+    >>> net = NeuralNetClassifier(MyModule).initialize()
+    >>> net.load_params(**files, use_safetensors=True)
+
+    """
+    path = find_checkpoint(source, which)
+    out = os.fspath(out)
+    inside = os.path.relpath(os.path.realpath(out), os.path.realpath(path))
+    if not (inside == os.pardir or inside.startswith(os.pardir + os.sep)):
+        raise ValueError(f"{out} is inside the checkpoint {path}: export into another folder")
+    saved = manifest.read(path)
+    history = os.path.join(path, training_state.HISTORY_NAME)
+    try:
+        read_json(history)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(f"{history} cannot be loaded: {exc}") from exc
+    # every file is read before one is written: a damaged checkpoint
+    # leaves ``out`` as it was
+    models = [(name, _load_tensors(os.path.join(path, file)))
+              for name, file in manifest.model_files(saved, path)]
+    os.makedirs(out, exist_ok=True)
+    written = {}
+    for name, tensors in models:
+        target = os.path.join(out, exported_name(name))
+        with atomic_path(target) as tmp:
+            save_file(tensors, tmp, metadata={
+                'format': 'pt', 'module': name, 'checkpoint': os.path.basename(path),
+                'epoch': str(saved.get('epoch'))})
+        written[f_argument(name)] = target
+    target = os.path.join(out, training_state.HISTORY_NAME)
+    with atomic_path(target) as tmp:
+        shutil.copyfile(history, tmp)
+    written['f_history'] = target
+    return written

@@ -1,0 +1,325 @@
+"""Read a folder of checkpoints without changing it: what is in it, what is
+left over, who holds it, and whether every file of a checkpoint loads.
+
+Used by the command ``python -m skorch_accel_callbacks`` (:mod:`.cli`).
+Nothing here writes, renames or removes a file, and nothing runs code from
+a file: safetensors files are read as such, other tensor files with
+``torch.load(weights_only=True)``, JSON as JSON.
+"""
+
+import fcntl
+import json
+import os
+from datetime import UTC, datetime
+
+from safetensors import safe_open
+
+from skorch_accel_callbacks import accelerate_io, atomic, manifest, training_state
+from skorch_accel_callbacks.errors import CheckpointError
+from skorch_accel_callbacks.folder import PARTIAL_SUFFIX, POINTERS, PROBE_PREFIX, CheckpointFolder
+from skorch_accel_callbacks.lock import LOCK_NAME
+
+__all__ = ['Verdict', 'describe', 'folder_size', 'leftovers', 'lock_state', 'pointers',
+           'verify']
+
+
+def folder_size(path):
+    """Bytes of the files below ``path``."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:  # removed meanwhile
+                pass
+    return total
+
+
+def _score(path):
+    """``(column, value)`` of the last epoch in a checkpoint's history:
+    ``valid_loss``, else ``train_loss``; None if neither can be read."""
+    try:
+        with open(os.path.join(path, training_state.HISTORY_NAME), encoding='utf-8') as f:
+            last = json.load(f)[-1]
+    except (OSError, ValueError, IndexError, KeyError, TypeError):
+        return None
+    for key in ('valid_loss', 'train_loss'):
+        if isinstance(last, dict) and isinstance(last.get(key), (int, float)):
+            return key, float(last[key])
+    return None
+
+
+def _saved_at(path, saved):
+    """When the checkpoint was committed (UTC): the manifest's ``saved_at``
+    or, for a manifest written before it was recorded, its file's time."""
+    stamp = saved.get('saved_at') if isinstance(saved, dict) else None
+    if isinstance(stamp, str):
+        try:
+            parsed = datetime.fromisoformat(stamp)
+        except ValueError:
+            pass
+        else:
+            return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    try:
+        mtime = os.path.getmtime(os.path.join(path, manifest.MANIFEST_NAME))
+    except OSError:
+        return None
+    return datetime.fromtimestamp(mtime, UTC)
+
+
+def describe(dirname):
+    """One dict per checkpoint of ``dirname``, in the order they were
+    committed (training order: by the manifest's ``saved_at``, else by its
+    file's time, which a copy of the folder may change).
+
+    Keys: ``name``, ``path``, ``epoch``, ``best``, ``finished``,
+    ``stopped_early``, ``world_size``, ``bytes`` (on disk), ``saved_at``
+    (a UTC datetime), ``save_seconds`` and ``blocked_seconds`` (None if not
+    recorded), ``score`` (``(column, value)`` of the last epoch or None),
+    ``problem`` (None, or why it is not a complete checkpoint: the quick
+    check of resuming, manifest and sizes; :func:`verify` loads the files).
+    """
+    folder = CheckpointFolder(dirname)
+    rows = []
+    for name in folder.committed():
+        path = folder.path(name)
+        problem = None
+        try:
+            saved = manifest.read(path)
+        except CheckpointError as exc:  # and CorruptCheckpointError
+            problem = str(exc)
+            try:
+                saved = atomic.read_json(os.path.join(path, manifest.MANIFEST_NAME))
+            except (OSError, ValueError):
+                saved = {}
+        if not isinstance(saved, dict):
+            saved = {}
+        rows.append({
+            'name': name,
+            'path': path,
+            'epoch': saved.get('epoch'),
+            'best': bool(saved.get('best')),
+            'finished': bool(saved.get('finished')),
+            'stopped_early': manifest.stopped_early(saved) if saved else False,
+            'world_size': saved.get('world_size'),
+            'bytes': folder_size(path),
+            'saved_at': _saved_at(path, saved),
+            'save_seconds': saved.get('save_seconds'),
+            'blocked_seconds': saved.get('blocked_seconds'),
+            'score': _score(path),
+            'problem': problem,
+        })
+    never = datetime.min.replace(tzinfo=UTC)
+    return sorted(rows, key=lambda row: (row['saved_at'] or never, row['name']))
+
+
+def pointers(dirname):
+    """``{'latest': name or None, 'best': name or None}``: what the pointer
+    files name (whether or not that checkpoint is there)."""
+    folder = CheckpointFolder(dirname)
+    return {which: folder.pointed(which) for which in POINTERS}
+
+
+def leftovers(dirname):
+    """``(name, what)`` of each entry of ``dirname`` that a killed or running
+    job left: partial checkpoints, temporary and half-removed files, probe
+    files. The next job that locks the folder removes them."""
+    found = []
+    for name in sorted(os.listdir(dirname)):
+        if name.endswith(PARTIAL_SUFFIX):
+            found.append((name, "partial checkpoint: a save that was interrupted, or is "
+                                "being written now"))
+        elif atomic.is_leftover(name):
+            found.append((name, "temporary or half-removed file of an interrupted write"))
+        elif name.startswith(PROBE_PREFIX):
+            found.append((name, "probe file of save_on_each_node"))
+    return found
+
+
+def lock_state(dirname):
+    """The folder's lock: ``{'exists', 'held', 'holder'}``.
+
+    ``holder`` is the pid and host the lock file names (the last job that
+    took it; None if it names none); ``held`` whether a running job holds
+    it now. That is found by trying a shared, non-blocking ``flock`` on the
+    file, opened read-only, which is released at once: a job that tries to
+    take the lock in that same instant is refused as if the folder were in
+    use.
+    """
+    path = os.path.join(dirname, LOCK_NAME)
+    try:
+        lock_file = open(path, encoding='utf-8')
+    except FileNotFoundError:
+        return {'exists': False, 'held': False, 'holder': None}
+    except OSError:  # not readable: who holds it cannot be told
+        return {'exists': True, 'held': None, 'holder': None}
+    with lock_file:
+        try:
+            holder = json.loads(lock_file.read())
+            holder = f"pid {holder['pid']} on host {holder['host']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            holder = None
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held = True
+        else:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+            held = False
+    return {'exists': True, 'held': held, 'holder': holder}
+
+
+class Verdict:
+    """What :func:`verify` found in one checkpoint.
+
+    Attributes
+    ----------
+    path : str
+      The checkpoint folder.
+    damaged : list of str
+      One message per damaged or missing file, naming it; empty when the
+      checkpoint is intact.
+    notes : list of str
+      What does not make the checkpoint unusable (a file it does not list).
+    files : int
+      Number of files the manifest lists.
+    bytes : int
+      Their total size.
+    """
+
+    def __init__(self, path):
+        self.path = path
+        self.damaged = []
+        self.notes = []
+        self.files = 0
+        self.bytes = 0
+
+    @property
+    def intact(self):
+        return not self.damaged
+
+
+def _load(file):
+    """Read ``file`` completely, as its reader would, without running code
+    from it; the tensors of a state dict ``{name: shape}``, else None."""
+    if file.endswith('.safetensors'):
+        shapes = {}
+        with safe_open(file, framework='pt') as f:
+            for key in f.keys():
+                shapes[key] = list(f.get_tensor(key).shape)
+        return shapes
+    if file.endswith('.json'):
+        atomic.read_json(file)
+        return None
+    obj = accelerate_io.load_weights_only(file)  # torch.load(weights_only=True)
+    if isinstance(obj, dict):
+        return {key: list(value.shape) for key, value in obj.items() if hasattr(value, 'shape')}
+    return None
+
+
+_LOADABLE = ('.safetensors', '.json', '.bin', '.pkl', '.pt', '.pth')
+
+
+def verify(path):
+    """Check one checkpoint folder completely; return a :class:`Verdict`.
+
+    The manifest must be a JSON object of a format this version reads,
+    listing its files; every listed file must exist, have its listed size
+    and load without running code (safetensors, JSON,
+    ``torch.load(weights_only=True)``); each model file must hold tensors of
+    the names and shapes of the manifest's model layout. Files the manifest
+    does not list are noted. Unlike resuming, which checks sizes and the
+    files it loads, this reads every file: it finds a damaged file whose
+    size did not change (a flipped byte in a header), not a flipped bit
+    inside a tensor.
+    """
+    verdict = Verdict(path)
+    sealed = os.path.join(path, manifest.MANIFEST_NAME)
+    if not os.path.isdir(path):
+        verdict.damaged.append(f"{path} is not a folder")
+        return verdict
+    try:
+        saved = atomic.read_json(sealed)
+    except FileNotFoundError:
+        verdict.damaged.append(f"{sealed} is missing: {path} is not a complete checkpoint")
+        return verdict
+    except (OSError, ValueError) as exc:
+        verdict.damaged.append(f"{sealed} cannot be read: {exc}")
+        return verdict
+    if not isinstance(saved, dict):
+        verdict.damaged.append(f"{sealed} is not a manifest (not a JSON object)")
+        return verdict
+    fmt = saved.get('format_version')
+    if type(fmt) is not int or fmt < 1:
+        verdict.damaged.append(f"{sealed} has format_version {fmt!r}, not a format number")
+        return verdict
+    if fmt > manifest.FORMAT_VERSION:
+        verdict.damaged.append(
+            f"{sealed} has checkpoint format {fmt}; this version reads format "
+            f"{manifest.FORMAT_VERSION} and older: upgrade skorch-accel-callbacks")
+        return verdict
+    files = saved.get('files')
+    if not isinstance(files, dict):
+        verdict.damaged.append(f"{sealed} lists no files")
+        return verdict
+    verdict.files = len(files)
+    verdict.bytes = sum(size for size in files.values() if isinstance(size, int))
+
+    layouts = {}
+    try:
+        for (name, file), entry in zip(manifest.model_files(saved, path), saved['models'],
+                                       strict=True):
+            layouts[file] = (name, entry[1] if len(entry) > 1 else None)
+    except CheckpointError as exc:  # and CorruptCheckpointError
+        verdict.damaged.append(str(exc))
+
+    for rel in sorted(files):
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
+            verdict.damaged.append(f"{file} is missing (listed in {sealed})")
+            continue
+        actual = os.path.getsize(file)
+        if actual != files[rel]:
+            verdict.damaged.append(
+                f"{file} has {actual} bytes, {sealed} says {files[rel]}: the file is damaged")
+            continue
+        if not rel.endswith(_LOADABLE):
+            continue
+        try:
+            shapes = _load(file)
+        except Exception as exc:  # pylint: disable=broad-except
+            verdict.damaged.append(
+                f"{file} does not load without running code: {type(exc).__name__}: {exc}")
+            continue
+        if rel in layouts:
+            problem = _layout_problem(layouts[rel], shapes)
+            if problem:
+                verdict.damaged.append(f"{file}: {problem}")
+
+    for root, _, names in os.walk(path):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), path)
+            if rel != manifest.MANIFEST_NAME and rel not in files:
+                verdict.notes.append(
+                    f"{os.path.join(path, rel)} is not listed in {sealed} (added later?)")
+    return verdict
+
+
+def _layout_problem(layout, shapes):
+    """What differs between a model file's tensors and the manifest's layout."""
+    name, expected = layout
+    if shapes is None:
+        return f"holds no state dict of model {name!r}"
+    if not isinstance(expected, dict):
+        return None
+    # safetensors keeps one name of tied weights: a name may be missing
+    for key, shape in shapes.items():
+        if key not in expected:
+            return f"tensor {key!r} is not a parameter of model {name!r} in the manifest"
+        if list(expected[key]) != shape:
+            return (f"tensor {key!r} has shape {tuple(shape)}, the manifest says "
+                    f"{tuple(expected[key])}")
+    if not shapes and expected:
+        return f"holds no tensor of model {name!r}"
+    return None
+
