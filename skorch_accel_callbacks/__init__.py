@@ -12,7 +12,8 @@ The package, from the callbacks down (data flows one way, downwards):
 - ``training_state`` (what a resume needs beside ``save_state``),
   ``background`` (saves written by a thread), ``accelerate_io`` (every use
   of accelerate's internals);
-- ``atomic`` (atomic files), ``lock`` (one job per folder), ``sync`` (the
+- ``atomic`` (atomic files), ``lock`` (one job per folder, or per file
+  prefix), ``readers`` (files read without executing code), ``sync`` (the
   only module that talks across processes), ``wrapping`` (:func:`unwrapped`),
   ``errors``.
 
