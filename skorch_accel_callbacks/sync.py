@@ -5,10 +5,18 @@ Every function takes a skorch net. A net without an ``accelerator`` attribute
 single-process: barriers return at once, broadcasts return their input and
 nothing is sent anywhere. Built on accelerate's collectives, so the same code
 serves gloo on CPU and NCCL on GPUs.
+
+On gloo, the objects travel in tensors that this module holds until gloo is
+done with them (see :func:`_released`): a process that exits right after
+training then cannot abort at interpreter exit.
 """
 
+import pickle
+import time
 from contextlib import contextmanager
 
+import torch
+import torch.distributed as dist
 from accelerate.utils import broadcast_object_list, gather_object
 
 __all__ = [
@@ -81,6 +89,8 @@ def broadcast(net, value):
     """
     if not is_distributed(net):
         return value
+    if _on_gloo():
+        return _gloo_broadcast(value)
     return broadcast_object_list([value], from_process=0)[0]
 
 
@@ -88,7 +98,70 @@ def gather(net, value):
     """Return the list of every process's ``value``, indexed by rank."""
     if not is_distributed(net):
         return [value]
+    if _on_gloo():
+        return _gloo_gather(value)
     return gather_object([value])
+
+
+# gloo lets go of a collective's tensors a moment after the collective
+# returns; this long at most is waited for it
+_RELEASE_TIMEOUT = 10.0
+
+
+def _on_gloo():
+    return dist.is_initialized() and dist.get_backend() == 'gloo'
+
+
+def _released(tensors):
+    """Wait until gloo's worker threads hold none of ``tensors`` any more.
+
+    A gloo collective's work, which holds its tensors, is freed by a worker
+    thread a moment after the caller got the result. If Python had dropped
+    the tensors first (as torch's ``all_gather_object`` and
+    ``broadcast_object_list`` do when they return), that thread must take the
+    GIL to free their Python objects; when the interpreter is exiting by
+    then, Python ends the thread inside a noexcept destructor and the process
+    aborts: "terminate called without an active exception", SIGABRT
+    (pytorch/pytorch#190489). Training that ends with this module's last
+    exchange and a script that ends with training hit it at random. Holding
+    the tensors until gloo let go keeps their freeing on this thread.
+    """
+    deadline = time.monotonic() + _RELEASE_TIMEOUT
+    while (any(tensor._use_count() > 1 for tensor in tensors)
+           and time.monotonic() < deadline):
+        time.sleep(0.0002)
+
+
+def _to_bytes_tensor(value):
+    # a copy: a tensor on the pickle's own buffer frees it through Python
+    return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).clone()
+
+
+def _gloo_gather(value):
+    mine = _to_bytes_tensor(value)
+    size = torch.tensor([mine.numel()], dtype=torch.long)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    _released([size, *sizes])
+    longest = max(int(n) for n in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:mine.numel()] = mine
+    parts = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(parts, padded)
+    _released([padded, *parts])
+    return [pickle.loads(part[:int(n)].numpy().tobytes()) for part, n in zip(parts, sizes)]
+
+
+def _gloo_broadcast(value):
+    data = _to_bytes_tensor(value) if dist.get_rank() == 0 else None
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.long)
+    dist.broadcast(size, src=0)
+    _released([size])
+    if data is None:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    _released([data])
+    return pickle.loads(data.numpy().tobytes())
 
 
 def _describe(exc):

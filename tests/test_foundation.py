@@ -37,6 +37,14 @@ def test_broadcast_and_gather(foundation):
         assert res['plain'][:2] == [1, True] and res['plain'][3] == ['x']
 
 
+def test_exchanges_leave_no_tensor_with_gloo(foundation):
+    # a tensor that gloo's worker thread frees while the interpreter exits
+    # aborts the process (pytorch/pytorch#190489); sync keeps the freeing
+    nproc, results = foundation
+    for res in results:
+        assert res['held_by_gloo'] == [[nproc == 2, 0]] * 2
+
+
 def test_main_process_error_reaches_every_rank(foundation):
     nproc, results = foundation
     assert results[0]['run_on_main_error'] == 'ZeroDivisionError: division by zero'

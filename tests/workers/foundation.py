@@ -28,8 +28,32 @@ def registry_sizes(accelerator):
             len(accelerator._schedulers), len(accelerator._dataloaders)]
 
 
+def held_by_gloo(exchange):
+    """Run ``exchange()``; return whether it passed tensors to a collective,
+    and how many of them a collective still held when it returned."""
+    passed = []
+    saved = torch.distributed.all_gather, torch.distributed.broadcast
+
+    def all_gather(tensor_list, tensor, *args, **kwargs):
+        passed.extend([*tensor_list, tensor])
+        return saved[0](tensor_list, tensor, *args, **kwargs)
+
+    def broadcast(tensor, *args, **kwargs):
+        passed.append(tensor)
+        return saved[1](tensor, *args, **kwargs)
+
+    torch.distributed.all_gather, torch.distributed.broadcast = all_gather, broadcast
+    try:
+        exchange()
+    finally:
+        torch.distributed.all_gather, torch.distributed.broadcast = saved
+    return [bool(passed), sum(tensor._use_count() > 1 for tensor in passed)]
+
+
 def check_sync(net, out):
     out['num_processes'] = sync.num_processes(net)
+    out['held_by_gloo'] = [held_by_gloo(lambda: sync.broadcast(net, 'x')),
+                           held_by_gloo(lambda: sync.gather(net, rank()))]
     out['broadcast'] = sync.broadcast(net, f"from rank {rank()}")
     out['gather'] = sync.gather(net, rank() * 10)
     try:
