@@ -149,7 +149,8 @@ def _gloo_gather(value):
     parts = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
     dist.all_gather(parts, padded)
     _released([padded, *parts])
-    return [pickle.loads(part[:int(n)].numpy().tobytes()) for part, n in zip(parts, sizes)]
+    return [pickle.loads(part[:int(n)].numpy().tobytes())
+            for part, n in zip(parts, sizes, strict=True)]
 
 
 def _gloo_broadcast(value):
