@@ -176,8 +176,7 @@ def train(run_dir, epochs, cpu):
                 'module_type': getattr(progress, 'module_type_', None),
                 'device': str(accelerator.device),
             }, f)
-    # destroys the process group: a gloo process that exits with it alive can
-    # abort at interpreter exit (pytorch/pytorch#190489)
+    # ends the trackers and the process group, as accelerate asks a script to
     accelerator.end_training()
 
 

@@ -94,8 +94,7 @@ def main(argv=None):
     accelerator.print(f"trained {len(net.history)} epochs in {accelerator.num_processes} "
                       f"process(es) on {accelerator.device}")
     accelerator.print(f"final parameters sha256: {params_sha256(net.module_)}")
-    # destroys the process group: a gloo process that exits with it alive can
-    # abort at interpreter exit (pytorch/pytorch#190489)
+    # ends the trackers and the process group, as accelerate asks a script to
     accelerator.end_training()
     return 0
 

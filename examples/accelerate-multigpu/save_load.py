@@ -147,8 +147,7 @@ def main(argv=None):
                                  type(plain.module_).__name__, '-',
                                  plain.predict_proba(X_test)))
 
-    # destroys the process group: a gloo process that exits with it alive can
-    # abort at interpreter exit (pytorch/pytorch#190489)
+    # ends the trackers and the process group, as accelerate asks a script to
     accelerator.end_training()
     if not accelerator.is_main_process:
         return 0
