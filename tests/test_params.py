@@ -30,7 +30,6 @@ from skorch_accel_callbacks import (
 )
 from skorch_accel_callbacks.atomic import TEMP_MARK
 from skorch_accel_callbacks.errors import CorruptCheckpointError
-from skorch_accel_callbacks.lock import LOCK_NAME
 from testutil import read_results
 
 
@@ -213,7 +212,10 @@ def test_problems_before_training_raise_early(runs):
         assert "'ignore'" in errors['bad_on_error']['text']
         unpicklable = errors['unpicklable']
         assert unpicklable['epochs'] == 0
-        assert [name for name in unpicklable['files'] if name != LOCK_NAME] == []
+        # nothing saved; a lock's anchor file may stay in the folder the user
+        # named (skorch calls no on_train_end after a raising on_train_begin)
+        assert [name for name in unpicklable['files']
+                if not (name.startswith('.') and name.endswith('lock'))] == []
         assert "f_pickle='net.pkl'" in unpicklable['text']
         assert unpicklable['type'] == ('PicklingError' if rank == 0 else 'RankError')
 
