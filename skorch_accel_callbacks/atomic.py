@@ -274,8 +274,10 @@ def discard_in_background(path):
     """
     if not os.path.lexists(path):
         return None
-    doomed = _mark_discarded(path)
+    return _remove_in_background(_mark_discarded(path), path)
 
+
+def _remove_in_background(doomed, path):
     def remove_doomed():
         try:
             remove(doomed)
@@ -298,14 +300,13 @@ def replace_folder(partial, final):
     """Move the complete folder ``partial`` to ``final`` in one step.
 
     A folder already at ``final`` (an epoch trained again after resuming
-    from an older checkpoint) is moved aside first and removed only once
-    the new one is in place.
+    from an older checkpoint) is moved aside first, and removed by a thread
+    once the new one is in place: removing a large folder costs about as
+    much as writing it, which a save need not wait for. Returns that thread,
+    or None if nothing was replaced.
     """
     parent = os.path.dirname(os.path.normpath(final))
-    doomed = None
-    if os.path.lexists(final):
-        doomed = _mark_discarded(final)
+    doomed = _mark_discarded(final) if os.path.lexists(final) else None
     os.replace(partial, final)
     fsync_dir(parent)
-    if doomed is not None:
-        remove(doomed)
+    return None if doomed is None else _remove_in_background(doomed, final)

@@ -254,7 +254,9 @@ class CheckpointFolder:
         """
         partial = self.partial_path(name)
         written = manifest.write(partial, sealed, durable=durable)
-        atomic.replace_folder(partial, self.path(name))
+        replaced = atomic.replace_folder(partial, self.path(name))
+        if replaced is not None:
+            self._removals.append(replaced)
         atomic.write_json(self._pointer('latest'), {'name': name})
         if best:
             atomic.write_json(self._pointer('best'), {'name': name})

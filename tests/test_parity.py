@@ -327,3 +327,20 @@ def test_no_warning_for_a_clean_resume(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         fitted(tmp_path / 'ck', max_epochs=2)
+
+
+def test_an_epoch_saved_again_replaces_its_folder_in_the_background(tmp_path):
+    """Resumed from an older checkpoint, an epoch is saved over its old
+    folder: the new one is in place when the save returns, the old one is
+    removed by a thread that the end of training waits for."""
+    fitted(tmp_path / 'ck', max_epochs=2, keep_last=5)
+    old = (tmp_path / 'ck' / 'epoch-0002').stat().st_ino
+    cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'), keep_last=5)
+    load = AccelerateLoadInitState(cp, resume=str(tmp_path / 'ck' / 'epoch-0001'))
+    net = make_net(make_accelerator(), callbacks=[cp, load], max_epochs=2)
+    net.fit(*make_data(n=96))
+    assert load.loaded_from_.endswith('epoch-0001')
+    assert cp.committed() == ['epoch-0001', 'epoch-0002']
+    assert (tmp_path / 'ck' / 'epoch-0002').stat().st_ino != old
+    assert sorted(os.listdir(tmp_path / 'ck')) == [
+        '.lock', 'epoch-0001', 'epoch-0002', 'latest.json']
