@@ -29,6 +29,7 @@ from accelerate.utils import (
 
 __all__ = [
     'accelerator_of_this_process',
+    'accumulation_step',
     'accelerator_settings',
     'check_plain_state',
     'dataloaders',
@@ -43,6 +44,7 @@ __all__ = [
     'save_on_each_node',
     'save_state',
     'save_state_in_two',
+    'set_accumulation_step',
     'uses_automatic_naming',
     'write_large_state',
 ]
@@ -237,6 +239,17 @@ def save_state(accelerator, folder, safe_serialization):
 
 def load_state(accelerator, folder):
     accelerator.load_state(folder)
+
+
+def accumulation_step(accelerator):
+    """The gradient-accumulation step counter, which ``save_state`` writes
+    into each rank's random-state file: a rank without that file (resuming
+    on more processes) keeps its own count when the state is loaded."""
+    return accelerator.step
+
+
+def set_accumulation_step(accelerator, step):
+    accelerator.step = step
 
 
 def save_state_in_two(accelerator, folder, safe_serialization):

@@ -1,6 +1,7 @@
 """AccelerateLoadInitState: resume a run from an AccelerateCheckpoint."""
 
 import os
+import warnings
 import weakref
 
 from skorch.callbacks import Callback
@@ -15,6 +16,8 @@ from skorch_accel_callbacks.readers import first_unloadable
 from skorch_accel_callbacks.wrapping import net_optimizers, own_registries
 
 __all__ = ['AccelerateLoadInitState']
+
+WORLD_SIZE_CHANGES = ('raise', 'reseed')
 
 
 def _checkpoint_files(folder):
@@ -53,11 +56,21 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     the other callbacks' ``on_train_begin`` see that number, every epoch
     sees the user's total.
 
-    Without a checkpoint, training starts fresh. A checkpoint written by
-    another number of processes, from another model (parameter names or
-    shapes) or in a newer format raises :class:`CheckpointError` naming what
-    differs, before any training step; a damaged one raises (or, for
-    ``resume='latest'``, is skipped with a warning) naming the file.
+    Without a checkpoint, training starts fresh. A checkpoint from another
+    model (parameter names or shapes) or in a newer format raises
+    :class:`CheckpointError` naming what differs, before any training step;
+    a damaged one raises (or, for ``resume='latest'``, is skipped with a
+    warning) naming the file.
+
+    A checkpoint written by another number of processes raises too, unless
+    ``on_world_size_change='reseed'``: then the model, optimizers, LR
+    schedulers, grad scaler, history and callback states load exactly (under
+    DDP they are the same on every rank), and each rank's random state and
+    the loaders' shuffling state are derived from the saved rank 0's and the
+    new number of processes. Two resumes of a checkpoint on the same number
+    of processes are bit-identical to each other, but not to the
+    uninterrupted run: each step now trains on another number of batches,
+    drawn in another order. A warning says so.
 
     Parameters
     ----------
@@ -78,6 +91,13 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
       would silently continue another training, e.g. another fold of a
       cross-validation that shares the folder. ``False`` resumes anyway.
 
+    on_world_size_change : str (default='raise')
+      What to do with a checkpoint written by another number of processes:
+      ``'raise'`` a :class:`CheckpointError` (a bit-exact resume needs every
+      saved rank), or ``'reseed'``: resume it with random states derived
+      for the new ranks (see above), e.g. when a cluster gives back 4 GPUs
+      of the 8 a preempted job had.
+
     Attributes
     ----------
     did_load_ : bool
@@ -95,13 +115,14 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     ------
     TypeError, ValueError
       At ``initialize``: ``checkpoint`` is not an
-      :class:`AccelerateCheckpoint`, ``resume`` or ``sink`` of the wrong type.
+      :class:`AccelerateCheckpoint`, ``resume``, ``sink``, ``check_data`` or
+      ``on_world_size_change`` of the wrong type or value.
       When training begins: accelerate's FSDP, DeepSpeed, Megatron-LM or
       XLA back-end (``ValueError`` naming it).
     CheckpointError
       When training begins: the checkpoint cannot be resumed by this run
-      (another number of processes, another model, a newer format), or no
-      complete checkpoint is left.
+      (another number of processes with ``on_world_size_change='raise'``,
+      another model, a newer format), or no complete checkpoint is left.
     CorruptCheckpointError
       When training begins: a named checkpoint, or a file of the chosen
       one, is damaged; the message names the file.
@@ -115,13 +136,19 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     ... )
     >>> net.fit(X, y)  # after a crash: trains only the epochs not yet done
 
+    A job that may come back on another number of GPUs:
+
+    >>> load = AccelerateLoadInitState(cp, on_world_size_change='reseed')
+
     """
 
-    def __init__(self, checkpoint, resume='latest', sink=noop, check_data=True):
+    def __init__(self, checkpoint, resume='latest', sink=noop, check_data=True,
+                 on_world_size_change='raise'):
         self.checkpoint = checkpoint
         self.resume = resume
         self.sink = sink
         self.check_data = check_data
+        self.on_world_size_change = on_world_size_change
 
     def initialize(self):
         owner = type(self).__name__
@@ -135,6 +162,10 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         if not isinstance(self.check_data, bool):
             raise ValueError(
                 f"{owner}: check_data must be True or False, got {self.check_data!r}")
+        if self.on_world_size_change not in WORLD_SIZE_CHANGES:
+            raise ValueError(
+                f"{owner}: on_world_size_change must be one of {WORLD_SIZE_CHANGES}, "
+                f"got {self.on_world_size_change!r}")
         self._restore_max_epochs()
         self.did_load_ = False
         self.loaded_from_ = None
@@ -182,12 +213,18 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             return
 
         rank = sync.process_index(net)
+        reseed = self.on_world_size_change == 'reseed'
         with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
             saved = manifest.read(path)
+            changed = manifest.check_world_size(net, saved, path, reseed)
             manifest.check_compatible(net, saved, path)
             if self.check_data:
                 manifest.check_same_data(saved, training_state.data_fingerprint(X, y), path)
-            manifest.check_rank_files(path, saved, rank)
+            # on another number of processes the new ranks' random states
+            # derive from rank 0's: the other saved ranks' files are not read
+            reads_own_rank = not changed or rank == 0
+            if reads_own_rank:
+                manifest.check_rank_files(path, saved, rank)
             try:
                 accelerate_io.load_state(net.accelerator, path)
             except Exception as exc:
@@ -202,8 +239,17 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             callbacks = _read_own(
                 path, (training_state.CALLBACKS_NAME, training_state.CALLBACK_TENSORS_NAME),
                 training_state.load_callback_states)
-            rank_state = _read_own(path, training_state.rank_state_name(rank),
-                                   lambda folder: training_state.load_rank_state(folder, rank))
+            rank_state = None
+            if reads_own_rank:
+                rank_state = _read_own(
+                    path, training_state.rank_state_name(rank),
+                    lambda folder: training_state.load_rank_state(folder, rank))
+        if changed:
+            rng, rank_state = self._reseed(net, saved, path, rng, rank_state)
+            path_said = (f"{path} (written by {saved['world_size']} processes, "
+                         "random states derived anew)")
+        else:
+            path_said = path
 
         net.history = history
         self._pending = (rng, rank_state, callbacks, hyperparameters)
@@ -216,10 +262,34 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self._lowered = weakref.ref(net)
         net.max_epochs = left
         say(net, self.sink,
-            f"Resumed from {path} after epoch {done}; "
+            f"Resumed from {path_said} after epoch {done}; "
             + ("a callback had stopped training." if stopped
                else f"training {left} more epoch(s)." if left
                else "max_epochs had been reached."))
+
+    def _reseed(self, net, saved, path, rng, rank_state):
+        """This rank's random state and loader state in a run on another
+        number of processes than ``path`` was written by: derived from the
+        saved rank 0's and the new number of processes, so that every resume
+        of ``path`` on that many processes draws the same numbers."""
+        world_size = sync.num_processes(net)
+        origin, iteration, step = sync.broadcast(net, (
+            training_state.reseed_origin(rng, rank_state),
+            rank_state['loader_iteration'],
+            accelerate_io.accumulation_step(net.accelerator),
+        ) if rank_state is not None else None)
+        accelerate_io.set_accumulation_step(net.accelerator, step)
+        message = (
+            f"{path} was written by {saved['world_size']} processes, this run has "
+            f"{world_size}: the model, optimizer, schedulers, history and callbacks "
+            "are resumed exactly, but every rank's random state and data order are "
+            "derived anew (on_world_size_change='reseed') and a step now "
+            f"averages the batches of {world_size} process(es): the run goes on "
+            "statistically, not bitwise, as the uninterrupted one would have")
+        if sync.is_main_process(net):
+            warnings.warn(message, UserWarning, stacklevel=3)
+        return (training_state.derived_rng(origin, world_size, sync.process_index(net)),
+                training_state.derived_rank_state(origin, world_size, iteration))
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
         self._restore_max_epochs()

@@ -28,6 +28,7 @@ __all__ = [
     'build',
     'check_compatible',
     'check_rank_files',
+    'check_world_size',
     'check_same_data',
     'model_files',
     'model_layout',
@@ -268,14 +269,30 @@ def _fingerprint_differences(saved, current, where):
     return []
 
 
-def check_compatible(net, manifest, path):
-    """Raise :class:`CheckpointError` if ``net`` cannot resume from ``path``."""
+def check_world_size(net, manifest, path, reseed):
+    """Whether ``path`` was written by another number of processes than this
+    run has; raise :class:`CheckpointError` if so unless ``reseed``."""
     world_size = sync.num_processes(net)
-    if manifest.get('world_size') != world_size:
+    saved = manifest.get('world_size')
+    if saved == world_size:
+        return False
+    if type(saved) is not int or saved < 1:
+        raise CorruptCheckpointError(
+            f"{os.path.join(path, MANIFEST_NAME)} has world_size {saved!r}, "
+            "not a number of processes")
+    if not reseed:
         raise CheckpointError(
-            f"{path} was written by {manifest.get('world_size')} processes, this run "
-            f"has {world_size}: every rank resumes its own random state and data "
-            "order, so resume with the same number of processes")
+            f"{path} was written by {saved} processes, this run has {world_size}: "
+            "every rank resumes its own random state and data order, so resume "
+            "with the same number of processes, or pass "
+            "on_world_size_change='reseed' to AccelerateLoadInitState to derive "
+            "new ones (the run then continues statistically, not bitwise)")
+    return True
+
+
+def check_compatible(net, manifest, path):
+    """Raise :class:`CheckpointError` if the model or optimizers of ``net``
+    cannot load ``path``."""
     problems = _layout_differences(manifest.get('models', []), model_layout(net))
     if problems:
         raise CheckpointError(

@@ -33,6 +33,9 @@ __all__ = [
     'rank_state_name',
     'capture_rng',
     'restore_rng',
+    'reseed_origin',
+    'derived_rng',
+    'derived_rank_state',
     'data_fingerprint',
     'epoch_completed',
     'find_train_loader',
@@ -170,6 +173,53 @@ def restore_rng(state):
     torch.set_rng_state(state['torch'])
     if 'cuda' in state:
         torch.cuda.set_rng_state_all(state['cuda'])
+
+
+# ---------------------------------------------------------------- reseeding
+
+def reseed_origin(rng, rank_state):
+    """A 64-bit number that stands for the random states a checkpoint's rank 0
+    was saved with (its global generators and its loader's shuffling state):
+    the origin from which another number of processes derives its own."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(repr(rng['python']).encode())
+    _feed(digest, list(rng['numpy']))
+    _feed(digest, rng['torch'])
+    _feed(digest, rank_state.get('generator'))
+    return int.from_bytes(digest.digest(), 'little')
+
+
+def _derived_seed(origin, world_size, purpose):
+    digest = hashlib.blake2b(f"{origin}:{world_size}:{purpose}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), 'little')
+
+
+def derived_rng(origin, world_size, rank):
+    """The global random states of ``rank`` in a run of ``world_size``
+    processes resumed from a checkpoint of ``origin``, in the form
+    :func:`capture_rng` returns: different on every rank, the same at every
+    resume of that checkpoint on that many processes."""
+    seed = _derived_seed(origin, world_size, f"rank{rank}")
+    state = {
+        'python': random.Random(seed).getstate(),
+        'numpy': np.random.RandomState([seed & 0xFFFFFFFF, seed >> 32]).get_state(),
+        'torch': torch.Generator().manual_seed(seed).get_state(),
+    }
+    if torch.cuda.is_available():
+        current = torch.cuda.get_rng_state_all()
+        torch.cuda.manual_seed_all(seed)
+        state['cuda'] = torch.cuda.get_rng_state_all()
+        torch.cuda.set_rng_state_all(current)
+    return state
+
+
+def derived_rank_state(origin, world_size, loader_iteration):
+    """The loader state of every rank of such a run: the epoch counter goes
+    on, and the shuffling generator, which accelerate keeps the same on all
+    ranks, is derived from ``origin`` and ``world_size``."""
+    seed = _derived_seed(origin, world_size, 'loader')
+    return {'loader_iteration': loader_iteration,
+            'generator': torch.Generator().manual_seed(seed).get_state()}
 
 
 # ---------------------------------------------------------------- optimizer

@@ -15,20 +15,28 @@ Environment:
 - FAIL: ``R:E`` makes rank R's write of its own checkpoint file fail with
   ENOSPC at the end of epoch E;
 - CKPT_OPTIONS: JSON of extra AccelerateCheckpoint arguments;
+- LOAD_OPTIONS: JSON of extra AccelerateLoadInitState arguments;
+- MAX_EPOCHS: the epochs to train in total, instead of the scenario's;
 - PER_NODE=1: ``save_on_each_node=True`` and a folder per node
   (``DIRNAME/node<k>``), as on machines without a shared filesystem;
   SHARED_PER_NODE=1: ``save_on_each_node=True`` with one shared folder (an error).
 
 Rank 0 writes ``<TAG>-rank0.pt`` (parameters, optimizer state, history) to
 RESULT_DIR when training ends, and every rank writes ``<TAG>-rank<r>.json``.
+A resumed run's rank 0 also writes ``<TAG>-resumed-rank0.pt``, the same when
+its first epoch begins, and every rank's JSON has the digests of its random
+states then (``at_resume``).
 """
 
 import errno
+import hashlib
 import json
 import os
+import random
 import signal
 import sys
 
+import numpy as np
 import torch
 from accelerate.utils import ProjectConfiguration
 from skorch.callbacks import Callback, EarlyStopping, LRScheduler
@@ -99,6 +107,66 @@ class RecordWrapping(Callback):
         self.module_type_ = type(net.module_).__name__
 
 
+def _digest(*tensors):
+    digest = hashlib.blake2b(digest_size=8)
+    for tensor in tensors:
+        digest.update(tensor.numpy().tobytes())
+    return digest.hexdigest()
+
+
+class RecordResume(Callback):
+    """What a resumed run starts its first epoch with: the loaded state
+    (rank 0 writes it to ``<TAG>-resumed-rank0.pt``) and the digests of
+    each rank's random states (``rng_`` for the JSON result)."""
+
+    def __init__(self, tag):
+        self.tag = tag
+
+    # what it records is not training state: a resume must not restore it
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+    def initialize(self):
+        self.rng_ = None
+        return self
+
+    def on_epoch_begin(self, net, dataset_train=None, **kwargs):
+        loaded = any(getattr(cb, 'loaded_from_', None) for _, cb in net.callbacks_)
+        if not loaded or self.rng_ is not None:
+            return
+        loader = training_state.find_train_loader(net, dataset_train)
+        generator = getattr(loader, 'synchronized_generator', None)
+        self.rng_ = {
+            'torch': _digest(torch.get_rng_state()),
+            'numpy': _digest(torch.from_numpy(np.random.get_state()[1].copy())),
+            'python': hashlib.blake2b(repr(random.getstate()).encode()).hexdigest(),
+            'loader': None if generator is None else _digest(generator.get_state()),
+        }
+        if rank() == 0:
+            save_state(net, net.history[:-1], f'{self.tag}-resumed-rank0.pt')
+
+
+def history_rows(history):
+    return [{key: row.get(key) for key in
+             ('epoch', 'train_loss', 'valid_loss', 'event_acp', 'event_lr')}
+            for row in history]
+
+
+def save_state(net, history, name):
+    """Rank 0's parameters, optimizer states and ``history`` to RESULT_DIR."""
+    modules = {name: getattr(net, name + '_') for name in net._modules}
+    torch.save({
+        'params': {name: net.accelerator.unwrap_model(m).state_dict()
+                   for name, m in modules.items()},
+        'optimizers': {name: getattr(net, name + '_').state_dict()
+                       for name in net._optimizers},
+        'history': history_rows(history),
+    }, os.path.join(os.environ.get('RESULT_DIR', '.'), name))
+
+
 class TwoModuleNet(FixedNet):
     """A second module with its own optimizer, as in skorch's docs."""
 
@@ -126,13 +194,14 @@ def build(dirname, scenario, ckpt_options):
         accelerator_kwargs['gradient_accumulation_steps'] = 2
     accelerator = make_accelerator(**accelerator_kwargs)
     cp = AccelerateCheckpoint(dirname=dirname, **ckpt_options)
-    callbacks = [AccelerateLoadInitState(cp), cp]
+    load_options = json.loads(os.environ.get('LOAD_OPTIONS', '{}'))
+    callbacks = [AccelerateLoadInitState(cp, **load_options), cp]
     kwargs = dict(max_epochs=6, train_split=ValidSplit(5))
     if scenario == 'earlystop':
         # listed before the checkpoint's own hooks on purpose: the callbacks
         # reorder themselves so that the saved state is the end-of-epoch one
         callbacks = [
-            AccelerateLoadInitState(cp),
+            AccelerateLoadInitState(cp, **load_options),
             cp,
             LRScheduler(policy=ReduceLROnPlateau, monitor='valid_loss',
                         patience=0, factor=0.5),
@@ -148,6 +217,8 @@ def build(dirname, scenario, ckpt_options):
     if scenario == 'stock':
         net_cls = StockNet
         kwargs['criterion'] = plain_criterion
+    if os.environ.get('MAX_EPOCHS'):
+        kwargs['max_epochs'] = int(os.environ['MAX_EPOCHS'])
     net = make_net(accelerator, net_cls=net_cls, callbacks=callbacks, **kwargs)
     return net, accelerator, cp
 
@@ -163,7 +234,8 @@ def main():
     # still shows how many processes it ran in
     write_result(f'{tag}-started', {'num_processes': accelerator.num_processes})
     recorder = RecordWrapping()
-    net.callbacks.append(recorder)
+    at_resume = RecordResume(tag)
+    net.callbacks.extend([recorder, at_resume])
     if kill.startswith('batch:'):
         _, epoch, batch = kill.split(':')
         net.callbacks.append(KillAt(int(epoch), int(batch)))
@@ -175,30 +247,20 @@ def main():
     X, y = make_data(n=320)
     net.fit(X, y)
 
-    history = [{key: row.get(key) for key in
-                ('epoch', 'train_loss', 'valid_loss', 'event_acp', 'event_lr')}
-               for row in net.history]
     write_result(tag, {
         'num_processes': sync.num_processes(net),
         'module_type': getattr(recorder, 'module_type_', None),
         'digest': params_digest(net.module_),
-        'history': history,
+        'history': history_rows(net.history),
         'registry': [len(accelerator._models), len(accelerator._optimizers)],
         'committed': cp.committed(),
         'loaded_from': [cb.loaded_from_ for _, cb in net.callbacks_
                         if isinstance(cb, AccelerateLoadInitState)][0],
         'max_epochs_after': net.max_epochs,
+        'at_resume': at_resume.rng_,
     })
     if rank() == 0:
-        modules = {name: getattr(net, name + '_') for name in net._modules}
-        torch.save({
-            'params': {name: accelerator.unwrap_model(m).state_dict()
-                       for name, m in modules.items()},
-            'optimizers': {name: getattr(net, name + '_').state_dict()
-                           for name in net._optimizers},
-            'history': history,
-        }, os.path.join(os.environ.get('RESULT_DIR', '.'), f'{tag}-rank0.pt'))
-
+        save_state(net, net.history, f'{tag}-rank0.pt')
 
 if __name__ == '__main__':
     main()
