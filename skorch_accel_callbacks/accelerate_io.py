@@ -30,9 +30,12 @@ from accelerate.utils import (
 __all__ = [
     'accelerator_of_this_process',
     'accumulation_step',
+    'accumulation_steps',
+    'at_end_of_loader',
     'accelerator_settings',
     'check_plain_state',
     'dataloaders',
+    'gradients_applied',
     'load_state',
     'load_weights_only',
     'model_file',
@@ -250,6 +253,21 @@ def accumulation_step(accelerator):
 
 def set_accumulation_step(accelerator, step):
     accelerator.step = step
+
+
+def accumulation_steps(accelerator):
+    return accelerator.gradient_accumulation_steps
+
+
+def gradients_applied(accelerator):
+    """Whether the batch just trained ended with an optimizer step (with
+    gradient accumulation, only every n-th batch and the last one does)."""
+    return accelerator.sync_gradients
+
+
+def at_end_of_loader(loader):
+    """Whether ``loader`` (prepared by accelerate) yielded its last batch."""
+    return bool(getattr(loader, 'end_of_dataloader', False))
 
 
 def save_state_in_two(accelerator, folder, safe_serialization):

@@ -281,6 +281,9 @@ def _remove_in_background(doomed, path):
     def remove_doomed():
         try:
             remove(doomed)
+        except FileNotFoundError:
+            # a job that cleans the leftovers of a crashed fit got there first
+            pass
         except OSError as exc:
             warnings.warn(f"could not remove old checkpoint {path} ({doomed}): {exc}",
                           UserWarning)

@@ -1,13 +1,22 @@
 """AccelerateCheckpoint: decide when to save the whole training state, and save it."""
 
 import os
+import signal
 import time
 import warnings
 
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
-from skorch_accel_callbacks import accelerate_io, export, manifest, sync, training_state, triggers
+from skorch_accel_callbacks import (
+    accelerate_io,
+    epoch_position,
+    export,
+    manifest,
+    sync,
+    training_state,
+    triggers,
+)
 from skorch_accel_callbacks.background import BackgroundSaver
 from skorch_accel_callbacks.base import (
     FolderStateCallback,
@@ -16,7 +25,9 @@ from skorch_accel_callbacks.base import (
     move_callback,
     say,
 )
+from skorch_accel_callbacks.errors import TrainingPreempted
 from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
+from skorch_accel_callbacks.preemption import SignalWatch, check_signals
 from skorch_accel_callbacks.wrapping import own_registries
 
 __all__ = ['AccelerateCheckpoint']
@@ -181,6 +192,9 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             safe_serialization=True,
             durable=True,
             async_save=False,
+            every_n_steps=None,
+            every_n_seconds=None,
+            save_on_signal=('SIGTERM',),
     ):
         self.dirname = dirname
         self.monitor = monitor
@@ -191,6 +205,9 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         self.safe_serialization = safe_serialization
         self.durable = durable
         self.async_save = async_save
+        self.every_n_steps = every_n_steps
+        self.every_n_seconds = every_n_seconds
+        self.save_on_signal = save_on_signal
 
     def initialize(self):
         owner = type(self).__name__
@@ -208,10 +225,23 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             raise ValueError(
                 f"{owner}: event_name must be a string or None, got {self.event_name!r}")
         triggers.check_monitor(self.monitor, owner)
+        triggers.check_interval(self.every_n_steps, 'every_n_steps', owner, int)
+        triggers.check_interval(self.every_n_seconds, 'every_n_seconds', owner, float)
+        self.signals_ = check_signals(self.save_on_signal, owner)
         check_sink(self.sink, owner)
         self.close()
         self.folder_ = CheckpointFolder(self.dirname)
         self.last_saved_ = None
+        self.global_step_ = 0
+        self._watch = SignalWatch(self.signals_)
+        self._vote = None
+        # training batches of the epoch under way, and the random states it began with
+        self._batches = 0
+        self._epoch_start = None
+        self._last_save = None
+        # why to save at the end of this epoch (a step or time due at its last batch)
+        self._deferred = None
+        self._position_read = False
         self._saver = BackgroundSaver() if self.async_save else None
         # (folder, message) of the save in the background
         self._in_flight = None
@@ -226,7 +256,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
     def __getstate__(self):
         # a loader holds the training data; it is found again each epoch
-        return dict(self.__dict__, _train_loader=None, _in_flight=None)
+        return dict(self.__dict__, _train_loader=None, _in_flight=None, _epoch_start=None)
 
     # ------------------------------------------------------------ hooks
 
@@ -236,19 +266,67 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         move_callback(net, self, 'last')
         self.folder_.claim(net)
         self._data = training_state.data_fingerprint(X, y)
+        self._position_read = False
+        self._deferred = None
+        self._last_save = time.monotonic()
+        if sync.is_distributed(net) and (self.signals_ or self.every_n_seconds):
+            self._vote = sync.Vote(net)
+        self._watch.install(type(self).__name__)
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
         self._train_loader = training_state.find_train_loader(net, dataset_train)
+        self._batches = 0
+        if not self._position_read:
+            # the resume callback, which runs first, has loaded the checkpoint
+            self._position_read = True
+            self.global_step_, self._batches = self._resumed_position(net)
+        if self.every_n_steps or self.every_n_seconds or self.signals_:
+            if ((self.every_n_steps or self.every_n_seconds)
+                    and not epoch_position.can_skip(self._train_loader)):
+                raise ValueError(
+                    f"{type(self).__name__}: every_n_steps and every_n_seconds save in the "
+                    "middle of an epoch, which a resume skips by index: that needs a "
+                    "map-style training data set (an IterableDataset cannot skip)")
+            # after the resume callback gave back the epoch's starting state
+            self._epoch_start = epoch_position.EpochStart.capture(self._train_loader)
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if not training:
+            return
+        self._batches += 1
+        if not accelerate_io.gradients_applied(net.accelerator):
+            return  # inside a gradient accumulation: no step to resume from
+        self.global_step_ += 1
+        reason = self._poll(net)
+        if reason is None:
+            return
+        if accelerate_io.at_end_of_loader(self._train_loader):
+            # the epoch's end saves it, with its validation scores
+            self._deferred = reason
+            return
+        if isinstance(reason, str) or epoch_position.can_skip(self._train_loader):
+            path = self.save_model(net)
+        else:
+            path = None  # a signal inside an epoch of an IterableDataset
+        if not isinstance(reason, str):
+            self._stop(net, reason, path)
 
     def on_epoch_end(self, net, **kwargs):
         # an epoch whose end this hook did not see was ended by a callback
         # before it (EarlyStopping raises KeyboardInterrupt there)
         self._epoch_end_seen = len(net.history)
-        do_save = self._decide(net)
+        deferred, self._deferred = self._deferred, None
+        received = self._signal_at_epoch_end(net)
+        if received is None and isinstance(deferred, signal.Signals):
+            received = deferred
+        monitored = self._decide(net)
+        do_save = monitored or deferred is not None or received is not None
         if self.event_name is not None:
             net.history.record(self.event_name, do_save)
         if do_save:
-            self.save_model(net, best=self.monitor is not None)
+            path = self.save_model(net, best=monitored and self.monitor is not None)
+            if received is not None:
+                self._stop(net, received, path)
 
     def on_train_end(self, net, **kwargs):
         try:
@@ -275,6 +353,10 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         """
         saver = getattr(self, '_saver', None)
         folder = getattr(self, 'folder_', None)
+        watch = getattr(self, '_watch', None)
+        if watch is not None:
+            watch.uninstall()
+        self._vote = None
         try:
             if saver is not None:
                 try:
@@ -299,9 +381,75 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             net, lambda: triggers.monitor_says(net, self.monitor, type(self).__name__),
             f"evaluating checkpoint monitor {self.monitor!r}")
 
+    def _poll(self, net):
+        """Why to save after the optimizer step just taken: ``'step'``,
+        ``'time'``, a signal (``signal.Signals``), or None.
+
+        The step count is the same on every rank; the time is measured on
+        the main process and a signal may reach one rank only, so those two
+        go through a vote that every rank counts one step later, without
+        waiting for it.
+        """
+        due = triggers.step_due(self.global_step_, self.every_n_steps)
+        if self._vote is None and not self.every_n_seconds and not self.signals_:
+            return 'step' if due else None
+        received = self._watch.received
+        time_is_due = (sync.is_main_process(net) and triggers.time_due(
+            time.monotonic() - self._last_save, self.every_n_seconds))
+        flags = [int(received or 0), time_is_due]
+        if self._vote is not None:
+            counted = self._vote.count()
+            self._vote.post(flags)
+            flags = counted or [0, False]
+        if flags[0]:
+            return signal.Signals(flags[0])
+        if due:
+            return 'step'
+        return 'time' if flags[1] else None
+
+    def _signal_at_epoch_end(self, net):
+        """The signal any rank got by the end of this epoch, or None; every
+        rank counts the vote under way and one more (the epoch end waits for
+        collectives anyway)."""
+        received = int(self._watch.received or 0)
+        if self._vote is not None:
+            counted = self._vote.count() or [0, False]
+            self._vote.post([received, False])
+            received = max(received, counted[0], self._vote.count()[0])
+        return signal.Signals(received) if received else None
+
+    def _stop(self, net, received, path):
+        """End training on every rank after the checkpoint ``path`` of a
+        signal is committed."""
+        try:
+            self.wait_for_saves(net)
+        finally:
+            self.close()
+        say(net, self.sink, f"Stopping on {received.name}"
+            + (f": resume from {path}" if path else ": no checkpoint could be taken "
+               "inside the epoch of an IterableDataset"))
+        raise TrainingPreempted(received, path)
+
+    def _resumed_position(self, net):
+        """``(optimizer steps, training batches of the epoch under way)`` of
+        the checkpoint this training resumed from; ``(0, 0)`` for none."""
+        path = self.folder_.resumed_path
+        if path is None:
+            return 0, 0
+        position = manifest.read(path).get('position')
+        if position is None:  # format 2 recorded no steps: count them
+            return training_state.optimizer_steps(
+                net.history, accelerate_io.accumulation_steps(net.accelerator)), 0
+        return position['step'], position['batches']
+
     def checkpoint_name(self, net):
-        """The folder name of a checkpoint of the net as it is now."""
-        return f"epoch-{len(net.history):04d}"
+        """The folder name of a checkpoint of the net as it is now:
+        ``epoch-NNNN`` after ``NNNN`` epochs, ``epoch-NNNN-step-SSSSSSSS``
+        at optimizer step ``SSSSSSSS`` of the epoch after (names sort in
+        training order)."""
+        if not net.history or training_state.epoch_completed(net):
+            return f"epoch-{len(net.history):04d}"
+        return f"epoch-{len(net.history) - 1:04d}-step-{self.global_step_:08d}"
 
     def is_committer(self, net):
         """Whether this process commits checkpoint folders (one per folder)."""
@@ -415,7 +563,9 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         committed in the background. ``best`` points ``best.json`` at it;
         ``finished`` marks the end of training (``max_epochs`` reached or,
         with ``stopped_early``, stopped by a callback: resuming such a
-        checkpoint trains nothing).
+        checkpoint trains nothing). Called inside an epoch (after a training
+        batch), the checkpoint also holds where in the epoch training is.
+        Returns the checkpoint's path.
         """
         entered = time.monotonic()
         self.wait_for_saves(net)
@@ -435,11 +585,19 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                     net.accelerator, partial, self.safe_serialization, writer=committer)
             else:
                 accelerate_io.save_state(net.accelerator, partial, self.safe_serialization)
-            training_state.save_rank_state(partial, sync.process_index(net), self._train_loader)
+            rank = sync.process_index(net)
+            training_state.save_rank_state(partial, rank, self._train_loader)
+            inside_epoch = not training_state.epoch_completed(net)
+            if inside_epoch:
+                epoch_position.save_position(partial, rank, self._epoch_start, self._batches)
+                training_state.save_epoch_caches(partial, rank, net)
             if committer:
                 training_state.save_history(partial, net)
                 training_state.save_callback_states(partial, net)
-                sealed = manifest.build(net, name, best, finished, stopped_early, self._data)
+                position = {'step': self.global_step_,
+                            'batches': self._batches if inside_epoch else 0}
+                sealed = manifest.build(net, name, best, finished, stopped_early, self._data,
+                                        position)
                 # called by manifest.write once every file is flushed
                 sealed['save_seconds'] = lambda: round(time.monotonic() - started, 3)
         written = {}
@@ -472,6 +630,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                     commit()
             say(net, self.sink, message())
         self.last_saved_ = name
+        self._last_save = time.monotonic()
+        return folder.path(name)
 
     def wait_for_saves(self, net):
         """Wait for the checkpoint written in the background, if any, and

@@ -12,3 +12,29 @@ class CorruptCheckpointError(CheckpointError):
 
     The message names the file at fault.
     """
+
+
+class TrainingPreempted(Exception):
+    """Training stopped on a signal, after its checkpoint was committed.
+
+    Raised by ``fit`` on every process, so that the job exits with a
+    failure a scheduler or ``torchrun`` can see (and requeue), not as a run
+    that finished. Run the same command again to resume.
+
+    Attributes
+    ----------
+    signal : signal.Signals
+      The signal that stopped training (the first one any process got).
+
+    checkpoint : str
+      Path of the checkpoint taken when it stopped.
+    """
+
+    def __init__(self, signal, checkpoint):
+        super().__init__(f"training stopped on {signal.name}; checkpoint {checkpoint} was "
+                         "saved: run the same command again to resume from it")
+        self.signal = signal
+        self.checkpoint = checkpoint
+
+    def __reduce__(self):
+        return type(self), (self.signal, self.checkpoint)

@@ -22,7 +22,7 @@ __all__ = ['CheckpointFolder', 'PARTIAL_SUFFIX', 'POINTERS', 'PROBE_PREFIX',
 
 PARTIAL_SUFFIX = '.partial'
 POINTERS = ('latest', 'best')
-_NAME_RE = re.compile(r'^epoch-(\d+)$')
+_NAME_RE = re.compile(r'^epoch-(\d+)(-step-\d+)?$')
 # files of the check that save_on_each_node committers do not share a folder
 PROBE_PREFIX = '.node-probe-'
 
@@ -63,11 +63,15 @@ class CheckpointFolder:
     resumed_from : str or None
       Name of the checkpoint this job resumed from; retirement keeps it.
 
+    resumed_path : str or None
+      Path of the checkpoint this job resumed from (in this folder or not).
+
     """
 
     def __init__(self, dirname):
         self.dirname = os.fspath(dirname)
         self.resumed_from = None
+        self.resumed_path = None
         self._lock = FolderLock(self.dirname)
         self._claimed = False
         self._removals = []

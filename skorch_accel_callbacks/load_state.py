@@ -7,7 +7,7 @@ import weakref
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
-from skorch_accel_callbacks import accelerate_io, manifest, sync, training_state
+from skorch_accel_callbacks import accelerate_io, epoch_position, manifest, sync, training_state
 from skorch_accel_callbacks.base import FolderStateCallback, check_sink, move_callback, say
 from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
@@ -170,12 +170,15 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self.did_load_ = False
         self.loaded_from_ = None
         self._pending = None
+        self._inside = None
+        self._undo_skip = None
+        self._skipped = 0
         self._folder = None
         return self
 
     def __getstate__(self):
         # the net that holds the epochs left is this one's net, not a copy's
-        return dict(self.__dict__, _lowered=None)
+        return dict(self.__dict__, _lowered=None, _undo_skip=None)
 
     def _checkpoint_folder(self, net):
         """The folder object of the checkpoint callback that trains with
@@ -244,6 +247,21 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                 rank_state = _read_own(
                     path, training_state.rank_state_name(rank),
                     lambda folder: training_state.load_rank_state(folder, rank))
+            inside = None
+            if manifest.batches_into_epoch(saved):
+                if changed:
+                    raise CheckpointError(
+                        f"{path} was taken inside an epoch, which only "
+                        f"{saved['world_size']} processes can resume (each skips the "
+                        "batches of its own share of the data): resume it on "
+                        f"{saved['world_size']} processes, or another checkpoint, one "
+                        "taken at the end of an epoch")
+                caches = training_state.epoch_caches_name(rank)
+                inside = _read_own(
+                    path, (epoch_position.position_name(rank), f'{caches}.json',
+                           f'{caches}.safetensors'),
+                    lambda folder: (*epoch_position.load_position(folder, rank),
+                                    training_state.load_epoch_caches(folder, rank)))
         if changed:
             rng, rank_state = self._reseed(net, saved, path, rng, rank_state)
             path_said = (f"{path} (written by {saved['world_size']} processes, "
@@ -253,16 +271,21 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
         net.history = history
         self._pending = (rng, rank_state, callbacks, hyperparameters)
+        self._inside = inside
         self.loaded_from_ = path
         self._folder.resumed_from = CheckpointFolder.name_of(path)
-        done = len(history)
+        self._folder.resumed_path = path
+        # the history's last row is the epoch under way, if any
+        done = len(history) - (1 if inside else 0)
         stopped = manifest.stopped_early(saved)
         left = 0 if stopped else max(0, net.max_epochs - done)
         self.requested_epochs_ = net.max_epochs
         self._lowered = weakref.ref(net)
         net.max_epochs = left
+        where = (f"at batch {inside[0]} of epoch {done + 1}" if inside
+                 else f"after epoch {done}")
         say(net, self.sink,
-            f"Resumed from {path_said} after epoch {done}; "
+            f"Resumed from {path_said} {where}; "
             + ("a callback had stopped training." if stopped
                else f"training {left} more epoch(s)." if left
                else "max_epochs had been reached."))
@@ -295,12 +318,52 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self._restore_max_epochs()
         if self._pending is None:
             return
+        loader = training_state.find_train_loader(net, dataset_train)
+        if self._inside is not None:
+            self._continue_epoch(net, loader)
+            return
         rng, rank_state = self._restore_callbacks(net)
-        training_state.apply_rank_state(
-            training_state.find_train_loader(net, dataset_train), rank_state)
+        training_state.apply_rank_state(loader, rank_state)
         # preparing the training loader drew from the global generator to seed
         # the sampler; the uninterrupted run had not drawn at this point
         training_state.restore_rng(rng)
+
+    def _continue_epoch(self, net, loader):
+        """Set the epoch that a checkpoint taken inside it was taken in up to
+        go on after its trained batches."""
+        batches, start, _ = self._inside
+        if not epoch_position.can_skip(loader):
+            raise CheckpointError(
+                f"{self.loaded_from_} was taken inside an epoch, but this run's training "
+                "data cannot skip batches by index (an IterableDataset)")
+        # skorch began a new epoch; the checkpoint's last one goes on instead
+        net.history.pop()
+        # the loader draws the epoch's order again from these, skipping the
+        # batches trained
+        start.restore(loader)
+        self._undo_skip = epoch_position.skip_batches(loader, batches)
+        self._skipped = batches
+
+    def on_batch_begin(self, net, training=False, **kwargs):
+        if self._inside is None or not training:
+            return
+        _, _, caches = self._inside
+        self._inside = None
+        # the pass over the loader has begun: it keeps its skip
+        self._undo_skip()
+        self._undo_skip = None
+        # after every callback's on_epoch_begin, which resets their scratch space
+        rng, _ = self._restore_callbacks(net)
+        training_state.apply_epoch_caches(net, caches, device=net.accelerator.device)
+        # the random states of the batch the checkpoint was taken at
+        training_state.restore_rng(rng)
+
+    def on_epoch_end(self, net, **kwargs):
+        if self._skipped:
+            # skorch counted the batches of this fit only
+            net.history.record('train_batch_count',
+                               self._skipped + net.history[-1]['train_batch_count'])
+            self._skipped = 0
 
     def _restore_callbacks(self, net):
         """Give the callbacks and optimizer settings their saved state, once.
@@ -316,6 +379,9 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     def on_train_end(self, net, **kwargs):
         try:
+            if self._undo_skip is not None:
+                self._undo_skip()
+                self._undo_skip = None
             if self._pending is not None:
                 # a finished run trained no epoch; end with the state it was saved with
                 self._restore_callbacks(net)

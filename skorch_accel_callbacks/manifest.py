@@ -18,7 +18,7 @@ import os
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 
-from skorch_accel_callbacks import accelerate_io, atomic, sync, training_state
+from skorch_accel_callbacks import accelerate_io, atomic, epoch_position, sync, training_state
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.wrapping import bare_modules
 
@@ -29,6 +29,7 @@ __all__ = [
     'check_compatible',
     'check_rank_files',
     'check_world_size',
+    'batches_into_epoch',
     'check_same_data',
     'model_files',
     'model_layout',
@@ -40,7 +41,7 @@ __all__ = [
 
 # on-disk format; a change of what is written bumps it (CHANGES.rst).
 # 2: optimizer classes and param groups, stopped_early, the data fingerprint
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST_NAME = 'manifest.json'
 
 
@@ -94,18 +95,22 @@ def optimizer_layout(net):
     return layout
 
 
-def build(net, name, best, finished, stopped_early, data):
+def build(net, name, best, finished, stopped_early, data, position):
     """The manifest of the checkpoint ``name`` of ``net``, without its files.
 
     ``finished``: training ended with this checkpoint (``max_epochs``
     reached, or a callback stopped it: ``stopped_early``); ``data``: the
     fingerprint of the training data
-    (:func:`~skorch_accel_callbacks.training_state.data_fingerprint`).
+    (:func:`~skorch_accel_callbacks.training_state.data_fingerprint`);
+    ``position``: ``{'step': optimizer steps, 'batches': training batches
+    of the epoch under way}`` (0 batches at an epoch's end).
     """
     return {
         'format_version': FORMAT_VERSION,
         'name': name,
-        'epoch': len(net.history),
+        # complete epochs
+        'epoch': len(net.history) - (1 if position['batches'] else 0),
+        'position': position,
         'best': bool(best),
         'finished': bool(finished),
         'stopped_early': bool(stopped_early),
@@ -315,9 +320,19 @@ def _describe_optimizers(layout):
                      f"{'/'.join(map(str, groups))} tensors)" for name, groups in layout)
 
 
+def batches_into_epoch(manifest):
+    """The training batches of the epoch under way when the checkpoint was
+    taken: 0 at an epoch's end (and in formats before 3)."""
+    return (manifest.get('position') or {}).get('batches', 0)
+
+
 def check_rank_files(path, manifest, rank):
     """Check that this rank's own files are there and load without code."""
-    for name in (accelerate_io.rng_file(rank), training_state.rank_state_name(rank)):
+    names = [accelerate_io.rng_file(rank), training_state.rank_state_name(rank)]
+    if batches_into_epoch(manifest):
+        caches = training_state.epoch_caches_name(rank)
+        names += [epoch_position.position_name(rank), f'{caches}.json', f'{caches}.safetensors']
+    for name in names:
         if name not in manifest['files']:
             raise CorruptCheckpointError(
                 f"{os.path.join(path, name)} is missing: {path} has no state for rank {rank}")

@@ -21,6 +21,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 __all__ = [
     'RankError',
+    'Vote',
     'agree',
     'barrier',
     'broadcast',
@@ -163,6 +164,56 @@ def _gloo_broadcast(value):
     dist.broadcast(data, src=0)
     _released([data])
     return pickle.loads(data.numpy().tobytes())
+
+
+class Vote:
+    """Flags that any process may raise, counted on every process without
+    making training wait for a collective.
+
+    :meth:`post` sends this process's flags in a non-blocking all-reduce
+    (maximum); :meth:`count` returns the combined flags of the vote posted
+    before, waiting for it if it is not done (after a batch of training it
+    is). Every process must post and count at the same points, so that all
+    see the same result at the same batch. In one process no collective
+    runs: :meth:`count` returns the flags posted.
+    """
+
+    def __init__(self, net):
+        self._distributed = is_distributed(net)
+        accelerator = _accelerator(net)
+        # NCCL reduces tensors on the device, gloo on the CPU
+        self._device = (accelerator.device if accelerator is not None and not _on_gloo()
+                        else torch.device('cpu'))
+        self._pending = None
+
+    def post(self, flags):
+        """Send this process's ``flags`` (ints >= 0; booleans count as 0/1)."""
+        flags = [int(flag) for flag in flags]
+        if not self._distributed:
+            self._pending = flags
+            return
+        tensor = torch.tensor(flags, dtype=torch.int32, device=self._device)
+        self._pending = (tensor, dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True))
+
+    def count(self):
+        """The combined flags (the maximum of each over the processes) of the
+        last vote posted, ``None`` if none is; that vote is then done."""
+        pending, self._pending = self._pending, None
+        if pending is None or not self._distributed:
+            return pending
+        tensor, work = pending
+        del pending
+        work.wait()
+        # the work holds the tensor too: let go of it before waiting for gloo
+        del work
+        result = [int(flag) for flag in tensor.tolist()]
+        if _on_gloo():
+            _released([tensor])
+        return result
+
+    def __getstate__(self):
+        # a vote in flight belongs to this process's process group
+        return dict(self.__dict__, _pending=None)
 
 
 def _describe(exc):

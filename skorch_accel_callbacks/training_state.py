@@ -38,6 +38,7 @@ __all__ = [
     'derived_rank_state',
     'data_fingerprint',
     'epoch_completed',
+    'optimizer_steps',
     'find_train_loader',
     'optimizer_hyperparameters',
     'restore_optimizer_hyperparameters',
@@ -46,6 +47,10 @@ __all__ = [
     'save_callback_states',
     'load_callback_states',
     'apply_callback_states',
+    'epoch_caches_name',
+    'save_epoch_caches',
+    'load_epoch_caches',
+    'apply_epoch_caches',
     'save_rank_state',
     'load_rank_state',
     'apply_rank_state',
@@ -78,6 +83,13 @@ def epoch_completed(net):
     """Whether the last epoch of the history ran to its end (skorch records
     ``train_loss`` when an epoch's training batches are all done)."""
     return bool(net.history) and 'train_loss' in net.history[-1]
+
+
+def optimizer_steps(history, accumulation_steps):
+    """The optimizer steps of the complete epochs of ``history``, with a
+    step every ``accumulation_steps`` batches and at each epoch's last."""
+    return sum(math.ceil(row['train_batch_count'] / accumulation_steps)
+               for row in history if 'train_batch_count' in row)
 
 
 def save_history(folder, net):
@@ -429,3 +441,50 @@ def apply_callback_states(net, states):
                 target.load_state_dict(entry['state_dict'])
             else:
                 setattr(callback, attr, entry['value'])
+
+
+# ---------------------------------------------------------------- within an epoch
+
+def epoch_caches_name(rank):
+    return f'epoch_caches_{rank}'
+
+
+def save_epoch_caches(folder, rank, net):
+    """Save this rank's scratch space of the epoch under way (the
+    predictions EpochScoring collects on the training batches), which a
+    checkpoint in the middle of an epoch needs: at the epoch's end they are
+    scored together."""
+    encoder = _Encoder()
+    caches = {}
+    for name, callback in net.callbacks_:
+        for cls, attrs in _TRANSIENT.items():
+            if isinstance(callback, cls):
+                caches[name] = {attr: encoder.encode(getattr(callback, attr, None),
+                                                     f"{name}/{attr}")
+                                for attr in attrs}
+    base = f"{folder}/{epoch_caches_name(rank)}"
+    write_json(f"{base}.json", caches, atomic=False)
+    save_file(encoder.tensors or {'_': torch.zeros(0)}, f"{base}.safetensors")
+
+
+def load_epoch_caches(folder, rank):
+    base = f"{folder}/{epoch_caches_name(rank)}"
+    caches = read_json(f"{base}.json")
+    tensors = load_file(f"{base}.safetensors")
+    return {name: {attr: _decode(value, tensors) for attr, value in attrs.items()}
+            for name, attrs in caches.items()}
+
+
+def apply_epoch_caches(net, caches, device=None):
+    """Give the callbacks their scratch space of the epoch back; tensors go
+    to ``device`` (where the net's predictions are)."""
+    def place(value):
+        if isinstance(value, torch.Tensor) and device is not None:
+            return value.to(device)
+        if isinstance(value, list):
+            return [place(v) for v in value]
+        return value
+
+    for name, callback in net.callbacks_:
+        for attr, value in caches.get(name, {}).items():
+            setattr(callback, attr, place(value))

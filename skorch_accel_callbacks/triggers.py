@@ -9,7 +9,8 @@ import warnings
 
 from skorch.exceptions import SkorchException
 
-__all__ = ['check_monitor', 'epoch_due', 'monitor_says']
+__all__ = ['check_interval', 'check_monitor', 'epoch_due', 'monitor_says', 'step_due',
+           'time_due']
 
 
 def check_monitor(monitor, owner):
@@ -17,6 +18,32 @@ def check_monitor(monitor, owner):
     if not (monitor is None or isinstance(monitor, str) or callable(monitor)):
         raise ValueError(
             f"{owner}: monitor must be None, a history key or a callable, got {monitor!r}")
+
+
+def check_interval(value, name, owner, kind):
+    """Raise ``ValueError`` naming ``owner`` and ``name`` unless ``value`` is
+    None or a positive number of type ``kind`` (``int`` or a real number)."""
+    if value is None:
+        return
+    if kind is int:
+        ok = type(value) is int and value >= 1
+        wanted = 'an int >= 1'
+    else:
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and value > 0 and value == value and value != float('inf'))
+        wanted = 'a number of seconds > 0'
+    if not ok:
+        raise ValueError(f"{owner}: {name} must be None or {wanted}, got {value!r}")
+
+
+def step_due(step, every_n_steps):
+    """Whether optimizer step number ``step`` (counted from the start of
+    training, over resumes) is one of every ``every_n_steps``."""
+    return every_n_steps is not None and step % every_n_steps == 0
+
+
+def time_due(seconds_since_save, every_n_seconds):
+    return every_n_seconds is not None and seconds_since_save >= every_n_seconds
 
 
 def epoch_due(net, every_n_epochs):

@@ -5,7 +5,8 @@ usage: resume.py DIRNAME TAG
 Environment:
 - SCENARIO: ``basic`` (StepLR, dropout, momentum), ``earlystop`` (plus
   EarlyStopping and ReduceLROnPlateau), ``accumulate`` (gradient
-  accumulation over 2 batches), ``twomodules`` (two modules, two
+  accumulation over 2 batches), ``midepoch`` (accumulation, plus a scheduler
+  stepped every batch, EpochScoring on the training data and EarlyStopping), ``twomodules`` (two modules, two
   optimizers), ``novalid`` (no validation data), ``stock`` (skorch's own
   AccelerateMixin without this package's fixes);
 - KILL: ``batch:E:B`` SIGKILLs every rank after batch B of epoch E;
@@ -39,9 +40,9 @@ import sys
 import numpy as np
 import torch
 from accelerate.utils import ProjectConfiguration
-from skorch.callbacks import Callback, EarlyStopping, LRScheduler
+from skorch.callbacks import Callback, EarlyStopping, EpochScoring, LRScheduler
 from skorch.dataset import ValidSplit
-from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
+from torch.optim.lr_scheduler import CyclicLR, ReduceLROnPlateau, StepLR
 
 from common import (
     MLP,
@@ -151,7 +152,8 @@ class RecordResume(Callback):
 
 def history_rows(history):
     return [{key: row.get(key) for key in
-             ('epoch', 'train_loss', 'valid_loss', 'event_acp', 'event_lr')}
+             ('epoch', 'train_loss', 'valid_loss', 'event_acp', 'event_lr', 'train_acc',
+              'train_batch_count')}
             for row in history]
 
 
@@ -190,7 +192,7 @@ def build(dirname, scenario, ckpt_options):
         accelerator_kwargs['project_config'] = ProjectConfiguration(save_on_each_node=True)
     if os.environ.get('PER_NODE') == '1':
         dirname = os.path.join(dirname, f"node{os.environ['GROUP_RANK']}")
-    if scenario == 'accumulate':
+    if scenario in ('accumulate', 'midepoch'):
         accelerator_kwargs['gradient_accumulation_steps'] = 2
     accelerator = make_accelerator(**accelerator_kwargs)
     cp = AccelerateCheckpoint(dirname=dirname, **ckpt_options)
@@ -211,6 +213,15 @@ def build(dirname, scenario, ckpt_options):
     else:
         # step_size=3: a scheduler rebuilt at resume after epoch 3 would step the lr
         callbacks.append(LRScheduler(policy=StepLR, step_size=3, gamma=0.5))
+    if scenario == 'midepoch':
+        # state within an epoch: cached training predictions, a scheduler
+        # stepped every batch, and EarlyStopping's counters
+        callbacks += [
+            EpochScoring('accuracy', on_train=True, name='train_acc'),
+            ('batch_lr', LRScheduler(policy=CyclicLR, base_lr=0.01, max_lr=0.1,
+                                     step_size_up=3, step_every='batch')),
+            EarlyStopping(patience=3, threshold=0.0),
+        ]
     if scenario == 'novalid':
         kwargs['train_split'] = None
     net_cls = TwoModuleNet if scenario == 'twomodules' else FixedNet

@@ -1,0 +1,132 @@
+"""Where a checkpoint is inside an epoch, and how a resume gets back there.
+
+A checkpoint taken after batch ``b`` of an epoch (``every_n_steps``,
+``every_n_seconds``, a signal) lets a resume
+
+1. draw that epoch's data order again: each rank saves the random states it
+   had when the epoch began (the global generators, from which a sampler
+   without a generator of its own seeds itself, and the loader's shuffling
+   generator and epoch counter), and they are restored before the loader is
+   iterated;
+2. skip the ``b`` batches already trained without loading them: for that
+   one pass the loader's batch sampler is wrapped in accelerate's
+   ``SkipBatchSampler``, so a skipped batch is a list of indices, never rows;
+3. go on with the random states of batch ``b`` (accelerate's random-state
+   file) and the callbacks' state within the epoch.
+
+Nothing here is pickled.
+"""
+
+import json
+
+import numpy as np
+import torch
+from accelerate.data_loader import SkipBatchSampler
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from skorch_accel_callbacks import training_state
+
+__all__ = ['EpochStart', 'position_name', 'save_position', 'load_position', 'skip_batches',
+           'can_skip']
+
+
+def position_name(rank):
+    return f'position_{rank}.safetensors'
+
+
+class EpochStart:
+    """The random states of this rank as an epoch began, before its loader
+    drew the epoch's order."""
+
+    def __init__(self, rng, generator, iteration):
+        self.rng = rng
+        self.generator = generator
+        self.iteration = iteration
+
+    @classmethod
+    def capture(cls, loader):
+        generator = getattr(loader, 'synchronized_generator', None)
+        return cls(training_state.capture_rng(),
+                   None if generator is None else generator.get_state(),
+                   int(getattr(loader, 'iteration', 0)))
+
+    def restore(self, loader):
+        """Give this process and ``loader`` these states back."""
+        training_state.restore_rng(self.rng)
+        training_state.apply_rank_state(
+            loader, {'loader_iteration': self.iteration,
+                     **({} if self.generator is None else {'generator': self.generator})})
+
+
+def save_position(folder, rank, start, batches):
+    """Save where this rank is: ``batches`` trained in the epoch that began
+    with ``start`` (an :class:`EpochStart`)."""
+    python_version, python_state, python_gauss = start.rng['python']
+    kind, key, pos, has_gauss, cached_gaussian = start.rng['numpy']
+    tensors = {
+        'python': torch.tensor(python_state, dtype=torch.int64),
+        'numpy': torch.from_numpy(np.asarray(key, dtype=np.int64)),
+        'torch': start.rng['torch'],
+    }
+    for index, state in enumerate(start.rng.get('cuda', ())):
+        tensors[f'cuda.{index}'] = state
+    if start.generator is not None:
+        tensors['generator'] = start.generator
+    metadata = {
+        'batches': str(batches),
+        'iteration': str(start.iteration),
+        'python': json.dumps([python_version, python_gauss]),
+        'numpy': json.dumps([kind, int(pos), int(has_gauss), float(cached_gaussian)]),
+        'cuda_devices': str(len(start.rng.get('cuda', ()))),
+    }
+    save_file(tensors, f"{folder}/{position_name(rank)}", metadata=metadata)
+
+
+def load_position(folder, rank):
+    """``(batches, EpochStart)`` as :func:`save_position` saved them."""
+    with safe_open(f"{folder}/{position_name(rank)}", framework='pt') as f:
+        meta = f.metadata()
+        python_version, python_gauss = json.loads(meta['python'])
+        kind, pos, has_gauss, cached_gaussian = json.loads(meta['numpy'])
+        rng = {
+            'python': (python_version, tuple(f.get_tensor('python').tolist()), python_gauss),
+            'numpy': (kind, f.get_tensor('numpy').numpy().astype(np.uint32), pos, has_gauss,
+                      cached_gaussian),
+            'torch': f.get_tensor('torch'),
+        }
+        devices = int(meta['cuda_devices'])
+        if devices:
+            rng['cuda'] = [f.get_tensor(f'cuda.{i}') for i in range(devices)]
+        generator = f.get_tensor('generator') if 'generator' in f.keys() else None
+        return int(meta['batches']), EpochStart(rng, generator, int(meta['iteration']))
+
+
+def _base_loader(loader):
+    # accelerate's loaders wrap a torch DataLoader, which iterates
+    return getattr(loader, 'base_dataloader', loader)
+
+
+def can_skip(loader):
+    """Whether the batches of ``loader`` can be skipped by index: a map-style
+    data set, read through a batch sampler."""
+    return loader is not None and getattr(_base_loader(loader), 'batch_sampler', None) is not None
+
+
+def skip_batches(loader, count):
+    """Make the next pass over ``loader`` leave out its first ``count``
+    batches without loading them; return the function that undoes it (once
+    the pass has begun, the pass keeps the skip).
+
+    torch's ``DataLoader`` refuses a new batch sampler once built; the skip
+    is set past that check, for one pass, because the loader skorch iterates
+    is built once per ``fit``.
+    """
+    base = _base_loader(loader)
+    original = base.batch_sampler
+    object.__setattr__(base, 'batch_sampler', SkipBatchSampler(original, count))
+
+    def undo():
+        object.__setattr__(base, 'batch_sampler', original)
+
+    return undo
