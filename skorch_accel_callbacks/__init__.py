@@ -6,10 +6,13 @@ The package, from the callbacks down (data flows one way, downwards):
 - ``checkpoint`` (:class:`AccelerateCheckpoint`: when to save, and the save),
   ``load_state`` (:class:`AccelerateLoadInitState`), ``params`` (the skorch
   drop-ins), ``mixin`` (:class:`AccelerateFixesMixin`);
-- ``triggers`` (when to save: pure policy), ``base`` (what the callbacks share);
+- ``triggers`` (when to save: pure policy), ``preemption`` (the signals that
+  make a run save and stop), ``base`` (what the callbacks share);
 - ``folder`` (a folder of checkpoints: lock, leftovers, commit, pointers,
   retirement), ``manifest`` (what a checkpoint holds, who can resume it);
 - ``training_state`` (what a resume needs beside ``save_state``),
+  ``epoch_position`` (where a checkpoint is inside an epoch, and how a
+  resume gets back there),
   ``background`` (saves written by a thread), ``accelerate_io`` (every use
   of accelerate's internals);
 - ``atomic`` (atomic files), ``lock`` (one job per folder, or per file
@@ -25,7 +28,11 @@ which ``checkpoint`` also uses).
 """
 
 from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
-from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    TrainingPreempted,
+)
 from skorch_accel_callbacks.load_state import AccelerateLoadInitState
 from skorch_accel_callbacks.lock import FolderInUseError
 from skorch_accel_callbacks.mixin import AccelerateFixesMixin
@@ -44,6 +51,7 @@ __all__ = [
     'ParamsCheckpoint',
     'RankError',
     'TrainEndParamsCheckpoint',
+    'TrainingPreempted',
     'unwrapped',
 ]
 

@@ -6,13 +6,18 @@ Environment:
 - SCENARIO: ``basic`` (StepLR, dropout, momentum), ``earlystop`` (plus
   EarlyStopping and ReduceLROnPlateau), ``accumulate`` (gradient
   accumulation over 2 batches), ``midepoch`` (accumulation, plus a scheduler
-  stepped every batch, EpochScoring on the training data and EarlyStopping), ``twomodules`` (two modules, two
-  optimizers), ``novalid`` (no validation data), ``stock`` (skorch's own
-  AccelerateMixin without this package's fixes);
+  stepped every batch, EpochScoring on the training data and EarlyStopping),
+  ``twomodules`` (two modules, two optimizers), ``novalid`` (no validation
+  data), ``stock`` (skorch's own AccelerateMixin without this package's
+  fixes);
 - KILL: ``batch:E:B`` SIGKILLs every rank after batch B of epoch E;
   ``save:E`` SIGKILLs the committing rank inside the save at the end of
   epoch E, after every file is written and before the commit (the other
   ranks then fail in the next collective);
+- SIGNAL: ``E:B:WHO[:NAME]`` after batch B of epoch E sends signal NAME
+  (default SIGTERM): WHO ``parent`` is rank 0 signalling its parent (the
+  ``torchrun`` agent, which passes it on to every worker), ``rank<R>`` is
+  rank R signalling itself;
 - FAIL: ``R:E`` makes rank R's write of its own checkpoint file fail with
   ENOSPC at the end of epoch E;
 - CKPT_OPTIONS: JSON of extra AccelerateCheckpoint arguments;
@@ -60,6 +65,7 @@ from common import (
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
     AccelerateLoadInitState,
+    TrainingPreempted,
     manifest,
     sync,
     training_state,
@@ -101,6 +107,46 @@ def fail_save(failing_rank, epoch):
         return original(folder, rank_, loader)
 
     training_state.save_rank_state = no_space
+
+
+class SendSignal(BatchEnds):
+    """Signal a process after batch ``batch`` of ``epoch``, as a scheduler
+    about to preempt the job would."""
+
+    def __init__(self, epoch, batch, who, name):
+        self.epoch = epoch
+        self.batch = batch
+        self.who = who
+        self.name = name
+
+    def at_batch(self, net, batch):
+        if len(net.history) != self.epoch or batch != self.batch:
+            return
+        sig = getattr(signal, self.name)
+        if self.who == 'parent' and rank() == 0:
+            os.kill(os.getppid(), sig)
+        elif self.who == f'rank{rank()}':
+            os.kill(os.getpid(), sig)
+
+
+class Trained(Callback):
+    """Where training is: epoch and training batches of it (``where``)."""
+
+    # not training state: a resume must not restore it
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+    def initialize(self):
+        self.where = None
+        return self
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training:
+            batches = [b for b in net.history[-1]['batches'] if 'train_loss' in b]
+            self.where = [len(net.history), len(batches)]
 
 
 class RecordWrapping(Callback):
@@ -246,7 +292,8 @@ def main():
     write_result(f'{tag}-started', {'num_processes': accelerator.num_processes})
     recorder = RecordWrapping()
     at_resume = RecordResume(tag)
-    net.callbacks.extend([recorder, at_resume])
+    trained = Trained()
+    net.callbacks.extend([recorder, at_resume, trained])
     if kill.startswith('batch:'):
         _, epoch, batch = kill.split(':')
         net.callbacks.append(KillAt(int(epoch), int(batch)))
@@ -254,9 +301,21 @@ def main():
         kill_inside_save(int(kill.split(':')[1]))
     if os.environ.get('FAIL'):
         fail_save(*map(int, os.environ['FAIL'].split(':')))
+    if os.environ.get('SIGNAL'):
+        epoch, batch, who, *name = os.environ['SIGNAL'].split(':')
+        net.callbacks.append(SendSignal(int(epoch), int(batch), who,
+                                        name[0] if name else 'SIGTERM'))
 
     X, y = make_data(n=320)
-    net.fit(X, y)
+    try:
+        net.fit(X, y)
+    except TrainingPreempted as exc:
+        write_result(tag, {
+            'num_processes': sync.num_processes(net),
+            'preempted': {'signal': exc.signal.name, 'checkpoint': exc.checkpoint,
+                          'trained': trained.where},
+        })
+        raise
 
     write_result(tag, {
         'num_processes': sync.num_processes(net),
