@@ -67,6 +67,17 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
       is the worst outcome.
     - It runs after the net's other callbacks (it moves itself there when
       training begins) so that it saves their end-of-epoch state.
+    - It also saves inside an epoch, at an optimizer step (a batch whose
+      gradients are applied): every ``every_n_steps`` steps, every
+      ``every_n_seconds`` seconds, and on the signals ``save_on_signal``
+      (SIGTERM by default), after which ``fit`` raises
+      :class:`~skorch_accel_callbacks.TrainingPreempted` on every rank. Such
+      a checkpoint, ``epoch-NNNN-step-SSSSSSSS`` (NNNN epochs done, at step
+      SSSSSSSS), also holds where the epoch is; a resume skips the batches
+      trained by index, without loading them, and goes on bit for bit.
+      Deciding costs no collective at a batch: steps are counted on every
+      rank, and time and signals are agreed on by a vote that every rank
+      counts one step later, without waiting.
     - When training ends (``max_epochs`` reached, or stopped by a callback
       such as EarlyStopping) an unsaved last epoch is saved, marked
       finished: resuming a finished run trains nothing more.
@@ -90,11 +101,13 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
       Folder that holds the checkpoints.
 
     monitor : str, callable or None (default=None)
-      When to save. ``None`` saves at the end of every epoch (see
+      Which epochs are best. ``None`` saves at the end of every epoch (see
       ``every_n_epochs``). A string is a boolean column of the history, such
       as ``'valid_loss_best'``; a callable takes the net and returns a bool.
-      Either is evaluated on the main process only. Checkpoints saved
-      because of the monitor are also pointed at by ``best.json``.
+      Either is evaluated on the main process only. Without ``keep_best``
+      an epoch is saved only when it is best; either way the newest best
+      checkpoint is pointed at by ``best.json`` (``resume='best'``). Saves
+      inside epochs do not ask the monitor.
 
     every_n_epochs : int (default=1)
       Save only at the end of every n-th epoch (counted from the start of
@@ -102,7 +115,42 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
     keep_last : int (default=2)
       How many of the most recent checkpoints to keep. The best checkpoint
-      and the one this run resumed from are kept in addition.
+      (see ``keep_best``) and the one this run resumed from are kept in
+      addition.
+
+    every_n_steps : int or None (default=None)
+      Also save after every n-th optimizer step, counted from the start of
+      training over resumes. With ``gradient_accumulation_steps=4`` a step
+      is every 4th batch (and an epoch's last). A step due at an epoch's
+      last batch is saved at the epoch's end, with its validation scores.
+      Needs a map-style training data set (one that a resume can skip by
+      index); an ``IterableDataset`` raises ``ValueError`` when the first
+      epoch begins.
+
+    every_n_seconds : float or None (default=None)
+      Also save at the first optimizer step when this many seconds passed
+      since the last save (measured on the main process). Same data-set
+      requirement as ``every_n_steps``.
+
+    save_on_signal : tuple of str or signal.Signals (default=('SIGTERM',))
+      Signals that make every rank save at the next optimizer step and
+      stop: ``fit`` then raises
+      :class:`~skorch_accel_callbacks.TrainingPreempted`, so the job exits
+      with a failure that a scheduler can requeue; the checkpoint is not
+      marked finished. A signal that reaches one rank only is enough. The
+      handlers are set while ``fit`` runs, in the main thread only, and the
+      previous ones are put back afterwards (and called, where they were
+      functions); a second such signal gets the previous handler's
+      behaviour at once. Add ``'SIGUSR1'`` for SLURM's
+      ``--signal=USR1@90``; ``()`` catches no signal.
+
+    keep_best : int or None (default=None)
+      With ``monitor``: ``None`` saves an epoch only when the monitor says
+      so (as skorch's ``Checkpoint``); an int saves every epoch (see
+      ``every_n_epochs``) for resuming, marks those the monitor approves
+      as best, and keeps the ``keep_best`` newest best ones besides the
+      ``keep_last`` newest: a crash after epochs that did not improve
+      loses none of them.
 
     event_name : str or None (default='event_acp')
       History column that records whether a checkpoint was saved.
@@ -143,6 +191,12 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
       Name of the checkpoint the current training resumed from, set by
       :class:`AccelerateLoadInitState`; it is never retired by this run.
 
+    global_step_ : int
+      Optimizer steps taken since training began, over resumes.
+
+    signals_ : tuple of signal.Signals
+      The signals of ``save_on_signal``.
+
     Raises
     ------
     ValueError
@@ -156,9 +210,15 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
       net's; ``save_on_each_node`` committers that share one folder.
     skorch_accel_callbacks.lock.FolderInUseError
       When training begins: another running job holds the folder.
+    ValueError
+      When the first epoch begins: ``every_n_steps`` or ``every_n_seconds``
+      with an ``IterableDataset``.
     OSError
       A save failed (on the rank that failed; the others raise
       :class:`~skorch_accel_callbacks.RankError`).
+    TrainingPreempted
+      After the checkpoint taken on one of ``save_on_signal`` is committed,
+      on every rank.
 
     Examples
     --------
@@ -169,6 +229,16 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     ...     callbacks=[cp, AccelerateLoadInitState(cp)],
     ... )
     >>> net.fit(X, y)  # killed? run the same command again to resume
+
+    Lose at most 500 steps to a crash and nothing to a preemption (SLURM's
+    early warning included):
+
+    >>> cp = AccelerateCheckpoint(dirname='run1', every_n_steps=500,
+    ...                           save_on_signal=('SIGTERM', 'SIGUSR1'))
+
+    Save every epoch for resuming, and keep the best 2 by validation loss:
+
+    >>> cp = AccelerateCheckpoint(dirname='run1', monitor='valid_loss_best', keep_best=2)
 
     Let training go on while a checkpoint is written:
 
@@ -195,6 +265,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             every_n_steps=None,
             every_n_seconds=None,
             save_on_signal=('SIGTERM',),
+            keep_best=None,
     ):
         self.dirname = dirname
         self.monitor = monitor
@@ -208,6 +279,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.save_on_signal = save_on_signal
+        self.keep_best = keep_best
 
     def initialize(self):
         owner = type(self).__name__
@@ -227,6 +299,10 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         triggers.check_monitor(self.monitor, owner)
         triggers.check_interval(self.every_n_steps, 'every_n_steps', owner, int)
         triggers.check_interval(self.every_n_seconds, 'every_n_seconds', owner, float)
+        triggers.check_interval(self.keep_best, 'keep_best', owner, int)
+        if self.keep_best is not None and self.monitor is None:
+            raise ValueError(f"{owner}: keep_best keeps the checkpoints that monitor "
+                             "marks best; set monitor too")
         self.signals_ = check_signals(self.save_on_signal, owner)
         check_sink(self.sink, owner)
         self.close()
@@ -319,12 +395,12 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         received = self._signal_at_epoch_end(net)
         if received is None and isinstance(deferred, signal.Signals):
             received = deferred
-        monitored = self._decide(net)
-        do_save = monitored or deferred is not None or received is not None
+        decided, best = self._decide(net)
+        do_save = decided or deferred is not None or received is not None
         if self.event_name is not None:
             net.history.record(self.event_name, do_save)
         if do_save:
-            path = self.save_model(net, best=monitored and self.monitor is not None)
+            path = self.save_model(net, best=best)
             if received is not None:
                 self._stop(net, received, path)
 
@@ -373,13 +449,16 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     # ------------------------------------------------------------ policy
 
     def _decide(self, net):
+        """``(save, best)`` at the end of this epoch."""
         if not triggers.epoch_due(net, self.every_n_epochs):
-            return False
+            return False, False
         if self.monitor is None:
-            return True
-        return sync.run_on_main(
+            return True, False
+        best = sync.run_on_main(
             net, lambda: triggers.monitor_says(net, self.monitor, type(self).__name__),
             f"evaluating checkpoint monitor {self.monitor!r}")
+        # with keep_best the monitor marks the best, and every epoch is saved
+        return best or self.keep_best is not None, best
 
     def _poll(self, net):
         """Why to save after the optimizer step just taken: ``'step'``,
@@ -604,7 +683,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
         def commit():
             written.update(folder.commit(name, sealed, durable=self.durable, best=best))
-            folder.retire(self.keep_last)
+            folder.retire(self.keep_last, self.keep_best)
 
         def message():
             # the committing process knows the size; only the main process,

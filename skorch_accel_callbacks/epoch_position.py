@@ -24,6 +24,7 @@ import torch
 from accelerate.data_loader import SkipBatchSampler
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.utils.data import IterableDataset
 
 from skorch_accel_callbacks import training_state
 
@@ -110,7 +111,11 @@ def _base_loader(loader):
 def can_skip(loader):
     """Whether the batches of ``loader`` can be skipped by index: a map-style
     data set, read through a batch sampler."""
-    return loader is not None and getattr(_base_loader(loader), 'batch_sampler', None) is not None
+    if loader is None:
+        return False
+    base = _base_loader(loader)
+    return (not isinstance(base.dataset, IterableDataset)
+            and getattr(base, 'batch_sampler', None) is not None)
 
 
 def skip_batches(loader, count):

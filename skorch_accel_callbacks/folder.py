@@ -266,11 +266,15 @@ class CheckpointFolder:
             atomic.write_json(self._pointer('best'), {'name': name})
         return written
 
-    def retire(self, keep_last):
+    def retire(self, keep_last, keep_best=None):
         """Remove all but the ``keep_last`` newest checkpoints, the best one
-        and the one this job resumed from; the files go in the background."""
+        (or the ``keep_best`` newest of those marked best) and the one this
+        job resumed from; the files go in the background."""
         names = self.committed()
         keep = set(names[-keep_last:]) | {self.resumed_from, self.pointed('best')}
+        if keep_best:
+            best = [name for name in names if self._marked_best(name)]
+            keep |= set(best[-keep_best:])
         for name in names:
             if name in keep:
                 continue
@@ -282,6 +286,13 @@ class CheckpointFolder:
             else:
                 if thread is not None:
                     self._removals.append(thread)
+
+    def _marked_best(self, name):
+        try:
+            return bool(atomic.read_json(
+                os.path.join(self.path(name), manifest.MANIFEST_NAME)).get('best'))
+        except (OSError, ValueError, AttributeError):
+            return False  # not a complete checkpoint: nothing to keep
 
     def wait_for_removals(self):
         """Wait until the retired checkpoints' files are removed."""

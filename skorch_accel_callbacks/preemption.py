@@ -49,7 +49,10 @@ class SignalWatch:
     the handlers that were set before are put back when uninstalled, and
     called after this one notes the signal where they were functions (so a
     user's own handler still runs; Python's KeyboardInterrupt for SIGINT
-    is not).
+    is not). A second signal, after one was noted, puts the previous
+    handlers back and gets the previous behaviour at once (by default, the
+    process ends): a training that does not reach its next step can still
+    be stopped.
 
     Attributes
     ----------
@@ -78,8 +81,16 @@ class SignalWatch:
             self._previous[sig] = signal.signal(sig, self._note)
 
     def _note(self, signum, frame):
-        if self.received is None:
-            self.received = signal.Signals(signum)
+        if self.received is not None:
+            # asked twice: a job that does not stop must still be stoppable
+            handler = self._previous.get(signum)
+            self.uninstall()
+            if callable(handler):
+                handler(signum, frame)
+            else:
+                signal.raise_signal(signum)
+            return
+        self.received = signal.Signals(signum)
         previous = self._previous.get(signum)
         # Python's own SIGINT handler would raise KeyboardInterrupt at once
         if callable(previous) and previous is not signal.default_int_handler:
