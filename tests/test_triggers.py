@@ -165,7 +165,7 @@ def test_a_callback_that_watches_signals_pickles(tmp_path):
 class Rows(torch.utils.data.IterableDataset):
     def __iter__(self):
         X, y = make_data(n=64)
-        return iter(zip(X, y))
+        return iter(zip(X, y, strict=True))
 
 
 def test_iterable_dataset_cannot_save_inside_an_epoch(tmp_path):
