@@ -171,6 +171,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self.loaded_from_ = None
         self._pending = None
         self._inside = None
+        self._rng_at_batch = True
         self._undo_skip = None
         self._skipped = 0
         self._folder = None
@@ -248,22 +249,21 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                     path, training_state.rank_state_name(rank),
                     lambda folder: training_state.load_rank_state(folder, rank))
             inside = None
-            if manifest.batches_into_epoch(saved):
-                if changed:
-                    raise CheckpointError(
-                        f"{path} was taken inside an epoch, which only "
-                        f"{saved['world_size']} processes can resume (each skips the "
-                        "batches of its own share of the data): resume it on "
-                        f"{saved['world_size']} processes, or another checkpoint, one "
-                        "taken at the end of an epoch")
+            if manifest.batches_into_epoch(saved) and not changed:
                 caches = training_state.epoch_caches_name(rank)
                 inside = _read_own(
                     path, (epoch_position.position_name(rank), f'{caches}.json',
                            f'{caches}.safetensors'),
                     lambda folder: (*epoch_position.load_position(folder, rank),
                                     training_state.load_epoch_caches(folder, rank)))
+            elif manifest.batches_into_epoch(saved) and reads_own_rank:
+                inside = _read_own(path, epoch_position.position_name(rank),
+                                   lambda folder: epoch_position.load_position(folder, rank))
+        # the random states of the batch the checkpoint was taken at, given
+        # back when training goes on inside its epoch
+        self._rng_at_batch = True
         if changed:
-            rng, rank_state = self._reseed(net, saved, path, rng, rank_state)
+            rng, rank_state, inside = self._reseed(net, saved, path, rng, rank_state, inside)
             path_said = (f"{path} (written by {saved['world_size']} processes, "
                          "random states derived anew)")
         else:
@@ -290,18 +290,23 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                else f"training {left} more epoch(s)." if left
                else "max_epochs had been reached."))
 
-    def _reseed(self, net, saved, path, rng, rank_state):
-        """This rank's random state and loader state in a run on another
-        number of processes than ``path`` was written by: derived from the
-        saved rank 0's and the new number of processes, so that every resume
-        of ``path`` on that many processes draws the same numbers."""
+    def _reseed(self, net, saved, path, rng, rank_state, inside):
+        """This rank's random state, loader state and place in the epoch in a
+        run on another number of processes than ``path`` was written by:
+        derived from the saved rank 0's and the new number of processes, so
+        that every resume of ``path`` on that many processes draws the same
+        numbers. ``inside``: rank 0's ``(batches, EpochStart)`` of a
+        checkpoint taken inside an epoch (on rank 0), else None."""
         world_size = sync.num_processes(net)
-        origin, iteration, step = sync.broadcast(net, (
+        origin, iteration, step, position = sync.broadcast(net, (
             training_state.reseed_origin(rng, rank_state),
             rank_state['loader_iteration'],
             accelerate_io.accumulation_step(net.accelerator),
+            None if inside is None else (inside[0], inside[1].iteration),
         ) if rank_state is not None else None)
         accelerate_io.set_accumulation_step(net.accelerator, step)
+        rng = training_state.derived_rng(origin, world_size, sync.process_index(net))
+        rank_state = training_state.derived_rank_state(origin, world_size, iteration)
         message = (
             f"{path} was written by {saved['world_size']} processes, this run has "
             f"{world_size}: the model, optimizer, schedulers, history and callbacks "
@@ -309,10 +314,24 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             "derived anew (on_world_size_change='reseed') and a step now "
             f"averages the batches of {world_size} process(es): the run goes on "
             "statistically, not bitwise, as the uninterrupted one would have")
+        if position is not None:
+            batches, start_iteration = position
+            # as many rows of the epoch as the saved run had trained, in the
+            # new order: some rows of the epoch are trained twice, others not
+            skipped = batches * saved['world_size'] // world_size
+            message += (
+                f". It was taken inside an epoch, after {batches} batches on each of "
+                f"{saved['world_size']} processes: each process skips {skipped} "
+                "batches of that epoch in the new order, and scores collected on the "
+                "epoch's training batches (EpochScoring on_train) cover the rest only")
+            start = epoch_position.EpochStart(
+                rng, rank_state['generator'], start_iteration)
+            inside = (skipped, start, {})
+            # the epoch's draws go on from its new start
+            self._rng_at_batch = False
         if sync.is_main_process(net):
             warnings.warn(message, UserWarning, stacklevel=3)
-        return (training_state.derived_rng(origin, world_size, sync.process_index(net)),
-                training_state.derived_rank_state(origin, world_size, iteration))
+        return rng, rank_state, inside
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
         self._restore_max_epochs()
@@ -336,6 +355,9 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             raise CheckpointError(
                 f"{self.loaded_from_} was taken inside an epoch, but this run's training "
                 "data cannot skip batches by index (an IterableDataset)")
+        # on another number of processes the share of an epoch changed; at
+        # least one batch is left, which the resume begins at
+        batches = min(batches, max(len(loader) - 1, 0))
         # skorch began a new epoch; the checkpoint's last one goes on instead
         net.history.pop()
         # the loader draws the epoch's order again from these, skipping the
@@ -355,8 +377,8 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         # after every callback's on_epoch_begin, which resets their scratch space
         rng, _ = self._restore_callbacks(net)
         training_state.apply_epoch_caches(net, caches, device=net.accelerator.device)
-        # the random states of the batch the checkpoint was taken at
-        training_state.restore_rng(rng)
+        if self._rng_at_batch:
+            training_state.restore_rng(rng)
 
     def on_epoch_end(self, net, **kwargs):
         if self._skipped:

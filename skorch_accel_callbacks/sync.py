@@ -14,6 +14,7 @@ training then cannot abort at interpreter exit.
 import pickle
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -175,16 +176,19 @@ class Vote:
     before, waiting for it if it is not done (after a batch of training it
     is). Every process must post and count at the same points, so that all
     see the same result at the same batch. In one process no collective
-    runs: :meth:`count` returns the flags posted.
+    runs: :meth:`count` returns the flags posted. :meth:`close` when done.
     """
 
     def __init__(self, net):
         self._distributed = is_distributed(net)
         accelerator = _accelerator(net)
+        self._gloo = _on_gloo()
         # NCCL reduces tensors on the device, gloo on the CPU
-        self._device = (accelerator.device if accelerator is not None and not _on_gloo()
+        self._device = (accelerator.device if accelerator is not None and not self._gloo
                         else torch.device('cpu'))
         self._pending = None
+        # counted votes' tensors that gloo may still hold (see _released)
+        self._retired = []
 
     def post(self, flags):
         """Send this process's ``flags`` (ints >= 0; booleans count as 0/1)."""
@@ -204,16 +208,39 @@ class Vote:
         tensor, work = pending
         del pending
         work.wait()
-        # the work holds the tensor too: let go of it before waiting for gloo
+        # the work holds the tensor too
         del work
-        result = [int(flag) for flag in tensor.tolist()]
-        if _on_gloo():
-            _released([tensor])
+        result = tensor.tolist()
+        if self._gloo:
+            # kept until gloo let go, without waiting for it at every batch
+            self._retired = [t for t in self._retired if t._use_count() > 1]
+            self._retired.append(tensor)
         return result
+
+    def close(self):
+        """Let go of the votes: wait until gloo let go of their tensors
+        (before the interpreter may exit).
+
+        A vote still under way is left after a while: it is one that a
+        failed fit posted, which another process may never post.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None and self._distributed:
+            tensor, work = pending
+            del pending
+            try:
+                work.wait(timeout=timedelta(seconds=_RELEASE_TIMEOUT))
+            except RuntimeError:
+                pass
+            del work
+            self._retired.append(tensor)
+        if self._gloo:
+            _released(self._retired)
+        self._retired = []
 
     def __getstate__(self):
         # a vote in flight belongs to this process's process group
-        return dict(self.__dict__, _pending=None)
+        return dict(self.__dict__, _pending=None, _retired=[])
 
 
 def _describe(exc):

@@ -114,6 +114,24 @@ def resume_twice(folder, source, tag, nproc, max_epochs):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_inside_an_epoch_on_another_number_of_processes(tmp_path):
+    """2 processes, 4 batches an epoch each, a checkpoint every 3 steps,
+    killed after batch 4 of epoch 4: its last checkpoint is 3 batches into
+    epoch 4. One process resumes it 6 of its 8 batches into that epoch."""
+    killed = run(tmp_path, 'killed', 2, expect_ok=False, dirname='two',
+                 CKPT_OPTIONS='{"every_n_steps": 3}', KILL='batch:4:4')
+    assert killed.returncodes == [-9, -9], killed.report()
+    ones = resume_twice(tmp_path, 'two', 'one', 1, max_epochs=6)
+    for (res,) in ones:
+        assert res['num_processes'] == 1
+        assert res['loaded_from'].endswith('epoch-0003-step-00000015')
+        epoch4 = res['history'][3]
+        assert epoch4['epoch'] == 4 and epoch4['train_batch_count'] == 8
+    assert ones[0][0]['at_resume'] == ones[1][0]['at_resume']
+    assert_identical(final_state(tmp_path, 'one1'), final_state(tmp_path, 'one2'))
+
+
+@pytest.mark.slow
 def test_two_processes_to_one_and_back_to_two(tmp_path):
     first = run(tmp_path, 'two', 2, dirname='two', MAX_EPOCHS='2')
     assert [res['num_processes'] for res in first] == [2, 2]

@@ -10,7 +10,10 @@ Environment:
   ``twomodules`` (two modules, two optimizers), ``novalid`` (no validation
   data), ``stock`` (skorch's own AccelerateMixin without this package's
   fixes);
-- KILL: ``batch:E:B`` SIGKILLs every rank after batch B of epoch E;
+- KILL: ``batch:E:B`` SIGKILLs every rank after batch B of epoch E (before
+  the checkpoint callback's end of that batch); ``before:E:B`` when batch B
+  of epoch E begins (after everything of the batch before); each rank
+  first writes ``<TAG>-killed-rank<r>.json`` (where it died);
   ``save:E`` SIGKILLs the committing rank inside the save at the end of
   epoch E, after every file is written and before the commit (the other
   ranks then fail in the next collective);
@@ -70,6 +73,25 @@ from skorch_accel_callbacks import (
     sync,
     training_state,
 )
+
+
+class KillBefore(Callback):
+    """Die like a preempted node when batch ``batch`` of ``epoch`` begins,
+    after every callback finished the batch before (its checkpoint too)."""
+
+    def __init__(self, epoch, batch, tag):
+        self.epoch = epoch
+        self.batch = batch
+        self.tag = tag
+
+    def on_batch_begin(self, net, training=False, **kwargs):
+        if not training:
+            return
+        # skorch added this batch's row already
+        batch = len([b for b in net.history[-1]['batches'] if 'train_loss' in b]) + 1
+        if (len(net.history), batch) == (self.epoch, self.batch):
+            write_result(f'{self.tag}-killed', {'epoch': self.epoch, 'batch': self.batch})
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class KillAt(BatchEnds):
@@ -297,6 +319,9 @@ def main():
     if kill.startswith('batch:'):
         _, epoch, batch = kill.split(':')
         net.callbacks.append(KillAt(int(epoch), int(batch)))
+    elif kill.startswith('before:'):
+        _, epoch, batch = kill.split(':')
+        net.callbacks.append(KillBefore(int(epoch), int(batch), tag))
     elif kill.startswith('save:'):
         kill_inside_save(int(kill.split(':')[1]))
     if os.environ.get('FAIL'):

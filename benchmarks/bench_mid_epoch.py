@@ -1,0 +1,192 @@
+"""What saving inside epochs costs when nothing is saved, and what skipping
+the trained batches of an epoch costs at a resume.
+
+usage: python benchmarks/bench_mid_epoch.py [--repeats 5] [--rows 1000000]
+
+1. The checkpoint callback's batch hook (``on_batch_end``), timed call by
+   call inside real training of small batches, in 1 and 2 processes (2 are
+   launched with ``torchrun --standalone``, gloo): counting steps only
+   (``every_n_steps``), with the signal vote (``save_on_signal``, the
+   default), and with the vote carrying the time too (``every_n_seconds``).
+   Nothing is due, so nothing is saved. Reported per call: min, median and
+   mean over all calls of all repeats (the mean carries the votes, posted
+   about every 0.1 s), and the mean against the median batch.
+2. A resume 90% into an epoch of ``--rows`` rows (batches of 32): the time
+   from restoring the epoch's start and setting the skip to the first
+   batch of the rest, against iterating the trained batches (what a resume
+   that consumes batches costs before computing anything).
+
+Each configuration runs in turn within each repeat, so that the load of a
+shared machine falls on all of them alike.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / 'tests' / 'workers')]
+
+CONFIGS = {
+    'steps only': dict(every_n_steps=10 ** 9, save_on_signal=()),
+    'signals (default)': dict(every_n_steps=10 ** 9),
+    'signals + time': dict(every_n_steps=10 ** 9, every_n_seconds=10 ** 9),
+}
+
+
+def hook_worker(out, repeats):
+    """Run in every process: time the batch hook under each configuration."""
+    from skorch.callbacks import Callback
+
+    from common import make_accelerator, make_data, make_net
+    from skorch_accel_callbacks import AccelerateCheckpoint
+
+    class BatchClock(Callback):
+        """Times each training batch, begin to end."""
+
+        def initialize(self):
+            self.times = []
+            return self
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+        def on_batch_begin(self, net, training=False, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_batch_end(self, net, training=False, **kwargs):
+            if training:
+                self.times.append(time.perf_counter() - self.started)
+
+    accelerator = make_accelerator()
+    X, y = make_data(n=4096, n_features=64)
+    calls = {name: [] for name in CONFIGS}
+    batches = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(repeats):
+            for name, options in CONFIGS.items():
+                cp = AccelerateCheckpoint(dirname=f'{tmp}/{repeat}-{name}', **options)
+                hook = cp.on_batch_end
+
+                def timed(net, _hook=hook, _calls=calls[name], **kwargs):
+                    start = time.perf_counter()
+                    _hook(net, **kwargs)
+                    _calls.append(time.perf_counter() - start)
+
+                cp.on_batch_end = timed
+                clock = BatchClock()
+                net = make_net(accelerator, callbacks=[cp, clock], max_epochs=1,
+                               batch_size=64, module__n_in=64, module__hidden=256,
+                               train_split=None)
+                torch.manual_seed(repeat)
+                net.fit(X, y)
+                batches += clock.times
+    result = {name: values for name, values in calls.items()}
+    result['batch'] = batches
+    result['num_processes'] = accelerator.num_processes
+    with open(f"{out}-rank{accelerator.process_index}.json", 'w') as f:
+        json.dump(result, f)
+
+
+def bench_hook(repeats):
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join(
+            [str(REPO), str(REPO / 'tests' / 'workers')]))
+        for nproc in (1, 2):
+            out = f'{tmp}/hook{nproc}'
+            command = [sys.executable, __file__, '--worker', out, str(repeats)]
+            if nproc == 2:
+                command = [sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                           '--nproc_per_node', '2', *command[1:]]
+            subprocess.run(command, env=env, check=True, capture_output=True)
+            result = json.loads(Path(f'{out}-rank0.json').read_text())
+            assert result['num_processes'] == nproc
+            batch = statistics.median(result['batch'])
+            for name in CONFIGS:
+                values = result[name]
+                median, mean = statistics.median(values), statistics.fmean(values)
+                rows[(nproc, name)] = (min(values) * 1e6, median * 1e6, mean * 1e6,
+                                       batch * 1e3, 100 * mean / batch, len(values))
+    return rows
+
+
+def bench_skip(rows, repeats):
+    """Seconds to the first batch after skipping 90% of an epoch, by index and
+    by iterating the batches."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from skorch_accel_callbacks import epoch_position
+
+    dataset = TensorDataset(torch.from_numpy(np.random.rand(rows, 16).astype(np.float32)))
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(DataLoader(dataset, batch_size=32, shuffle=True))
+    skip = int(0.9 * len(loader))
+    start_state = epoch_position.EpochStart.capture(loader)
+    times = {'by index': [], 'iterating': []}
+    for _ in range(repeats):
+        start_state.restore(loader)
+        began = time.perf_counter()
+        undo = epoch_position.skip_batches(loader, skip)
+        iterator = iter(loader)
+        next(iterator)
+        times['by index'].append(time.perf_counter() - began)
+        undo()
+        del iterator
+        start_state.restore(loader)
+        began = time.perf_counter()
+        iterator = iter(loader)
+        for _ in range(skip + 1):
+            next(iterator)
+        times['iterating'].append(time.perf_counter() - began)
+        del iterator
+    return skip, len(loader), {kind: (min(v), statistics.median(v)) for kind, v in times.items()}
+
+
+def table(header, rows):
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    rule = '  '.join('=' * w for w in widths)
+    lines = [rule, '  '.join(str(c).ljust(w) for c, w in zip(header, widths, strict=True)), rule]
+    lines += ['  '.join(str(c).ljust(w) for c, w in zip(row, widths, strict=True))
+              for row in rows]
+    return '\n'.join(lines + [rule])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--repeats', type=int, default=5)
+    parser.add_argument('--rows', type=int, default=1_000_000)
+    parser.add_argument('--worker', nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        hook_worker(args.worker[0], int(args.worker[1]))
+        return
+    print(f"torch {torch.__version__}, {os.cpu_count()} cores, {args.repeats} repeats\n")
+    hook = bench_hook(args.repeats)
+    print("Batch hook of AccelerateCheckpoint with nothing to save (rank 0), us per call\n")
+    print(table(['processes', 'configuration', 'min us', 'median us', 'mean us',
+                 'median batch ms', 'mean/batch %', 'calls'],
+                [[nproc, name, f'{a:.1f}', f'{b:.1f}', f'{c:.1f}', f'{d:.2f}', f'{e:.2f}', n]
+                 for (nproc, name), (a, b, c, d, e, n) in hook.items()]))
+    skip, length, times = bench_skip(args.rows, args.repeats)
+    print(f"\nResume {skip} batches into an epoch of {length} ({args.rows} rows, batches of "
+          "32): seconds to the first batch of the rest\n")
+    print(table(['skipping', 'min s', 'median s'],
+                [[kind, f'{a:.3f}', f'{b:.3f}'] for kind, (a, b) in times.items()]))
+
+
+if __name__ == '__main__':
+    main()
