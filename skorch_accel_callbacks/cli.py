@@ -75,7 +75,7 @@ def _list(args, out):
     rows = inspection.describe(dirname)
     print(f"{dirname}: {len(rows)} checkpoint(s), in training order", file=out)
     if rows:
-        table = [('name', 'epoch', 'best', 'score', 'finished', 'world', 'size',
+        table = [('name', 'epoch', 'step', 'best', 'score', 'finished', 'world', 'size',
                   'saved (UTC)', 'took', 'state')]
         for row in rows:
             score = f"{row['score'][0]} {row['score'][1]:.4f}" if row['score'] else '-'
@@ -85,6 +85,7 @@ def _list(args, out):
                         if row['saved_at'] else '-')
             table.append((
                 row['name'], str(row['epoch'] if row['epoch'] is not None else '-'),
+                str(row['step'] if row['step'] is not None else '-'),
                 'best' if row['best'] else '-', score, finished,
                 str(row['world_size'] if row['world_size'] is not None else '-'),
                 format_bytes(row['bytes']), saved_at, _took(row),
@@ -222,7 +223,8 @@ def _parser(prog):
 
     listing = commands.add_parser(
         'list', help="the checkpoints of a folder, what is left over and its lock",
-        description="One line a checkpoint, in training order: name, epoch, best, the "
+        description="One line a checkpoint, in training order: name, epochs done, "
+                    "optimizer steps, best, the "
                     "last epoch's valid_loss (or train_loss), finished, world size, size "
                     "on disk, when it was saved, how long the save took; then the "
                     "pointers, what killed jobs left over and the folder's lock.")

@@ -36,15 +36,18 @@ def folder_size(path):
 
 
 def _score(path):
-    """``(column, value)`` of the last epoch in a checkpoint's history:
+    """``(column, value)`` of the last complete epoch in a checkpoint's history:
     ``valid_loss``, else ``train_loss``; None if neither can be read."""
     try:
         with open(os.path.join(path, training_state.HISTORY_NAME), encoding='utf-8') as f:
-            last = json.load(f)[-1]
-    except (OSError, ValueError, IndexError, KeyError, TypeError):
+            rows = json.load(f)
+        # inside an epoch, the last row has no scores yet
+        last = next(row for row in reversed(rows)
+                    if isinstance(row, dict) and 'train_loss' in row)
+    except (OSError, ValueError, KeyError, TypeError, StopIteration):
         return None
     for key in ('valid_loss', 'train_loss'):
-        if isinstance(last, dict) and isinstance(last.get(key), (int, float)):
+        if isinstance(last.get(key), (int, float)):
             return key, float(last[key])
     return None
 
@@ -72,7 +75,9 @@ def describe(dirname):
     committed (training order: by the manifest's ``saved_at``, else by its
     file's time, which a copy of the folder may change).
 
-    Keys: ``name``, ``path``, ``epoch``, ``best``, ``finished``,
+    Keys: ``name``, ``path``, ``epoch`` (complete epochs), ``step`` (optimizer
+    steps; None before format 3), ``batches_into_epoch`` (0 at an epoch's
+    end), ``best``, ``finished``,
     ``stopped_early``, ``world_size``, ``bytes`` (on disk), ``saved_at``
     (a UTC datetime), ``save_seconds`` and ``blocked_seconds`` (None if not
     recorded), ``score`` (``(column, value)`` of the last epoch or None),
@@ -98,6 +103,8 @@ def describe(dirname):
             'name': name,
             'path': path,
             'epoch': saved.get('epoch'),
+            'step': (saved.get('position') or {}).get('step'),
+            'batches_into_epoch': manifest.batches_into_epoch(saved),
             'best': bool(saved.get('best')),
             'finished': bool(saved.get('finished')),
             'stopped_early': manifest.stopped_early(saved) if saved else False,

@@ -358,6 +358,14 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         # on another number of processes the share of an epoch changed; at
         # least one batch is left, which the resume begins at
         batches = min(batches, max(len(loader) - 1, 0))
+        unknown = training_state.unknown_batch_state(net)
+        if unknown and sync.is_main_process(net):
+            warnings.warn(
+                f"{self.loaded_from_} was taken inside an epoch; the callback(s) "
+                f"{', '.join(map(repr, unknown))} act on every batch, and of their state "
+                "only the fitted attributes (names ending in '_') come back, as the main "
+                "process saved them: give them state_dict()/load_state_dict() methods to "
+                "say what a checkpoint holds", UserWarning, stacklevel=2)
         # skorch began a new epoch; the checkpoint's last one goes on instead
         net.history.pop()
         # the loader draws the epoch's order again from these, skipping the

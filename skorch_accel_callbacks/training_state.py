@@ -20,7 +20,16 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from skorch.callbacks import EpochScoring, PrintLog
+from skorch.callbacks import (
+    BatchScoring,
+    Callback,
+    EpochScoring,
+    EpochTimer,
+    LRScheduler,
+    PassthroughScoring,
+    PrintLog,
+    ProgressBar,
+)
 from skorch.history import History
 
 from skorch_accel_callbacks import accelerate_io
@@ -51,6 +60,7 @@ __all__ = [
     'save_epoch_caches',
     'load_epoch_caches',
     'apply_epoch_caches',
+    'unknown_batch_state',
     'save_rank_state',
     'load_rank_state',
     'apply_rank_state',
@@ -488,3 +498,26 @@ def apply_epoch_caches(net, caches, device=None):
     for name, callback in net.callbacks_:
         for attr, value in caches.get(name, {}).items():
             setattr(callback, attr, place(value))
+
+
+# skorch's callbacks whose state within an epoch a checkpoint holds: their
+# fitted attributes (LRScheduler's batch count and scheduler), EpochScoring's
+# caches, the history's batch rows; or that have none
+_BATCH_STATE_KNOWN = (BatchScoring, EpochScoring, EpochTimer, LRScheduler, PassthroughScoring,
+                      PrintLog, ProgressBar)
+
+
+def unknown_batch_state(net, own=()):
+    """Names of the net's callbacks that act on every batch and whose state
+    within an epoch no checkpoint is known to hold: not one of skorch's
+    handled above nor ``own``, and without ``state_dict()`` (only their
+    fitted attributes, as the main process saved them, come back)."""
+    names = []
+    for name, callback in net.callbacks_:
+        if isinstance(callback, _BATCH_STATE_KNOWN + tuple(own)) or hasattr(
+                callback, 'state_dict'):
+            continue
+        hooks = ('on_batch_begin', 'on_batch_end', 'on_grad_computed')
+        if any(getattr(type(callback), hook) is not getattr(Callback, hook) for hook in hooks):
+            names.append(name)
+    return names

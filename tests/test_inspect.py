@@ -348,9 +348,14 @@ def test_list_shows_each_checkpoint_leftovers_and_the_lock(tmp_path, trained):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == f"{folder}: 3 checkpoint(s), in training order"
-    assert lines[1].split() == ['name', 'epoch', 'best', 'score', 'finished', 'world', 'size',
-                                'saved', '(UTC)', 'took', 'state']
+    assert lines[1].split() == ['name', 'epoch', 'step', 'best', 'score', 'finished', 'world',
+                                'size', 'saved', '(UTC)', 'took', 'state']
     rows = [line.split() for line in lines[2:5]]
+    steps = [json.loads(open(os.path.join(folder, f'epoch-{epoch:04d}', 'manifest.json')).read())
+             ['position']['step'] for epoch in (1, 2, 3)]
+    # the steps column is the manifest's; each row is one step column to the right
+    assert [row[2] for row in rows] == [str(step) for step in steps] and steps[0] > 0
+    rows = [row[:2] + row[3:] for row in rows]
     assert [row[:3] for row in rows] == [['epoch-0001', '1', 'best'],
                                          ['epoch-0002', '2', 'best'], ['epoch-0003', '3', '-']]
     for row, epoch in zip(rows, (1, 2, 3), strict=True):
@@ -504,7 +509,7 @@ def test_checkpoint_of_two_processes_in_every_kind_of_net(tmp_path, run_workers)
     assert listed.returncode == 0, listed.stderr
     row = next(line.split() for line in listed.stdout.splitlines() if 'epoch-0003' in line)
     # epoch 3 was saved at its end, before training ended: not marked finished
-    assert row[1] == '3' and row[5] == 'no' and row[6] == '2'
+    assert row[1] == '3' and row[6] == 'no' and row[7] == '2'
 
 
 def test_format_bytes():

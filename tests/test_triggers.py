@@ -180,3 +180,33 @@ def test_iterable_dataset_cannot_save_inside_an_epoch(tmp_path):
                    iterator_train__shuffle=False)
     net.fit(Rows(), None)
     assert cp.committed() == ['epoch-0001']
+
+
+class CountBatches(Callback):
+    """Acts on every batch, with no state_dict: what a resume inside an
+    epoch cannot vouch for. Fails the fit after batch ``fail_at``."""
+
+    def __init__(self, fail_at=None):
+        self.fail_at = fail_at
+
+    def initialize(self):
+        self.seen_ = 0
+        return self
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training:
+            self.seen_ += 1
+            if self.seen_ == self.fail_at:
+                raise RuntimeError('crash')
+
+
+def test_a_resume_inside_an_epoch_names_callbacks_it_cannot_vouch_for(tmp_path):
+    with pytest.raises(RuntimeError, match='crash'):
+        # 4 steps an epoch: step 6 is saved, the fit fails after batch 7
+        fit(tmp_path / 'ck', callbacks=[CountBatches(fail_at=7)], every_n_steps=3)
+    with pytest.warns(UserWarning, match=r"taken inside an epoch; the callback\(s\) "
+                                         r"'CountBatches' act on every batch"):
+        net, _, load = fit(tmp_path / 'ck', callbacks=[CountBatches()], every_n_steps=3)
+    assert load.loaded_from_.endswith('epoch-0001-step-00000006')
+    # its fitted attribute came back as saved: 6 batches, then the other 6
+    assert dict(net.callbacks_)['CountBatches'].seen_ == 12
