@@ -1,20 +1,25 @@
-"""Kill a distributed skorch run with SIGKILL, relaunch it, get the same model.
+"""Kill a distributed skorch run, preempt another, relaunch both, get the same model.
 
 The main job of this project (``make demo``). It trains a small network on
-scikit-learn's digits in 2 processes (``torchrun``; CPU unless CUDA is there)
-three times:
+scikit-learn's digits in 2 processes (``torchrun``; CPU unless CUDA is there),
+with a checkpoint every ``EVERY_N_STEPS`` optimizer steps besides every epoch:
 
 1. uninterrupted, for ``--epochs`` epochs;
 2. the same command again, SIGKILLed (every rank and ``torchrun``, like a
-   preempted machine) once the checkpoint of epoch ``--kill-epoch - 1`` exists
-   and epoch ``--kill-epoch`` is underway;
+   machine that dies) in the middle of epoch ``--kill-epoch``;
 3. exactly the same command as 2, which resumes from the last complete
-   checkpoint and trains the epochs that are left.
+   checkpoint (a step checkpoint inside that epoch) and trains what is left;
+4. the same command again in a third folder, sent SIGTERM (to ``torchrun``,
+   as a scheduler preempting the job does) in the middle of epoch
+   ``--sigterm-epoch``: every rank saves at the next step and stops;
+5. exactly the same command as 4, which resumes at the batch it stopped at.
 
-Then it prints the per-epoch log of both runs side by side, compares the final
-parameters and optimizer state of run 1 and run 2+3 with ``torch.equal``, and
-plots both loss curves with the kill marked (``<out>/loss_curves.png``). Last,
-it lists the checkpoint folder of run 2+3 with the package's command,
+Then it prints the per-epoch log of the three runs side by side with the work
+each interruption lost (in batches: since the last step checkpoint for the
+SIGKILL, none for the SIGTERM), compares the final parameters and optimizer
+state of run 1 with runs 2+3 and 4+5 with ``torch.equal``, and plots the loss
+curves with the interruptions marked (``<out>/loss_curves.png``). Last, it
+lists the checkpoint folder of run 2+3 with the package's command,
 ``python -m skorch_accel_callbacks list``. The exit code is 0 when everything
 is bit-identical and 1 when anything differs.
 
@@ -50,19 +55,25 @@ from skorch_accel_callbacks import (
     AccelerateCheckpoint,
     AccelerateFixesMixin,
     AccelerateLoadInitState,
+    TrainingPreempted,
 )
 
 SEED = 0
 # Lines a worker writes for this script to act on; they are not echoed.
 MARK = '@demo '
-# The kill comes after this many training batches of the kill epoch (of about
-# 23 with 2 processes), so that it lands inside the epoch.
-KILL_AFTER_BATCH = 3
+# A checkpoint every this many optimizer steps (about 23 an epoch with 2
+# processes), besides the one at the end of every epoch.
+EVERY_N_STEPS = 10
+# The SIGKILL comes after this many training batches of the kill epoch, the
+# SIGTERM after this many of its epoch, so that both land inside an epoch.
+KILL_AFTER_BATCH = 12
+SIGTERM_AFTER_BATCH = 3
 FINAL_STATE = 'final_state.pt'
 HISTORY = 'history.json'
 PLOT = 'loss_curves.png'
 SUMMARY = 'summary.json'
-RUNS = {'uninterrupted': 'uninterrupted', 'interrupted': 'killed-and-relaunched'}
+RUNS = {'uninterrupted': 'uninterrupted', 'killed': 'killed-and-relaunched',
+        'preempted': 'preempted-and-relaunched'}
 ANSI = re.compile(r'\x1b\[[0-9;]*m')
 
 
@@ -95,6 +106,13 @@ class Progress(Callback):
     def __init__(self, is_main):
         self.is_main = is_main
 
+    # a checkpoint inside an epoch holds where in it training is
+    def state_dict(self):
+        return {'batches': getattr(self, 'batches_', 0)}
+
+    def load_state_dict(self, state):
+        self.batches_ = state['batches']
+
     def on_epoch_begin(self, net, **kwargs):
         self.batches_ = 0
 
@@ -126,7 +144,8 @@ def load_digits_data():
 
 def build_net(run_dir, epochs, accelerator):
     checkpoint = AccelerateCheckpoint(
-        dirname=os.path.join(run_dir, 'checkpoints'), sink=print)
+        dirname=os.path.join(run_dir, 'checkpoints'), sink=print,
+        every_n_steps=EVERY_N_STEPS)
     return Net(
         MLP,
         accelerator=accelerator,
@@ -157,7 +176,13 @@ def train(run_dir, epochs, cpu):
     set_seed(SEED)
     accelerator = Accelerator(cpu=cpu)
     net = build_net(run_dir, epochs, accelerator)
-    net.fit(*load_digits_data())
+    try:
+        net.fit(*load_digits_data())
+    except TrainingPreempted as exc:
+        if accelerator.is_main_process:
+            print(f"TrainingPreempted: {exc}", flush=True)
+        # a failure, as a scheduler that requeues the job expects
+        sys.exit(1)
 
     if accelerator.is_main_process:
         callbacks = dict(net.callbacks_)
@@ -167,7 +192,8 @@ def train(run_dir, epochs, cpu):
         module = accelerator.unwrap_model(net.module_)
         torch.save({'module': module.state_dict(), 'optimizer': net.optimizer_.state_dict()},
                    os.path.join(run_dir, FINAL_STATE))
-        keys = ('epoch', 'train_loss', 'valid_loss', 'valid_acc', 'event_lr', 'launch_pid')
+        keys = ('epoch', 'train_loss', 'valid_loss', 'valid_acc', 'event_lr', 'launch_pid',
+                'train_batch_count')
         with open(os.path.join(run_dir, HISTORY), 'w') as f:
             json.dump({
                 'history': [{key: row.get(key) for key in keys} for row in net.history],
@@ -199,6 +225,7 @@ class Launch:
         self.worker_pids = {}
         self.last_batch = None
         self.killed = False
+        self.signalled = False
         self.tail = []
         self.color = sys.stdout.isatty()
         # torchrun starts every rank in a session of its own: a kill of the
@@ -214,8 +241,9 @@ class Launch:
             self.lines.put(line.rstrip('\n'))
         self.lines.put(None)
 
-    def run(self, timeout, kill_epoch=None):
-        """Echo the job's output until it ends; SIGKILL it in ``kill_epoch``.
+    def run(self, timeout, kill_epoch=None, sigterm_epoch=None):
+        """Echo the job's output until it ends; SIGKILL it in ``kill_epoch``,
+        or send torchrun SIGTERM in ``sigterm_epoch``.
 
         Returns the exit code of torchrun (-9 when killed here).
         """
@@ -231,23 +259,29 @@ class Launch:
             if line is None:
                 break
             if line.startswith(MARK):
-                self._act(line, kill_epoch)
+                self._act(line, kill_epoch, sigterm_epoch)
                 continue
             self.tail = (self.tail + [line])[-40:]
             print(f"  {self.label} | {line if self.color else ANSI.sub('', line)}",
                   flush=True)
         return self.proc.wait()
 
-    def _act(self, line, kill_epoch):
+    def _act(self, line, kill_epoch, sigterm_epoch):
         kind, _, payload = line[len(MARK):].partition(' ')
         values = json.loads(payload)
         if kind == 'pid':
             self.worker_pids[values['rank']] = values['pid']
         elif kind == 'batch':
             self.last_batch = (values['epoch'], values['batch'])
+            if (not self.signalled and values['epoch'] == sigterm_epoch
+                    and values['batch'] == SIGTERM_AFTER_BATCH):
+                self.signalled = True
+                self.proc.send_signal(signal.SIGTERM)
+                print(f"  {self.label} | >>> SIGTERM to torchrun after batch "
+                      f"{SIGTERM_AFTER_BATCH} of epoch {sigterm_epoch}", flush=True)
             if (not self.killed and values['epoch'] == kill_epoch
                     and values['batch'] == KILL_AFTER_BATCH):
-                self._check_checkpoint_exists(kill_epoch - 1)
+                self._check_checkpoint_exists()
                 if len(self.worker_pids) != self.nproc:
                     self.kill()
                     raise DemoError(
@@ -259,13 +293,13 @@ class Launch:
                       f"(pids {sorted(self.worker_pids.values())}) after batch "
                       f"{KILL_AFTER_BATCH} of epoch {kill_epoch}", flush=True)
 
-    def _check_checkpoint_exists(self, epoch):
-        folder = os.path.join(self.run_dir, 'checkpoints', f'epoch-{epoch:04d}')
-        if not os.path.isdir(folder):
+    def _check_checkpoint_exists(self):
+        folder = os.path.join(self.run_dir, 'checkpoints')
+        if not os.path.isfile(os.path.join(folder, 'latest.json')):
             self.kill()
             raise DemoError(
-                f"{self.label}: epoch {epoch + 1} is underway but {folder} does not "
-                "exist; the checkpoint of the previous epoch should be committed by now")
+                f"{self.label}: the kill is due, but {folder} holds no committed "
+                "checkpoint; use a later --kill-epoch")
 
     def kill(self):
         for pid in self.worker_pids.values():
@@ -280,18 +314,22 @@ class Launch:
         self.proc.wait()
 
 
-def _launch(args, run_dir, label, kill_epoch=None):
+def _launch(args, run_dir, label, kill_epoch=None, sigterm_epoch=None):
     job = Launch(args, run_dir, label)
-    returncode = job.run(args.timeout, kill_epoch=kill_epoch)
+    returncode = job.run(args.timeout, kill_epoch=kill_epoch, sigterm_epoch=sigterm_epoch)
     if job.killed:
+        return job
+    if job.signalled:
+        if returncode == 0:
+            raise DemoError(f"{label}: torchrun exited 0 after the SIGTERM; a preempted "
+                            "run must fail, so that a scheduler requeues it")
         return job
     if returncode != 0:
         raise DemoError(f"{label}: torchrun exited with code {returncode}; its last "
                         "output:\n" + '\n'.join(job.tail))
-    if kill_epoch is not None:
-        raise DemoError(f"{label}: the run ended before epoch {kill_epoch}, batch "
-                        f"{KILL_AFTER_BATCH}, where it was to be killed; "
-                        "use a smaller --kill-epoch")
+    if kill_epoch is not None or sigterm_epoch is not None:
+        raise DemoError(f"{label}: the run ended before it was to be interrupted; use a "
+                        "smaller --kill-epoch or --sigterm-epoch")
     return job
 
 
@@ -352,54 +390,95 @@ def _launch_numbers(history):
     return numbers
 
 
-def print_table(full, resumed, kill):
-    launches = _launch_numbers(resumed['history'])
-    head = (f"{'':>5} | {'uninterrupted':^29} | {'killed and relaunched':^38} |")
-    cols = (f"{'epoch':>5} | {'train_loss':>10} {'valid_loss':>10} {'lr':>7} | "
-            f"{'train_loss':>10} {'valid_loss':>10} {'lr':>7} {'launch':>8} | same")
+def interruption(kind, epoch, job, resumed, batches_per_epoch):
+    """What an interruption cost: where training was when it stopped (the
+    last batch the main process reported), the checkpoint the relaunch
+    resumed from, and the batches trained in between, which were lost."""
+    resumed_from = resumed['resumed_from']
+    info = {'kind': kind, 'epoch': epoch, 'stopped_at': list(job.last_batch),
+            'resumed_from': resumed_from, 'lost_batches': None}
+    if resumed_from is None:
+        return info
+    with open(os.path.join(resumed_from, 'manifest.json')) as f:
+        saved = json.load(f)
+    saved_batches = saved['epoch'] * batches_per_epoch + saved['position']['batches']
+    stopped_epoch, stopped_batch = job.last_batch
+    trained = (stopped_epoch - 1) * batches_per_epoch + stopped_batch
+    info.update(lost_batches=trained - saved_batches, saved_epoch=saved['epoch'],
+                saved_batches=saved['position']['batches'])
+    return info
+
+
+def _describe_interruption(info):
+    epoch, batch = info['stopped_at']
+    name = os.path.basename(info['resumed_from'] or 'nothing')
+    return (f">>> {info['kind']} during epoch {info['epoch']} (trained up to batch {batch} of "
+            f"epoch {epoch}); relaunch resumed from {name}: "
+            f"{info['lost_batches']} batch(es) lost")
+
+
+def print_table(full, runs):
+    """The per-epoch losses of the uninterrupted run and of each interrupted
+    and relaunched one, side by side, with where each was interrupted."""
+    head = f"{'':>5} | {'uninterrupted':^21} |"
+    cols = f"{'epoch':>5} | {'train_loss':>10} {'valid_loss':>10} |"
+    for label, _, _ in runs:
+        head += f" {label:^28} |"
+        cols += f" {'train_loss':>10} {'valid_loss':>10} {'launch':>6} |"
+    cols += ' same'
     print(head)
     print(cols)
     print('-' * len(cols))
-    for row_a, row_b, launch in zip(full['history'], resumed['history'], launches,
-                                   strict=False):
-        same = (row_a['train_loss'] == row_b['train_loss']
-                and row_a['valid_loss'] == row_b['valid_loss'])
-        print(f"{row_a['epoch']:>5} | {row_a['train_loss']:>10.6f} {row_a['valid_loss']:>10.6f} "
-              f"{row_a['event_lr']:>7.4f} | {row_b['train_loss']:>10.6f} "
-              f"{row_b['valid_loss']:>10.6f} {row_b['event_lr']:>7.4f} "
-              f"{launch:>8} | {'yes' if same else 'NO'}")
-        if row_b['epoch'] == kill['resumed_after']:
-            print(f"{'':>5} | {'':29} | >>> SIGKILL in epoch {kill['epoch']}; launch 2 "
-                  f"resumed after epoch {kill['resumed_after']}")
+    launches = [_launch_numbers(run['history']) for _, run, _ in runs]
+    for index, row_a in enumerate(full['history']):
+        line = f"{row_a['epoch']:>5} | {row_a['train_loss']:>10.6f} {row_a['valid_loss']:>10.6f} |"
+        same = True
+        for (_, run, _), numbers in zip(runs, launches, strict=True):
+            row_b = run['history'][index] if index < len(run['history']) else None
+            if row_b is None:
+                line += f" {'-':>28} |"
+                same = False
+                continue
+            line += (f" {row_b['train_loss']:>10.6f} {row_b['valid_loss']:>10.6f} "
+                     f"{numbers[index]:>6} |")
+            same &= (row_a['train_loss'] == row_b['train_loss']
+                     and row_a['valid_loss'] == row_b['valid_loss'])
+        print(line + (' yes' if same else ' NO'))
+        for _, _, info in runs:
+            if info['epoch'] == row_a['epoch']:
+                print(f"{'':>5} | {_describe_interruption(info)}")
 
 
-def plot(full, resumed, kill, verdict, path):
+def plot(full, runs, verdict, path):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    epochs = [row['epoch'] for row in full['history']]
-    for key, color in (('train_loss', 'C0'), ('valid_loss', 'C1')):
-        ax.plot(epochs, [row[key] for row in full['history']], color=color, lw=5,
-                alpha=0.35, label=f"{key}, uninterrupted")
-        launches = np.array(_launch_numbers(resumed['history']))
-        values = np.array([row[key] for row in resumed['history']])
-        for launch, marker in ((1, 'o'), (2, 'x')):
-            mask = launches == launch
-            ax.plot(np.array(epochs)[mask], values[mask], marker, color=color,
-                    label=f"{key}, killed run, launch {launch}")
-    # the kill came during epoch kill['epoch'], between the points of the
-    # epoch before and of that epoch
-    x_kill = kill['epoch'] - 0.5
-    ax.axvline(x_kill, color='red', ls='--', lw=1.5)
-    ax.annotate(f"SIGKILL in epoch {kill['epoch']}\nresumed after epoch "
-                f"{kill['resumed_after']}", xy=(x_kill, 0.95), xycoords=('data', 'axes fraction'),
-                ha='left', va='top', color='red', xytext=(6, 0), textcoords='offset points')
-    ax.set_xlabel('epoch')
-    ax.set_ylabel('loss (NLL)')
-    ax.set_title(f"Killed and relaunched vs uninterrupted: {verdict}")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), sharey=True)
+    epochs = np.array([row['epoch'] for row in full['history']])
+    for ax, (label, run, info) in zip(np.atleast_1d(axes), runs, strict=True):
+        launches = np.array(_launch_numbers(run['history']))
+        for key, color in (('train_loss', 'C0'), ('valid_loss', 'C1')):
+            ax.plot(epochs, [row[key] for row in full['history']], color=color, lw=5,
+                    alpha=0.35, label=f"{key}, uninterrupted")
+            values = np.array([row[key] for row in run['history']])
+            for launch, marker in ((1, 'o'), (2, 'x')):
+                mask = launches == launch
+                ax.plot(epochs[mask], values[mask], marker, color=color,
+                        label=f"{key}, launch {launch}")
+        # the interruption came during its epoch, between that epoch's point
+        # and the one before
+        x_cut = info['epoch'] - 0.5
+        ax.axvline(x_cut, color='red', ls='--', lw=1.5)
+        ax.annotate(f"{info['kind']} in epoch {info['epoch']}\n"
+                    f"{info['lost_batches']} batch(es) lost", xy=(x_cut, 0.95),
+                    xycoords=('data', 'axes fraction'), ha='left', va='top', color='red',
+                    xytext=(6, 0), textcoords='offset points')
+        ax.set_xlabel('epoch')
+        ax.set_title(label)
+        ax.legend(fontsize=7)
+    np.atleast_1d(axes)[0].set_ylabel('loss (NLL)')
+    fig.suptitle(f"Interrupted and relaunched vs uninterrupted: {verdict}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -440,9 +519,11 @@ def _check_devices(args):
 
 
 def demo(args):
-    if not 2 <= args.kill_epoch <= args.epochs:
-        raise DemoError(f"--kill-epoch must be between 2 and --epochs ({args.epochs}), "
-                        f"got {args.kill_epoch}")
+    for name, epoch, first in (('--kill-epoch', args.kill_epoch, 2),
+                               ('--sigterm-epoch', args.sigterm_epoch, 1)):
+        if not first <= epoch <= args.epochs:
+            raise DemoError(f"{name} must be between {first} and --epochs ({args.epochs}), "
+                            f"got {epoch}")
     where = _check_devices(args)
     os.makedirs(args.out, exist_ok=True)
     dirs = {key: os.path.join(args.out, name) for key, name in RUNS.items()}
@@ -455,54 +536,79 @@ def demo(args):
     def phase(text):
         print(f"\n[{time.monotonic() - started:5.1f} s] {text}", flush=True)
 
-    phase(f"1/5 Uninterrupted run: {args.epochs} epochs in {args.nproc} process(es) "
-          f"on {where} -> {dirs['uninterrupted']}")
+    phase(f"1/7 Uninterrupted run: {args.epochs} epochs in {args.nproc} process(es) "
+          f"on {where}, a checkpoint every {EVERY_N_STEPS} steps and every epoch "
+          f"-> {dirs['uninterrupted']}")
     _launch(args, dirs['uninterrupted'], 'run 1')
 
-    phase(f"2/5 The same training in {dirs['interrupted']}, SIGKILLed during epoch "
+    phase(f"2/7 The same training in {dirs['killed']}, SIGKILLed during epoch "
           f"{args.kill_epoch} (after batch {KILL_AFTER_BATCH})")
-    job = _launch(args, dirs['interrupted'], 'run 2', kill_epoch=args.kill_epoch)
-    checkpoints = os.path.join(dirs['interrupted'], 'checkpoints')
+    killed = _launch(args, dirs['killed'], 'run 2', kill_epoch=args.kill_epoch)
+    checkpoints = os.path.join(dirs['killed'], 'checkpoints')
     print(f"  left in {checkpoints}: {sorted(os.listdir(checkpoints))}")
-    print(f"  torchrun exit code {job.proc.returncode}; the last batch it reported: "
-          f"epoch {job.last_batch[0]}, batch {job.last_batch[1]}")
+    print(f"  torchrun exit code {killed.proc.returncode}; the last batch it reported: "
+          f"epoch {killed.last_batch[0]}, batch {killed.last_batch[1]}")
 
-    phase("3/5 Relaunch, the same command unchanged")
-    _launch(args, dirs['interrupted'], 'run 2, relaunched')
+    phase("3/7 Relaunch, the same command unchanged")
+    _launch(args, dirs['killed'], 'run 2, relaunched')
 
-    phase("4/5 Comparison")
-    full, resumed = _load(dirs['uninterrupted']), _load(dirs['interrupted'])
-    resumed_from = resumed['resumed_from']
-    kill = {'epoch': args.kill_epoch, 'after_batch': KILL_AFTER_BATCH,
-            'resumed_from': resumed_from,
-            'resumed_after': int(os.path.basename(resumed_from).split('-')[1])
-            if resumed_from else None}
-    differences, n_tensors = compare(full, resumed)
-    if resumed_from is None:
-        differences.insert(0, "the relaunch did not resume from a checkpoint")
-    print_table(full, resumed, kill)
+    phase(f"4/7 The same training in {dirs['preempted']}, sent SIGTERM (to torchrun, "
+          f"as a scheduler does) during epoch {args.sigterm_epoch} (after batch "
+          f"{SIGTERM_AFTER_BATCH})")
+    preempted = _launch(args, dirs['preempted'], 'run 3', sigterm_epoch=args.sigterm_epoch)
+    latest = os.path.join(dirs['preempted'], 'checkpoints', 'latest.json')
+    with open(latest) as f:
+        taken = json.load(f)['name']
+    print(f"  torchrun exit code {preempted.proc.returncode}; the last batch it reported: "
+          f"epoch {preempted.last_batch[0]}, batch {preempted.last_batch[1]}; the "
+          f"checkpoint taken on the signal: {taken}")
+
+    phase("5/7 Relaunch, the same command unchanged")
+    _launch(args, dirs['preempted'], 'run 3, relaunched')
+
+    phase("6/7 Comparison")
+    full = _load(dirs['uninterrupted'])
+    batches_per_epoch = full['history'][0]['train_batch_count']
+    runs, differences, n_tensors = [], [], 0
+    for key, label, job, epoch in (
+            ('killed', 'SIGKILL, relaunched', killed, args.kill_epoch),
+            ('preempted', 'SIGTERM, relaunched', preempted, args.sigterm_epoch)):
+        resumed = _load(dirs[key])
+        info = interruption(label.split(',')[0], epoch, job, resumed, batches_per_epoch)
+        found, n_tensors = compare(full, resumed)
+        if resumed['resumed_from'] is None:
+            found.insert(0, "the relaunch did not resume from a checkpoint")
+        differences += [f"{label}: {line}" for line in found]
+        runs.append((label, resumed, info))
+    print_table(full, runs)
     verdict = 'identical' if not differences else 'differs'
     path = os.path.join(args.out, PLOT)
-    plot(full, resumed, kill, verdict.upper(), path)
+    plot(full, runs, verdict.upper(), path)
+    kill, sigterm = runs[0][2], runs[1][2]
     with open(os.path.join(args.out, SUMMARY), 'w') as f:
         json.dump({'verdict': verdict, 'differences': differences, 'kill': kill,
+                   'sigterm': sigterm, 'every_n_steps': EVERY_N_STEPS,
+                   'batches_per_epoch': batches_per_epoch,
                    'nproc': args.nproc, 'num_processes': full['num_processes'],
                    'epochs': args.epochs, 'device': full['device'],
                    'module_type': full['module_type'], 'tensors_compared': n_tensors}, f,
                   indent=1)
     print()
+    print(f"Work lost: SIGKILL {kill['lost_batches']} batch(es) (trained since the last "
+          f"checkpoint, every {EVERY_N_STEPS} steps), SIGTERM {sigterm['lost_batches']} "
+          "(saved at the batch it stopped at).")
     if differences:
-        print("VERDICT: DIFFERS. The killed and relaunched run does not end where the "
+        print("VERDICT: DIFFERS. An interrupted and relaunched run does not end where the "
               "uninterrupted one does:")
         for line in differences[:20]:
             print(f"  - {line}")
     else:
-        print(f"VERDICT: IDENTICAL. All {n_tensors} tensors of the final parameters and "
-              "optimizer state (momentum buffers) are bit-identical (torch.equal), and "
-              "so is every per-epoch loss.")
+        print(f"VERDICT: IDENTICAL. For both interrupted runs, all {n_tensors} tensors of "
+              "the final parameters and optimizer state (momentum buffers) are "
+              "bit-identical (torch.equal), and so is every per-epoch loss.")
     print(f"Plot: {path}")
 
-    phase("5/5 The checkpoints of the killed and relaunched run, as the package's "
+    phase("7/7 The checkpoints of the killed and relaunched run, as the package's "
           "command lists them")
     list_checkpoints(checkpoints)
     print(f"\n({time.monotonic() - started:.1f} s in all)")
@@ -511,12 +617,16 @@ def demo(args):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Kill a distributed skorch run with SIGKILL, relaunch it unchanged, "
-                    "and check that it ends bit-identical to an uninterrupted run.")
+        description="Kill a distributed skorch run with SIGKILL and preempt another "
+                    "with SIGTERM, relaunch both unchanged, and check that they end "
+                    "bit-identical to an uninterrupted run.")
     parser.add_argument('--nproc', type=int, default=2, help="processes (default 2)")
     parser.add_argument('--epochs', type=int, default=10, help="epochs (default 10)")
     parser.add_argument('--kill-epoch', type=int, default=None,
                         help="epoch during which run 2 is killed (default: the middle one)")
+    parser.add_argument('--sigterm-epoch', type=int, default=None,
+                        help="epoch during which run 3 gets SIGTERM (default: the one "
+                             "before --kill-epoch)")
     parser.add_argument('--out', default=os.path.join('runs', 'demo'),
                         help="output folder (default runs/demo)")
     parser.add_argument('--cpu', action='store_true', help="train on CPU even if CUDA is there")
@@ -526,6 +636,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.kill_epoch is None:
         args.kill_epoch = args.epochs // 2 + 1
+    if args.sigterm_epoch is None:
+        args.sigterm_epoch = max(1, args.kill_epoch - 1)
     if args.nproc < 1:
         parser.error("--nproc must be at least 1")
     return args

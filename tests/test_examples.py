@@ -22,7 +22,7 @@ from launcher import REPO, launch
 EXAMPLES = REPO / 'examples'
 MULTIGPU = EXAMPLES / 'accelerate-multigpu'
 TIMEOUT = 300
-# the demo gives each of its 3 launches this long, then fails on its own
+# the demo gives each of its 5 launches this long, then fails on its own
 DEMO_LAUNCH_TIMEOUT = 150
 PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 
@@ -49,7 +49,7 @@ def demo(tmp_path_factory):
     returncode, output = _run([sys.executable, str(EXAMPLES / 'resume_demo.py'),
                                '--nproc', '2', '--epochs', '4', '--out', str(out),
                                '--timeout', str(DEMO_LAUNCH_TIMEOUT)],
-                              timeout=3 * DEMO_LAUNCH_TIMEOUT + 60)
+                              timeout=5 * DEMO_LAUNCH_TIMEOUT + 60)
     summary_path = out / 'summary.json'
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     return dict(out=out, returncode=returncode, output=output, summary=summary)
@@ -68,16 +68,34 @@ def test_demo_ran_distributed_and_really_killed_the_job(demo):
     assert summary['nproc'] == summary['num_processes'] == 2
     assert summary['module_type'] == 'DistributedDataParallel'
     assert 'torchrun exit code -9' in demo['output']
-    # killed in epoch 3 of 4, resumed from the checkpoint of epoch 2
-    assert summary['kill']['epoch'] == 3
-    assert summary['kill']['resumed_after'] == 2
+    # killed in epoch 3 of 4, resumed from a step checkpoint inside it, which
+    # leaves less than a checkpoint interval of work to redo
+    kill = summary['kill']
+    assert kill['epoch'] == 3 and kill['stopped_at'][0] == 3
+    assert re.fullmatch(r'epoch-0002-step-\d{8}', os.path.basename(kill['resumed_from']))
+    assert 0 <= kill['lost_batches'] < summary['every_n_steps']
     assert 'Resumed from' in demo['output']
 
 
-def test_demo_prints_both_epoch_logs_side_by_side(demo):
+def test_demo_preempts_with_sigterm_and_loses_nothing(demo):
+    sigterm = demo['summary']['sigterm']
+    assert sigterm['epoch'] == 2
+    assert sigterm['resumed_from'] is not None and sigterm['lost_batches'] == 0
+    assert 'TrainingPreempted: training stopped on SIGTERM' in demo['output']
+    assert re.search(r'torchrun exit code [1-9]\d*; the last batch it reported', demo['output'])
+    assert f"SIGTERM {sigterm['lost_batches']} (saved at the batch it stopped at)" in \
+        demo['output']
+
+
+def test_demo_prints_the_epoch_logs_side_by_side(demo):
     rows = re.findall(r'^\s+(\d+) \|.*\| (yes|NO)$', demo['output'], flags=re.M)
     assert [int(epoch) for epoch, _ in rows] == [1, 2, 3, 4]
     assert all(same == 'yes' for _, same in rows)
+    lost = re.findall(r'>>> (SIGKILL|SIGTERM) during epoch \d.*: (\d+) batch\(es\) lost',
+                      demo['output'])
+    summary = demo['summary']
+    assert sorted(lost) == [('SIGKILL', str(summary['kill']['lost_batches'])),
+                            ('SIGTERM', '0')]
 
 
 def test_demo_lists_its_checkpoints_with_the_command(demo):
@@ -85,13 +103,16 @@ def test_demo_lists_its_checkpoints_with_the_command(demo):
     folder of the killed and relaunched run."""
     output = demo['output']
     folder = demo['out'] / 'killed-and-relaunched' / 'checkpoints'
-    step = output[output.index('5/5 The checkpoints'):]
+    step = output[output.index('7/7 The checkpoints'):]
     assert f"  $ python -m skorch_accel_callbacks list {folder}\n" in step
     assert f"  {folder}: 3 checkpoint(s), in training order" in step
-    # resumed from epoch 2 (kept while that run trained), then epochs 3 and 4
-    rows = re.findall(r'^\s+(epoch-\d{4})\s+(\d+)\s.*\s(\S+)$', step, flags=re.M)
-    assert rows == [('epoch-0002', '2', 'ok'), ('epoch-0003', '3', 'ok'),
-                    ('epoch-0004', '4', 'ok')]
+    # the one resumed from (kept while that run trained), then the newest two:
+    # epoch 4 holds steps 70-92 (23 batches an epoch)
+    rows = re.findall(r'^\s+(epoch-\d{4}(?:-step-\d{8})?)\s+(\d+)\s+(\d+)\s.*\s(\S+)$', step,
+                      flags=re.M)
+    resumed = os.path.basename(demo['summary']['kill']['resumed_from'])
+    assert [row[0] for row in rows] == [resumed, 'epoch-0003-step-00000090', 'epoch-0004']
+    assert [row[1:] for row in rows[1:]] == [('3', '90', 'ok'), ('4', '92', 'ok')]
     assert 'left over: nothing' in step  # the kill's partial folder was removed
     assert re.search(r'lock: free \(last taken by pid \d+ on host', step)
 
