@@ -24,12 +24,14 @@ CASES = [
 ]
 
 
-def case_id(case):
+def case_param(case):
     scenario, nproc, every, kill, *_ = case
-    return f'{scenario}-{nproc}proc-every{every}-kill{kill.replace(":", "_")}'
+    name = f'{scenario}-{nproc}proc-every{every}-kill{kill.replace(":", "_")}'
+    # one case in the quick subset (make test-quick)
+    return pytest.param(case, id=name, marks=() if case is CASES[0] else pytest.mark.slow)
 
 
-@pytest.fixture(scope='module', params=CASES, ids=case_id)
+@pytest.fixture(scope='module', params=[case_param(case) for case in CASES])
 def case(request, tmp_path_factory):
     scenario, nproc, every, kill, resumed_from, batches = request.param
     folder = tmp_path_factory.mktemp(f'mid-{scenario}{nproc}')

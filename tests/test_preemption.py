@@ -17,6 +17,8 @@ from resume_runs import run
 from skorch_accel_callbacks import manifest
 from testutil import assert_identical, final_state, read_json, read_results
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope='module')
 def uninterrupted(tmp_path_factory):
