@@ -355,7 +355,6 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             self._vote = sync.Vote(net)
             self._next_vote = 0
             self._voted_at = (0, self._last_save)
-        self._watch.install(type(self).__name__)
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
         self._train_loader = training_state.find_train_loader(net, dataset_train)
@@ -364,6 +363,9 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             # the resume callback, which runs first, has loaded the checkpoint
             self._position_read = True
             self.global_step_, self._batches = self._resumed_position(net)
+            # once every callback's on_train_begin went through: a fit that
+            # fails before training leaves no handler behind
+            self._watch.install(type(self).__name__)
         if self.every_n_steps or self.every_n_seconds or self.signals_:
             if ((self.every_n_steps or self.every_n_seconds)
                     and not epoch_position.can_skip(self._train_loader)):
