@@ -47,21 +47,15 @@ def hook_worker(out, repeats):
     """Run in every process: time the batch hook under each configuration."""
     from skorch.callbacks import Callback
 
-    from common import make_accelerator, make_data, make_net
+    from common import NotTrainingState, make_accelerator, make_data, make_net
     from skorch_accel_callbacks import AccelerateCheckpoint
 
-    class BatchClock(Callback):
+    class BatchClock(NotTrainingState, Callback):
         """Times each training batch, begin to end."""
 
         def initialize(self):
             self.times = []
             return self
-
-        def state_dict(self):
-            return {}
-
-        def load_state_dict(self, state):
-            pass
 
         def on_batch_begin(self, net, training=False, **kwargs):
             self.started = time.perf_counter()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from skorch.callbacks import Callback
 
-from common import make_accelerator, make_data, make_net
+from common import NotTrainingState, make_accelerator, make_data, make_net
 from resume_runs import run
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
 from testutil import assert_identical, edit_manifest, final_state, read_results
@@ -20,16 +20,9 @@ from testutil import assert_identical, edit_manifest, final_state, read_results
 RESEED = '{"on_world_size_change": "reseed"}'
 
 
-class FirstEpochState(Callback):
+class FirstEpochState(NotTrainingState, Callback):
     """The parameters and the global torch random state that the first epoch
     of a fit begins with (after the resume callback restored them)."""
-
-    # what it records is not training state: a resume must not restore it
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
     def initialize(self):
         self.params_ = None

@@ -91,6 +91,18 @@ def make_net(accelerator, net_cls=FixedNet, **kwargs):
     return net_cls(**params)
 
 
+class NotTrainingState:
+    """Mixin for a test callback whose attributes record what happened, not
+    training state: a checkpoint holds nothing of it, a resume restores
+    nothing."""
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
 class BatchEnds(Callback):
     """Counts the training batches of each epoch: ``at_batch(net, batch)``
     runs at the end of each, with its number in the epoch (from 1). The

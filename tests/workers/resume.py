@@ -56,6 +56,7 @@ from common import (
     MLP,
     BatchEnds,
     FixedNet,
+    NotTrainingState,
     StockNet,
     make_accelerator,
     make_data,
@@ -151,15 +152,8 @@ class SendSignal(BatchEnds):
             os.kill(os.getpid(), sig)
 
 
-class Trained(Callback):
+class Trained(NotTrainingState, Callback):
     """Where training is: epoch and training batches of it (``where``)."""
-
-    # not training state: a resume must not restore it
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
     def initialize(self):
         self.where = None
@@ -183,20 +177,13 @@ def _digest(*tensors):
     return digest.hexdigest()
 
 
-class RecordResume(Callback):
+class RecordResume(NotTrainingState, Callback):
     """What a resumed run starts its first epoch with: the loaded state
     (rank 0 writes it to ``<TAG>-resumed-rank0.pt``) and the digests of
     each rank's random states (``rng_`` for the JSON result)."""
 
     def __init__(self, tag):
         self.tag = tag
-
-    # what it records is not training state: a resume must not restore it
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
     def initialize(self):
         self.rng_ = None
