@@ -143,10 +143,10 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
       :class:`~skorch_accel_callbacks.TrainingPreempted`, so the job exits
       with a failure that a scheduler can requeue; the checkpoint is not
       marked finished. A signal that reaches one rank only is enough. The
-      handlers are set while ``fit`` runs, in the main thread only, and the
-      previous ones are put back afterwards (and called, where they were
-      functions); a second such signal gets the previous handler's
-      behaviour at once. Add ``'SIGUSR1'`` for SLURM's
+      handlers are set from the first epoch's start to the end of training,
+      in the main thread only, and the previous ones are put back afterwards
+      (and called, where they were functions); a second such signal gets
+      the previous handler's behaviour at once. Add ``'SIGUSR1'`` for SLURM's
       ``--signal=USR1@90``; ``()`` catches no signal.
 
     keep_best : int or None (default=None)

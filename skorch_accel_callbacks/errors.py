@@ -26,13 +26,18 @@ class TrainingPreempted(Exception):
     signal : signal.Signals
       The signal that stopped training (the first one any process got).
 
-    checkpoint : str
-      Path of the checkpoint taken when it stopped.
+    checkpoint : str or None
+      Path of the checkpoint taken when it stopped; None inside an epoch of
+      an ``IterableDataset``, which a resume cannot skip into.
     """
 
     def __init__(self, signal, checkpoint):
-        super().__init__(f"training stopped on {signal.name}; checkpoint {checkpoint} was "
-                         "saved: run the same command again to resume from it")
+        super().__init__(
+            f"training stopped on {signal.name}; "
+            + (f"checkpoint {checkpoint} was saved: run the same command again to "
+               "resume from it" if checkpoint else
+               "no checkpoint could be taken inside this epoch (its data cannot skip "
+               "batches by index): the last one stands"))
         self.signal = signal
         self.checkpoint = checkpoint
 
