@@ -174,6 +174,13 @@ def test_iterable_dataset_cannot_save_inside_an_epoch(tmp_path):
                    iterator_train__shuffle=False)
     with pytest.raises(ValueError, match='map-style training data set'):
         net.fit(Rows(), None)
+    # a signal stops it without a checkpoint inside the epoch
+    cp = AccelerateCheckpoint(dirname=str(tmp_path / 'signal'), save_on_signal=('SIGUSR1',))
+    net = make_net(make_accelerator(), callbacks=[cp, SignalAt(1, 1, signal.SIGUSR1)],
+                   train_split=None, max_epochs=1, iterator_train__shuffle=False)
+    with pytest.raises(TrainingPreempted, match='no checkpoint could be taken') as info:
+        net.fit(Rows(), None)
+    assert info.value.checkpoint is None and cp.committed() == []
     # epoch-end checkpoints work with it
     cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ok'))
     net = make_net(make_accelerator(), callbacks=[cp], train_split=None, max_epochs=1,
