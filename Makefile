@@ -30,6 +30,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py
+	$(PY) benchmarks/bench_mid_epoch.py
 
 clean:
 	rm -rf $(VENV) runs
