@@ -21,6 +21,8 @@ CASES = [
     ('basic', 2, 3, '4:4', 'epoch-0003-step-00000015', 3),
     # a step every 2 batches, 2 steps an epoch: epoch 4 holds steps 7-8
     ('midepoch', 2, 1, '4:4', 'epoch-0003-step-00000007', 2),
+    # 4 steps an epoch: epoch 4 holds steps 13-16, step 15 at batch 6
+    ('midepoch', 1, 3, '4:7', 'epoch-0003-step-00000015', 6),
 ]
 
 
