@@ -36,6 +36,7 @@ __all__ = [
     'check_plain_state',
     'dataloaders',
     'gradients_applied',
+    'leave_loader',
     'load_state',
     'load_weights_only',
     'model_file',
@@ -263,6 +264,15 @@ def gradients_applied(accelerator):
     """Whether the batch just trained ended with an optimizer step (with
     gradient accumulation, only every n-th batch and the last one does)."""
     return accelerator.sync_gradients
+
+
+def leave_loader(loader):
+    """Tell accelerate that the pass over ``loader`` under way ends here (as
+    its last batch would): a pass left by an exception stays registered in
+    accelerate's shared gradient state, as a weak reference that makes every
+    ``Accelerator`` of the process unpicklable from then on."""
+    if loader is not None and loader in loader.gradient_state.dataloader_references:
+        loader.end()
 
 
 def at_end_of_loader(loader):

@@ -395,6 +395,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         else:
             path = None  # a signal inside an epoch of an IterableDataset
         if not isinstance(reason, str):
+            # training ends inside this pass over the loader
+            accelerate_io.leave_loader(self._train_loader)
             self._stop(net, reason, path)
 
     def on_epoch_end(self, net, **kwargs):

@@ -142,8 +142,11 @@ def test_handlers_are_set_while_fit_runs_and_put_back(tmp_path):
         assert info.value.checkpoint.endswith('epoch-0001-step-00000005')
         assert pickle.loads(pickle.dumps(info.value)).checkpoint == info.value.checkpoint
         # a fit that ends normally puts it back too
-        fit(tmp_path / 'other', save_on_signal=('SIGUSR1',))
+        net, _, _ = fit(tmp_path / 'other', save_on_signal=('SIGUSR1',))
         assert signal.getsignal(signal.SIGUSR1) is users_handler
+        # the preempted fit left nothing in accelerate's shared state that
+        # would make a later net unpicklable
+        assert pickle.loads(pickle.dumps(net)).history[-1]['epoch'] == 3
     finally:
         signal.signal(signal.SIGUSR1, before)
 
