@@ -10,7 +10,7 @@ usage: python benchmarks/bench_mid_epoch.py [--repeats 5] [--rows 1000000]
    default), and with the vote carrying the time too (``every_n_seconds``).
    Nothing is due, so nothing is saved. Reported per call: min, median and
    mean over all calls of all repeats (the mean carries the votes, posted
-   about every 0.1 s), and the mean against the median batch.
+   about every 0.5 s), and the mean against the median batch.
 2. A resume 90% into an epoch of ``--rows`` rows (batches of 32): the time
    from restoring the epoch's start and setting the skip to the first
    batch of the rest, against iterating the trained batches (what a resume
@@ -65,7 +65,7 @@ def hook_worker(out, repeats):
                 self.times.append(time.perf_counter() - self.started)
 
     accelerator = make_accelerator()
-    X, y = make_data(n=4096, n_features=64)
+    X, y = make_data(n=16384, n_features=64)
     calls = {name: [] for name in CONFIGS}
     batches = []
     with tempfile.TemporaryDirectory() as tmp:

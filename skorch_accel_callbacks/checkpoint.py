@@ -34,7 +34,7 @@ __all__ = ['AccelerateCheckpoint']
 
 # steps between two votes on signals and time: about this many seconds, and
 # at most this many steps
-_VOTE_SECONDS = 0.1
+_VOTE_SECONDS = 0.5
 _MAX_VOTE_STEPS = 1000
 
 
@@ -354,6 +354,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         if sync.is_distributed(net) and (self.signals_ or self.every_n_seconds):
             self._vote = sync.Vote(net)
             self._next_vote = 0
+            self._vote_interval = 1
             self._voted_at = (0, self._last_save)
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
@@ -517,8 +518,10 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         received = self._watch.received
         time_is_due = self._is_main and self.every_n_seconds is not None and triggers.time_due(
             now - self._last_save, self.every_n_seconds)
-        counted = self._vote.count() or [0, 0, 1]
+        # none under way at an epoch's first vote: the interval agreed before
+        counted = self._vote.count() or [0, 0, self._vote_interval]
         self._vote.post([int(received) if received else 0, time_is_due, proposed])
+        self._vote_interval = counted[2]
         self._next_vote = self.global_step_ + counted[2]
         return counted[0], bool(counted[1])
 
