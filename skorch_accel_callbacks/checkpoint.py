@@ -502,9 +502,10 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         A vote is posted without waiting and counted when the next one is
         posted, a number of steps later that the votes themselves agree on:
         the main process proposes as many steps as take about
-        ``_VOTE_SECONDS``, so that posting one (a few hundred microseconds
-        on gloo) costs well under 1% of training, and a signal is seen
-        within about two such intervals.
+        ``_VOTE_SECONDS`` (or half of ``every_n_seconds``, if shorter), so
+        that posting one (a few hundred microseconds on gloo) costs well
+        under 1% of training, and a signal is seen within about two such
+        intervals.
         """
         if self.global_step_ < self._next_vote:
             return 0, False
@@ -513,7 +514,9 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         if self._is_main:
             steps = self.global_step_ - self._voted_at[0]
             seconds = max(now - self._voted_at[1], 1e-9)
-            proposed = max(1, min(_MAX_VOTE_STEPS, round(_VOTE_SECONDS * steps / seconds)))
+            # a short every_n_seconds needs votes as often as its half
+            wanted = min(_VOTE_SECONDS, (self.every_n_seconds or _VOTE_SECONDS) / 2)
+            proposed = max(1, min(_MAX_VOTE_STEPS, round(wanted * steps / seconds)))
         self._voted_at = (self.global_step_, now)
         received = self._watch.received
         time_is_due = self._is_main and self.every_n_seconds is not None and triggers.time_due(
