@@ -56,6 +56,17 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     the other callbacks' ``on_train_begin`` see that number, every epoch
     sees the user's total.
 
+    A checkpoint taken inside an epoch (``every_n_steps``,
+    ``every_n_seconds``, a signal) continues that epoch: when it begins,
+    each rank gets back the random states the epoch began with, so that the
+    loader draws the same order, and the batches already trained are
+    skipped by index (no row of them is loaded); when its first batch
+    begins, the callbacks get back their state and each rank the random
+    states of the batch the checkpoint was taken at. A callback that acts
+    on every batch without ``state_dict()``/``load_state_dict()`` (and is
+    not one of skorch's whose state a checkpoint holds) is named in a
+    warning: only its fitted attributes come back.
+
     Without a checkpoint, training starts fresh. A checkpoint from another
     model (parameter names or shapes) or in a newer format raises
     :class:`CheckpointError` naming what differs, before any training step;
