@@ -515,7 +515,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             steps = self.global_step_ - self._voted_at[0]
             seconds = max(now - self._voted_at[1], 1e-9)
             # a short every_n_seconds needs votes as often as its half
-            wanted = min(_VOTE_SECONDS, (self.every_n_seconds or _VOTE_SECONDS) / 2)
+            wanted = (_VOTE_SECONDS if self.every_n_seconds is None
+                      else min(_VOTE_SECONDS, self.every_n_seconds / 2))
             proposed = max(1, min(_MAX_VOTE_STEPS, round(wanted * steps / seconds)))
         self._voted_at = (self.global_step_, now)
         received = self._watch.received
