@@ -123,7 +123,7 @@ def bench_skip(rows, repeats):
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
 
-    from skorch_accel_callbacks import epoch_position
+    from skorch_accel_callbacks import accelerate_io, epoch_position
 
     dataset = TensorDataset(torch.from_numpy(np.random.rand(rows, 16).astype(np.float32)))
     accelerator = Accelerator(cpu=True)
@@ -134,7 +134,7 @@ def bench_skip(rows, repeats):
     for _ in range(repeats):
         start_state.restore(loader)
         began = time.perf_counter()
-        undo = epoch_position.skip_batches(loader, skip)
+        undo = accelerate_io.skip_first_batches_once(loader, skip)
         iterator = iter(loader)
         next(iterator)
         times['by index'].append(time.perf_counter() - began)

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 from accelerate import Accelerator
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
+from accelerate.data_loader import SkipBatchSampler
 from accelerate.state import GradientState, is_initialized
 from accelerate.utils import (
     OPTIMIZER_NAME,
@@ -31,6 +32,7 @@ __all__ = [
     'accelerator_of_this_process',
     'accumulation_step',
     'accumulation_steps',
+    'base_loader',
     'at_end_of_loader',
     'accelerator_settings',
     'check_plain_state',
@@ -49,6 +51,7 @@ __all__ = [
     'save_state',
     'save_state_in_two',
     'set_accumulation_step',
+    'skip_first_batches_once',
     'uses_automatic_naming',
     'write_large_state',
 ]
@@ -264,6 +267,32 @@ def gradients_applied(accelerator):
     """Whether the batch just trained ended with an optimizer step (with
     gradient accumulation, only every n-th batch and the last one does)."""
     return accelerator.sync_gradients
+
+
+def base_loader(loader):
+    """The torch ``DataLoader`` that a loader prepared by accelerate iterates."""
+    return getattr(loader, 'base_dataloader', loader)
+
+
+def skip_first_batches_once(loader, count):
+    """Make the next pass over ``loader`` leave out its first ``count``
+    batches by index (accelerate's ``SkipBatchSampler``: a skipped batch is
+    a list of indices, no row is loaded); return the function that puts the
+    batch sampler back.
+
+    torch's ``DataLoader`` refuses a new batch sampler once built; it is set
+    past that check, for one pass, because the loader skorch iterates is
+    built once per ``fit`` (``accelerate.skip_first_batches`` would build a
+    new one).
+    """
+    base = base_loader(loader)
+    original = base.batch_sampler
+    object.__setattr__(base, 'batch_sampler', SkipBatchSampler(original, count))
+
+    def undo():
+        object.__setattr__(base, 'batch_sampler', original)
+
+    return undo
 
 
 def leave_loader(loader):

@@ -21,15 +21,13 @@ import json
 
 import numpy as np
 import torch
-from accelerate.data_loader import SkipBatchSampler
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import IterableDataset
 
-from skorch_accel_callbacks import training_state
+from skorch_accel_callbacks import accelerate_io, training_state
 
-__all__ = ['EpochStart', 'position_name', 'save_position', 'load_position', 'skip_batches',
-           'can_skip']
+__all__ = ['EpochStart', 'position_name', 'save_position', 'load_position', 'can_skip']
 
 
 def position_name(rank):
@@ -103,35 +101,12 @@ def load_position(folder, rank):
         return int(meta['batches']), EpochStart(rng, generator, int(meta['iteration']))
 
 
-def _base_loader(loader):
-    # accelerate's loaders wrap a torch DataLoader, which iterates
-    return getattr(loader, 'base_dataloader', loader)
-
-
 def can_skip(loader):
     """Whether the batches of ``loader`` can be skipped by index: a map-style
     data set, read through a batch sampler."""
     if loader is None:
         return False
-    base = _base_loader(loader)
+    base = accelerate_io.base_loader(loader)
     return (not isinstance(base.dataset, IterableDataset)
             and getattr(base, 'batch_sampler', None) is not None)
 
-
-def skip_batches(loader, count):
-    """Make the next pass over ``loader`` leave out its first ``count``
-    batches without loading them; return the function that undoes it (once
-    the pass has begun, the pass keeps the skip).
-
-    torch's ``DataLoader`` refuses a new batch sampler once built; the skip
-    is set past that check, for one pass, because the loader skorch iterates
-    is built once per ``fit``.
-    """
-    base = _base_loader(loader)
-    original = base.batch_sampler
-    object.__setattr__(base, 'batch_sampler', SkipBatchSampler(original, count))
-
-    def undo():
-        object.__setattr__(base, 'batch_sampler', original)
-
-    return undo

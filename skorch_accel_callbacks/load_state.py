@@ -382,7 +382,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         # the loader draws the epoch's order again from these, skipping the
         # batches trained
         start.restore(loader)
-        self._undo_skip = epoch_position.skip_batches(loader, batches)
+        self._undo_skip = accelerate_io.skip_first_batches_once(loader, batches)
         self._skipped = batches
 
     def on_batch_begin(self, net, training=False, **kwargs):
