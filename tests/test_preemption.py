@@ -119,7 +119,10 @@ def test_every_n_seconds_then_a_kill(uninterrupted, tmp_path, nproc):
     killed = run(tmp_path, 'killed', nproc, expect_ok=False, KILL='batch:4:3',
                  CKPT_OPTIONS=options)
     assert killed.returncodes == [-9] * nproc, killed.report()
+    started = read_results(tmp_path, 'killed-started', nproc)
+    assert [res['num_processes'] for res in started] == [nproc] * nproc
     resumed = run(tmp_path, 'resumed', nproc, CKPT_OPTIONS=options)
+    assert [res['num_processes'] for res in resumed] == [nproc] * nproc
     saved = read_json(os.path.join(resumed[0]['loaded_from'], 'manifest.json'))
     # killed after batch 3 of epoch 4: the last checkpoint is batch 2's
     assert (saved['epoch'], manifest.batches_into_epoch(saved)) == (3, 2)

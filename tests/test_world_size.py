@@ -114,6 +114,8 @@ def test_a_checkpoint_inside_an_epoch_on_another_number_of_processes(tmp_path):
     killed = run(tmp_path, 'killed', 2, expect_ok=False, dirname='two',
                  CKPT_OPTIONS='{"every_n_steps": 3}', KILL='batch:4:4')
     assert killed.returncodes == [-9, -9], killed.report()
+    started = read_results(tmp_path, 'killed-started', 2)
+    assert [res['num_processes'] for res in started] == [2, 2]
     ones = resume_twice(tmp_path, 'two', 'one', 1, max_epochs=6)
     for (res,) in ones:
         assert res['num_processes'] == 1
