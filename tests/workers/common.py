@@ -19,6 +19,9 @@ from skorch_accel_callbacks import AccelerateFixesMixin
 
 # a hang in a collective fails the run after this many seconds instead of 30 minutes
 COLLECTIVE_TIMEOUT = int(os.environ.get('COLLECTIVE_TIMEOUT', '60'))
+# 'cuda' runs one-process tests on a GPU (a GPU machine checks the CUDA random
+# states and the grad scaler with them); CI has none, and gloo needs the CPU
+TEST_DEVICE = os.environ.get('SKORCH_ACCEL_TEST_DEVICE', 'cpu')
 
 
 class FixedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
@@ -63,7 +66,7 @@ def _destroy_process_group():
 def make_accelerator(**kwargs):
     AcceleratorState._reset_state(True)
     handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))]
-    accelerator = Accelerator(cpu=True, kwargs_handlers=handlers, **kwargs)
+    accelerator = Accelerator(cpu=TEST_DEVICE == 'cpu', kwargs_handlers=handlers, **kwargs)
     # a launched worker that fell back to one process would pass its test
     # without exercising DDP
     launched = int(os.environ.get('WORLD_SIZE', '1'))
