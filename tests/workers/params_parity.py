@@ -36,6 +36,7 @@ from common import (
     make_net,
     plain_criterion,
     rank,
+    settle_gloo,
     write_result,
 )
 from skorch_accel_callbacks import ParamsCheckpoint, sync
@@ -99,6 +100,7 @@ def pickles(folder):
         res['in_job'] = {'num_processes': loaded.accelerator.num_processes,
                          'rows': len(loaded.predict_proba(X[:20]))}
     write_result('pickle', out)
+    settle_gloo()
 
 
 if __name__ == '__main__':
