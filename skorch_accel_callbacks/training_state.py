@@ -14,6 +14,7 @@ are written plainly, without a temporary name and a flush of their own each.
 import hashlib
 import math
 import random
+import time
 import warnings
 
 import numpy as np
@@ -79,6 +80,12 @@ def rank_state_name(rank):
 # them would only cost disk (they are reset when the next epoch begins).
 _TRANSIENT = {
     EpochScoring: ('y_trues_', 'y_preds_'),
+}
+# Fitted attributes that hold a wall-clock time: saved as the seconds since
+# then and given back as that long before the resume, so that a resumed
+# epoch's ``dur`` counts the time spent training, not the time the job was down.
+_CLOCKS = {
+    EpochTimer: ('epoch_start_time_',),
 }
 # Callbacks with nothing to resume: restoring PrintLog would only suppress
 # the table header of the resumed run.
@@ -373,17 +380,22 @@ def _callback_state(callback):
     """The attributes of a callback that a resumed run needs."""
     if hasattr(callback, 'state_dict') and hasattr(callback, 'load_state_dict'):
         return {_OWN_STATE: {'state_dict': callback.state_dict()}}
-    transient = ()
+    transient, clocks = (), ()
     for cls, names in _TRANSIENT.items():
         if isinstance(callback, cls):
             transient = names
+    for cls, names in _CLOCKS.items():
+        if isinstance(callback, cls):
+            clocks = names
     state = {}
     for attr, value in vars(callback).items():
         if not attr.endswith('_') or attr.startswith('_') or attr in transient:
             continue
         if _is_configuration(value):
             continue
-        if hasattr(value, 'state_dict') and not isinstance(value, type):
+        if attr in clocks and value is not None:
+            state[attr] = {'elapsed': time.time() - value}
+        elif hasattr(value, 'state_dict') and not isinstance(value, type):
             state[attr] = {'state_dict': value.state_dict()}
         else:
             state[attr] = {'value': value}
@@ -449,6 +461,8 @@ def apply_callback_states(net, states):
                         f"callback {name!r} has no {attr!r} to load the saved "
                         "state into")
                 target.load_state_dict(entry['state_dict'])
+            elif 'elapsed' in entry:
+                setattr(callback, attr, time.time() - entry['elapsed'])
             else:
                 setattr(callback, attr, entry['value'])
 
