@@ -12,12 +12,51 @@
 - Messages go to ``sink`` on the main process only.
 """
 
+import os
+from dataclasses import dataclass
+
 from skorch.callbacks import PrintLog
 
 from skorch_accel_callbacks import sync
 
-__all__ = ['FolderStateCallback', 'InitParamsOnly', 'check_sink', 'format_bytes',
-           'move_callback', 'say']
+__all__ = ['FolderStateCallback', 'InitParamsOnly', 'Resumed', 'check_sink', 'format_bytes',
+           'find_resumed', 'move_callback', 'say']
+
+
+@dataclass(frozen=True, eq=False)
+class Resumed:
+    """What a fit was resumed from, as :class:`AccelerateLoadInitState`
+    publishes it (``resumed_``) for the checkpoint callback of its folder.
+
+    A new record is made by each resume, so that a callback can tell a fit
+    that resumed from a later one (``partial_fit``, ``warm_start``) that
+    continues the same training.
+    """
+
+    #: the folder of checkpoints it was looked for in (a real path)
+    dirname: str
+    #: the checkpoint folder
+    path: str
+    #: its name, e.g. ``epoch-0003``
+    name: str
+    #: optimizer steps taken when it was saved
+    step: int
+    #: training batches of the epoch under way (0 at an epoch's end)
+    batches: int
+    #: complete epochs after which the resumed fit ends: ``max_epochs``, or
+    #: the epochs done if a callback had stopped training or they are more
+    last_epoch: int
+
+
+def find_resumed(net, dirname) -> Resumed | None:
+    """The record of the resume of ``net`` from the folder ``dirname``, if
+    any callback of the net resumed it."""
+    wanted = os.path.realpath(dirname)
+    for _, callback in net.callbacks_:
+        record = getattr(callback, 'resumed_', None)
+        if isinstance(record, Resumed) and record.dirname == wanted:
+            return record
+    return None
 
 
 def check_sink(sink, owner):

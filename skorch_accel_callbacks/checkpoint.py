@@ -21,6 +21,7 @@ from skorch_accel_callbacks.background import BackgroundSaver
 from skorch_accel_callbacks.base import (
     FolderStateCallback,
     check_sink,
+    find_resumed,
     format_bytes,
     move_callback,
     say,
@@ -314,7 +315,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         self.folder_ = CheckpointFolder(self.dirname)
         self.last_saved_ = None
         self.global_step_ = 0
-        self._watch = SignalWatch(self.signals_)
+        self._watch = SignalWatch()
         self._vote = None
         # training batches of the epoch under way, and the random states it began with
         self._batches = 0
@@ -322,7 +323,11 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         self._last_save = None
         # why to save at the end of this epoch (a step or time due at its last batch)
         self._deferred = None
-        self._position_read = False
+        # the resume this callback counts from (a record of AccelerateLoadInitState)
+        self._resumed = None
+        # complete epochs after which the fit under way ends
+        self._last_epoch = None
+        self._fit_began = False
         self._saver = BackgroundSaver() if self.async_save else None
         # (folder, message) of the save in the background
         self._in_flight = None
@@ -333,7 +338,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
     @property
     def resumed_from_(self):
-        return self.folder_.resumed_from
+        return None if self._resumed is None else self._resumed.name
 
     def __getstate__(self):
         # a loader holds the training data; it is found again each epoch
@@ -347,11 +352,12 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         move_callback(net, self, 'last')
         self.folder_.claim(net)
         self._data = training_state.data_fingerprint(X, y)
-        self._position_read = False
+        self._fit_began = False
         self._deferred = None
         self._last_save = time.monotonic()
         self._is_main = sync.is_main_process(net)
-        if sync.is_distributed(net) and (self.signals_ or self.every_n_seconds):
+        if sync.is_distributed(net):
+            # every rank needs to hear of a signal, SIGINT at least
             self._vote = sync.Vote(net)
             self._next_vote = 0
             self._vote_interval = 1
@@ -360,14 +366,16 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
         self._train_loader = training_state.find_train_loader(net, dataset_train)
         self._batches = 0
-        if not self._position_read:
+        if not self._fit_began:
+            self._fit_began = True
             # the resume callback, which runs first, has loaded the checkpoint
-            self._position_read = True
-            self.global_step_, self._batches = self._resumed_position(net)
+            if not self._take_resumed(net):
+                # a fresh start or a partial_fit: skorch trains max_epochs more
+                self._last_epoch = len(net.history) - 1 + net.max_epochs
             # once every callback's on_train_begin went through: a fit that
             # fails before training leaves no handler behind
-            self._watch.install(type(self).__name__)
-        if self.every_n_steps or self.every_n_seconds or self.signals_:
+            self._watch.install(type(self).__name__, *self._watched_signals(net))
+        if self.every_n_steps or self.every_n_seconds or self._watch.stop_signals:
             if ((self.every_n_steps or self.every_n_seconds)
                     and not epoch_position.can_skip(self._train_loader)):
                 raise ValueError(
@@ -409,27 +417,76 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         if received is None and isinstance(deferred, signal.Signals):
             received = deferred
         decided, best = self._decide(net)
-        do_save = decided or deferred is not None or received is not None
+        # the fit ends after this epoch: its checkpoint says training finished
+        last = len(net.history) >= self._last_epoch
+        do_save = decided or last or deferred is not None or received is not None
         if self.event_name is not None:
             net.history.record(self.event_name, do_save)
         if do_save:
-            path = self.save_model(net, best=best)
+            path = self.save_model(net, best=best, finished=last)
             if received is not None:
                 self._stop(net, received, path)
 
     def on_train_end(self, net, **kwargs):
         try:
-            # interrupted inside an epoch: the last checkpoint stands
+            # a fit that the resume callback ended before its first epoch
+            self._take_resumed(net)
             if (training_state.epoch_completed(net)
                     and self.checkpoint_name(net) not in (self.last_saved_, self.resumed_from_)):
-                stopped_early = self._epoch_end_seen != len(net.history)
-                # interrupted in this callback's own epoch end (a KeyboardInterrupt
-                # in a save) is neither: the saved run goes on when resumed
-                finished = stopped_early or len(net.history) >= net.max_epochs
-                self.save_model(net, finished=finished, stopped_early=stopped_early)
+                self._save_at_train_end(net)
             self.wait_for_saves(net)
+            received = self._signal_at_train_end(net)
+            if received is not None:
+                saved = self.last_saved_ or self.resumed_from_
+                self._stop(net, received, saved and self.folder_.path(saved))
         finally:
             self.close()
+
+    def _save_at_train_end(self, net):
+        """Save the epoch that training ended in, unless its end was cut
+        short by an interruption that was no callback's decision."""
+        # this callback's own end of the epoch went through, but for its
+        # save (a KeyboardInterrupt in the save): the epoch's state is whole
+        seen = self._epoch_end_seen == len(net.history)
+        stopped_early = not seen and sync.broadcast(
+            net, self._watch.interrupted is None and triggers.stopped_by_callback(net))
+        if seen or stopped_early:
+            ends = self._last_epoch is not None and len(net.history) >= self._last_epoch
+            self.save_model(net, finished=stopped_early or ends, stopped_early=stopped_early)
+            return
+        # a Ctrl-C in another callback's end of the epoch: some of them saw
+        # the epoch end, some not; resuming the last checkpoint replays it
+        last = self.last_saved_ or self.resumed_from_
+        say(net, self.sink,
+            f"Training was interrupted (KeyboardInterrupt) in the end of epoch "
+            f"{len(net.history)}, which is not saved: "
+            + (f"{self.folder_.path(last)} stands" if last else "no checkpoint was taken")
+            + "; run the same command again to resume")
+
+    def _take_resumed(self, net):
+        """Count on from the checkpoint that this fit resumed from, if it did
+        (not a fit that continues training without loading, such as
+        ``partial_fit``); return whether it did."""
+        record = find_resumed(net, self.dirname)
+        if record is None or record is self._resumed:
+            return False
+        self._resumed = record
+        self.global_step_, self._batches = record.step, record.batches
+        self._last_epoch = record.last_epoch
+        return True
+
+    def _watched_signals(self, net):
+        """``(signals that save and stop, signals only noted)``: a Ctrl-C
+        (SIGINT) stops every rank as a preemption does when there are
+        several (one rank's KeyboardInterrupt would leave the others waiting
+        in a collective), and in one process ends ``fit`` as skorch's does,
+        noted so that it is not taken for a callback's decision."""
+        stop = tuple(self.signals_)
+        if signal.SIGINT in stop:
+            return stop, ()
+        if sync.is_distributed(net):
+            return stop + (signal.SIGINT,), ()
+        return stop, (signal.SIGINT,)
 
     def close(self):
         """Wait for this process's background work, free the save buffers
@@ -542,6 +599,16 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             self._next_vote = self.global_step_ + 1
         return signal.Signals(received) if received else None
 
+    def _signal_at_train_end(self, net):
+        """The signal any rank got that training did not stop for (it came
+        during the end of training), or None; every rank counts the vote
+        under way and what every rank got since."""
+        received = int(self._watch.received or 0)
+        if self._vote is not None:
+            counted = self._vote.count()
+            received = max(sync.gather(net, max(received, counted[0] if counted else 0)))
+        return signal.Signals(received) if received else None
+
     def _stop(self, net, received, path):
         """End training on every rank after the checkpoint ``path`` of a
         signal is committed."""
@@ -553,18 +620,6 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             + (f": resume from {path}" if path else ": no checkpoint could be taken "
                "inside the epoch of an IterableDataset"))
         raise TrainingPreempted(received, path)
-
-    def _resumed_position(self, net):
-        """``(optimizer steps, training batches of the epoch under way)`` of
-        the checkpoint this training resumed from; ``(0, 0)`` for none."""
-        path = self.folder_.resumed_path
-        if path is None:
-            return 0, 0
-        position = manifest.read(path).get('position')
-        if position is None:  # format 2 recorded no steps: count them
-            return training_state.optimizer_steps(
-                net.history, accelerate_io.accumulation_steps(net.accelerator)), 0
-        return position['step'], position['batches']
 
     def checkpoint_name(self, net):
         """The folder name of a checkpoint of the net as it is now:
@@ -728,7 +783,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
         def commit():
             written.update(folder.commit(name, sealed, durable=self.durable, best=best))
-            folder.retire(self.keep_last, self.keep_best)
+            folder.retire(self.keep_last, self.keep_best, keep=[self.resumed_from_])
 
         def message():
             # the committing process knows the size; only the main process,

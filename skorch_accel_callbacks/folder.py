@@ -58,20 +58,10 @@ class CheckpointFolder:
     dirname : str or path-like
       The folder.
 
-    Attributes
-    ----------
-    resumed_from : str or None
-      Name of the checkpoint this job resumed from; retirement keeps it.
-
-    resumed_path : str or None
-      Path of the checkpoint this job resumed from (in this folder or not).
-
     """
 
     def __init__(self, dirname):
         self.dirname = os.fspath(dirname)
-        self.resumed_from = None
-        self.resumed_path = None
         self._lock = FolderLock(self.dirname)
         self._claimed = False
         self._removals = []
@@ -266,12 +256,12 @@ class CheckpointFolder:
             atomic.write_json(self._pointer('best'), {'name': name})
         return written
 
-    def retire(self, keep_last, keep_best=None):
+    def retire(self, keep_last, keep_best=None, keep=()):
         """Remove all but the ``keep_last`` newest checkpoints, the best one
-        (or the ``keep_best`` newest of those marked best) and the one this
-        job resumed from; the files go in the background."""
+        (or the ``keep_best`` newest of those marked best) and those named in
+        ``keep`` (the one a job resumed from); the files go in the background."""
         names = self.committed()
-        keep = set(names[-keep_last:]) | {self.resumed_from, self.pointed('best')}
+        keep = set(names[-keep_last:]) | set(keep) | {self.pointed('best')}
         if keep_best:
             best = [name for name in names if self._marked_best(name)]
             keep |= set(best[-keep_best:])

@@ -2,13 +2,18 @@
 
 import os
 import warnings
-import weakref
 
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
 from skorch_accel_callbacks import accelerate_io, epoch_position, manifest, sync, training_state
-from skorch_accel_callbacks.base import FolderStateCallback, check_sink, move_callback, say
+from skorch_accel_callbacks.base import (
+    FolderStateCallback,
+    Resumed,
+    check_sink,
+    move_callback,
+    say,
+)
 from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
@@ -49,12 +54,14 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     random state and its loader's shuffling state, and the callbacks their
     state; this callback moves itself before the net's other callbacks for
     that. ``fit`` then trains only the epochs that are left to reach
-    ``max_epochs`` in total, and nothing at all if the checkpoint belongs to
-    a run that had finished. skorch's ``fit`` reads the number of epochs to
-    train from ``net.max_epochs``, so from this callback's ``on_train_begin``
-    until the first epoch begins, ``net.max_epochs`` holds the epochs left;
-    the other callbacks' ``on_train_begin`` see that number, every epoch
-    sees the user's total.
+    ``max_epochs`` in total, and nothing at all if a callback had stopped
+    the run (``EarlyStopping``): when an epoch would begin with none left,
+    this callback ends the fit as skorch's callbacks do (a
+    ``KeyboardInterrupt`` that ``fit`` catches), before any other callback
+    sees that epoch. The net's parameters, ``max_epochs`` among them, are
+    never changed. A later ``partial_fit`` (or ``fit`` with
+    ``warm_start=True``) continues the training without loading again, and
+    trains as many epochs as skorch would.
 
     A checkpoint taken inside an epoch (``every_n_steps``,
     ``every_n_seconds``, a signal) continues that epoch: when it begins,
@@ -118,9 +125,10 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     loaded_from_ : str or None
       Path of the checkpoint the net was resumed from.
 
-    requested_epochs_ : int or None
-      The user's ``max_epochs`` while ``net.max_epochs`` holds the epochs
-      left (from this callback's ``on_train_begin`` to the first epoch).
+    resumed_ : Resumed or None
+      What the net was resumed from (path, name, optimizer steps, batches
+      into its epoch, the epochs after which the resumed fit ends); the
+      checkpoint callback of the folder continues counting from it.
 
     Raises
     ------
@@ -177,9 +185,11 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             raise ValueError(
                 f"{owner}: on_world_size_change must be one of {WORLD_SIZE_CHANGES}, "
                 f"got {self.on_world_size_change!r}")
-        self._restore_max_epochs()
         self.did_load_ = False
         self.loaded_from_ = None
+        self.resumed_ = None
+        # the epochs after which the fit that resumed ends; None in other fits
+        self._last_epoch = None
         self._pending = None
         self._inside = None
         self._rng_at_batch = True
@@ -189,8 +199,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         return self
 
     def __getstate__(self):
-        # the net that holds the epochs left is this one's net, not a copy's
-        return dict(self.__dict__, _lowered=None, _undo_skip=None)
+        return dict(self.__dict__, _undo_skip=None)
 
     def _checkpoint_folder(self, net):
         """The folder object of the checkpoint callback that trains with
@@ -207,8 +216,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     # pylint: disable=arguments-differ
     def on_train_begin(self, net, X=None, y=None, **kwargs):
-        # a fit that raised before its first epoch left the epochs left there
-        self._restore_max_epochs()
+        self._last_epoch = None
         accelerator = getattr(net, 'accelerator', None)
         if accelerator is not None:
             # before the checkpoint's model layout is compared, which would
@@ -284,15 +292,12 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self._pending = (rng, rank_state, callbacks, hyperparameters)
         self._inside = inside
         self.loaded_from_ = path
-        self._folder.resumed_from = CheckpointFolder.name_of(path)
-        self._folder.resumed_path = path
         # the history's last row is the epoch under way, if any
         done = len(history) - (1 if inside else 0)
         stopped = manifest.stopped_early(saved)
-        left = 0 if stopped else max(0, net.max_epochs - done)
-        self.requested_epochs_ = net.max_epochs
-        self._lowered = weakref.ref(net)
-        net.max_epochs = left
+        self._last_epoch = done if stopped else max(done, net.max_epochs)
+        left = self._last_epoch - done
+        self.resumed_ = self._record(net, saved, path)
         where = (f"at batch {inside[0]} of epoch {done + 1}" if inside
                  else f"after epoch {done}")
         say(net, self.sink,
@@ -300,6 +305,18 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             + ("a callback had stopped training." if stopped
                else f"training {left} more epoch(s)." if left
                else "max_epochs had been reached."))
+
+    def _record(self, net, saved, path):
+        position = saved.get('position')
+        if position is None:  # format 2 recorded no steps: count them
+            position = {'step': training_state.optimizer_steps(
+                net.history, accelerate_io.accumulation_steps(net.accelerator)), 'batches': 0}
+        return Resumed(
+            dirname=os.path.realpath(self.checkpoint.dirname), path=path,
+            name=CheckpointFolder.name_of(path), step=position['step'],
+            # on another number of processes, the batches this run skips
+            batches=self._inside[0] if self._inside else 0,
+            last_epoch=self._last_epoch)
 
     def _reseed(self, net, saved, path, rng, rank_state, inside):
         """This rank's random state, loader state and place in the epoch in a
@@ -345,18 +362,24 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         return rng, rank_state, inside
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
-        self._restore_max_epochs()
-        if self._pending is None:
-            return
-        loader = training_state.find_train_loader(net, dataset_train)
-        if self._inside is not None:
-            self._continue_epoch(net, loader)
-            return
-        rng, rank_state = self._restore_callbacks(net)
-        training_state.apply_rank_state(loader, rank_state)
-        # preparing the training loader drew from the global generator to seed
-        # the sampler; the uninterrupted run had not drawn at this point
-        training_state.restore_rng(rng)
+        # skorch began an epoch that the resumed run does not have
+        ends = self._last_epoch is not None and sum(
+            'train_loss' in row for row in net.history[:-1]) >= self._last_epoch
+        if ends:
+            net.history.pop()
+        if self._pending is not None:
+            loader = training_state.find_train_loader(net, dataset_train)
+            if self._inside is not None and not ends:
+                self._continue_epoch(net, loader)
+                return
+            rng, rank_state = self._restore_callbacks(net)
+            training_state.apply_rank_state(loader, rank_state)
+            # preparing the training loader drew from the global generator to
+            # seed the sampler; the uninterrupted run had not drawn at this
+            # point (nor, when this fit ends here, at its end)
+            training_state.restore_rng(rng)
+        if ends:
+            raise KeyboardInterrupt
 
     def _continue_epoch(self, net, loader):
         """Set the epoch that a checkpoint taken inside it was taken in up to
@@ -426,7 +449,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             if self._pending is not None:
                 # a finished run trained no epoch; end with the state it was saved with
                 self._restore_callbacks(net)
-            self._restore_max_epochs()
+            self._last_epoch = None
         finally:
             # the checkpoint callback releases a folder it shares, when its
             # training ends (it runs after this one)
@@ -434,23 +457,6 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                     getattr(cb, 'folder_', None) is self._folder for _, cb in net.callbacks_):
                 self._folder.release()
             self._folder = None
-
-    def _restore_max_epochs(self):
-        """Give ``net.max_epochs`` back the number the user set.
-
-        skorch's ``fit_loop`` has read the epochs left by the time the first
-        epoch begins; from then on, and if that epoch raises, the net holds
-        the user's total again. When something raises before (another
-        callback's ``on_train_begin``, skorch's data check), the next
-        ``initialize`` or ``fit`` gives it back before training.
-        """
-        lowered = getattr(self, '_lowered', None)
-        net = lowered() if lowered is not None else None
-        requested = getattr(self, 'requested_epochs_', None)
-        if net is not None and requested is not None:
-            net.max_epochs = requested
-        self.requested_epochs_ = None
-        self._lowered = None
 
     def _resolve(self, net):
         """The folder to resume from, the same checkpoint on every rank."""

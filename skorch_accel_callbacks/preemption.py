@@ -43,42 +43,69 @@ def check_signals(signals, owner):
 
 
 class SignalWatch:
-    """Notes the first of ``signals`` that this process gets while installed.
+    """Notes the signals this process gets while installed.
+
+    Two kinds of signals are watched:
+
+    - ``stop`` signals are only noted (:attr:`received`, the first one): the
+      checkpoint callback saves at the next step and stops every rank. A
+      second one, after one was noted, puts the previous handlers back and
+      gets the previous behaviour at once (by default, the process ends): a
+      training that does not reach its next step can still be stopped.
+      Where the previous handler was a Python function it is called after
+      the signal is noted (a user's own handler still runs), except
+      Python's KeyboardInterrupt for SIGINT.
+    - ``passed_on`` signals are noted (:attr:`interrupted`) and then get the
+      previous handler at once: SIGINT in one process still raises
+      KeyboardInterrupt as skorch expects, and the checkpoint callback can
+      tell a Ctrl-C from a callback that stopped training. A signal whose
+      handler is not a Python function (ignored, or the default action) is
+      not watched this way.
 
     Installed in the main thread only (Python runs signal handlers there);
-    the handlers that were set before are put back when uninstalled, and
-    called after this one notes the signal where they were functions (so a
-    user's own handler still runs; Python's KeyboardInterrupt for SIGINT
-    is not). A second signal, after one was noted, puts the previous
-    handlers back and gets the previous behaviour at once (by default, the
-    process ends): a training that does not reach its next step can still
-    be stopped.
+    the handlers that were set before are put back when uninstalled.
 
     Attributes
     ----------
     received : signal.Signals or None
-      The first signal noted since installed.
+      The first ``stop`` signal noted since installed.
+
+    interrupted : signal.Signals or None
+      The first ``passed_on`` signal noted since installed.
     """
 
-    def __init__(self, signals):
-        self.signals = tuple(signals)
+    def __init__(self):
         self.received = None
+        self.interrupted = None
         self._previous = {}
+        self._stop = ()
 
-    def install(self, owner):
-        """Set the handlers; warn naming ``owner`` and do nothing outside
-        the main thread."""
+    def install(self, owner, stop, passed_on=()):
+        """Set the handlers, after forgetting what an earlier installation
+        noted; warn naming ``owner`` and do nothing outside the main thread."""
+        self.uninstall()
         self.received = None
-        if not self.signals or self._previous:
+        self.interrupted = None
+        self._stop = tuple(stop)
+        if not self._stop and not passed_on:
             return
         if threading.current_thread() is not threading.main_thread():
-            warnings.warn(
-                f"{owner}: fit runs outside the main thread, where no signal handler "
-                f"can be set: {', '.join(s.name for s in self.signals)} will not save "
-                "a checkpoint", UserWarning, stacklevel=3)
+            if self._stop:
+                warnings.warn(
+                    f"{owner}: fit runs outside the main thread, where no signal handler "
+                    f"can be set: {', '.join(s.name for s in self._stop)} will not save "
+                    "a checkpoint", UserWarning, stacklevel=3)
             return
-        for sig in self.signals:
+        for sig in self._stop:
             self._previous[sig] = signal.signal(sig, self._note)
+        for sig in passed_on:
+            if sig not in self._stop and callable(signal.getsignal(sig)):
+                self._previous[sig] = signal.signal(sig, self._pass_on)
+
+    @property
+    def stop_signals(self):
+        """The ``stop`` signals of the installation under way (a tuple)."""
+        return self._stop
 
     def _note(self, signum, frame):
         if self.received is not None:
@@ -96,6 +123,11 @@ class SignalWatch:
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 
+    def _pass_on(self, signum, frame):
+        if self.interrupted is None:
+            self.interrupted = signal.Signals(signum)
+        self._previous[signum](signum, frame)
+
     def uninstall(self):
         previous, self._previous = self._previous, {}
         for sig, handler in previous.items():
@@ -104,4 +136,4 @@ class SignalWatch:
 
     def __getstate__(self):
         # handlers belong to this process and may not pickle
-        return dict(self.__dict__, _previous={}, received=None)
+        return dict(self.__dict__, _previous={}, received=None, interrupted=None)

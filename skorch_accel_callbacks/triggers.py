@@ -7,10 +7,14 @@ ranks' histories can differ.
 
 import warnings
 
+from skorch.callbacks import EarlyStopping
 from skorch.exceptions import SkorchException
 
-__all__ = ['check_interval', 'check_monitor', 'epoch_due', 'monitor_says', 'step_due',
-           'time_due']
+__all__ = ['STOPPED_EARLY', 'check_interval', 'check_monitor', 'epoch_due', 'monitor_says',
+           'step_due', 'stopped_by_callback', 'time_due']
+
+# the history column in which a callback that ends training on purpose says so
+STOPPED_EARLY = 'stopped_early'
 
 
 def check_monitor(monitor, owner):
@@ -82,3 +86,19 @@ def monitor_says(net, monitor, owner):
             "Make sure you have validation data if you use validation scores for "
             "checkpointing.")
     return bool(last[monitor])
+
+
+def stopped_by_callback(net) -> bool:
+    """Whether a callback decided to end training at the epoch just ended.
+
+    skorch's callbacks stop training by raising ``KeyboardInterrupt``, which
+    ``fit`` catches, as it catches a Ctrl-C: only a decision that a callback
+    left a trace of counts. ``EarlyStopping`` leaves its own state (as many
+    misses as its patience); any other callback records ``True`` in the
+    epoch's :data:`STOPPED_EARLY` column before it raises.
+    """
+    if net.history and net.history[-1].get(STOPPED_EARLY):
+        return True
+    return any(isinstance(callback, EarlyStopping)
+               and getattr(callback, 'misses_', 0) >= callback.patience
+               for _, callback in net.callbacks_)

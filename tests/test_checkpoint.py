@@ -156,8 +156,8 @@ def test_monitor_best_and_retention(tmp_path):
 
     net, cp, _ = fit(tmp_path / 'ck', max_epochs=5, monitor=every_other, keep_last=1)
     assert calls == [1, 2, 3, 4, 5]
-    assert list(net.history[:, 'event_acp']) == [True, False, True, False, False]
-    # epoch 5 is saved at the end of training, marked finished; epoch 3 is best
+    # epoch 5, the last, is saved at its end, marked finished; epoch 3 is best
+    assert list(net.history[:, 'event_acp']) == [True, False, True, False, True]
     assert cp.committed() == ['epoch-0003', 'epoch-0005']
     assert json.loads((tmp_path / 'ck' / 'best.json').read_text()) == {'name': 'epoch-0003'}
     manifest = json.loads((tmp_path / 'ck' / 'epoch-0005' / 'manifest.json').read_text())
@@ -171,7 +171,8 @@ def test_monitor_best_and_retention(tmp_path):
 
 def test_every_n_epochs(tmp_path):
     net, cp, _ = fit(tmp_path / 'ck', max_epochs=5, every_n_epochs=2, keep_last=5)
-    assert list(net.history[:, 'event_acp']) == [False, True, False, True, False]
+    # the last epoch is saved too, marked finished
+    assert list(net.history[:, 'event_acp']) == [False, True, False, True, True]
     assert cp.committed() == ['epoch-0002', 'epoch-0004', 'epoch-0005']
 
 
