@@ -50,21 +50,28 @@ def assert_saved_where_it_stopped(preempted, signal_name):
     return infos[0]['checkpoint']
 
 
-def test_sigterm_to_torchrun_saves_stops_and_resumes(uninterrupted, tmp_path):
-    """torchrun passes its SIGTERM on to every worker; they save at the next
-    batch boundary and fail, so torchrun fails too."""
+@pytest.mark.parametrize('signal_name, who', [
+    ('SIGTERM', 'parent'),
+    # a terminal's Ctrl-C: SIGINT to torchrun's process group (its workers
+    # have sessions of their own), which torchrun passes on
+    ('SIGINT', 'group'),
+])
+def test_a_signal_to_torchrun_saves_stops_and_resumes(uninterrupted, tmp_path, signal_name,
+                                                      who):
+    """torchrun passes its SIGTERM or SIGINT on to every worker; they save at
+    the next batch boundary and fail, so torchrun fails too."""
     env = dict(os.environ, RESULT_DIR=str(tmp_path), OMP_NUM_THREADS='1',
                PYTHONPATH=os.pathsep.join([str(WORKERS), str(REPO)]),
-               SIGNAL='3:2:parent')
+               SIGNAL=f'3:2:{who}:{signal_name}')
     proc = subprocess.run(
         [sys.executable, '-m', 'torch.distributed.run', '--standalone',
          '--nproc_per_node', '2', str(WORKERS / 'resume.py'), str(tmp_path / 'ckpt'),
          'preempted'],
-        env=env, capture_output=True, text=True, timeout=240)
+        env=env, capture_output=True, text=True, timeout=240, start_new_session=True)
     assert proc.returncode != 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     preempted = read_results(tmp_path, 'preempted', 2)
     assert [res['num_processes'] for res in preempted] == [2, 2]
-    checkpoint = assert_saved_where_it_stopped(preempted, 'SIGTERM')
+    checkpoint = assert_saved_where_it_stopped(preempted, signal_name)
 
     resumed = run(tmp_path, 'resumed', 2)
     assert all(res['loaded_from'] == checkpoint for res in resumed)
@@ -72,13 +79,20 @@ def test_sigterm_to_torchrun_saves_stops_and_resumes(uninterrupted, tmp_path):
     assert_same_as_uninterrupted(uninterrupted, 2, tmp_path, 'resumed')
 
 
-def test_sigterm_to_one_worker_stops_both(uninterrupted, tmp_path):
-    preempted = run(tmp_path, 'preempted', 2, expect_ok=False, SIGNAL='3:2:rank1')
+@pytest.mark.parametrize('signal_name', [
+    'SIGTERM',
+    # a Ctrl-C that reaches one rank: a KeyboardInterrupt there would leave
+    # the other waiting in a collective until the timeout
+    'SIGINT',
+])
+def test_a_signal_to_one_worker_stops_both(uninterrupted, tmp_path, signal_name):
+    preempted = run(tmp_path, 'preempted', 2, expect_ok=False,
+                    SIGNAL=f'3:2:rank1:{signal_name}')
     assert not preempted.timed_out and all(rc != 0 for rc in preempted.returncodes), \
         preempted.report()
     results = read_results(tmp_path, 'preempted', 2)
     assert [res['num_processes'] for res in results] == [2, 2]
-    checkpoint = assert_saved_where_it_stopped(results, 'SIGTERM')
+    checkpoint = assert_saved_where_it_stopped(results, signal_name)
     # rank 1 got it after batch 2 of epoch 3; the ranks vote every ~0.5 s
     # and at each epoch's end, so they stop in that epoch at the latest
     epoch, batches = results[0]['preempted']['trained']

@@ -19,8 +19,9 @@ Environment:
   ranks then fail in the next collective);
 - SIGNAL: ``E:B:WHO[:NAME]`` after batch B of epoch E sends signal NAME
   (default SIGTERM): WHO ``parent`` is rank 0 signalling its parent (the
-  ``torchrun`` agent, which passes it on to every worker), ``rank<R>`` is
-  rank R signalling itself;
+  ``torchrun`` agent, which passes it on to every worker), ``group`` rank 0
+  signalling its parent's process group (as a terminal's Ctrl-C does),
+  ``rank<R>`` is rank R signalling itself;
 - FAIL: ``R:E`` makes rank R's write of its own checkpoint file fail with
   ENOSPC at the end of epoch E;
 - CKPT_OPTIONS: JSON of extra AccelerateCheckpoint arguments;
@@ -148,6 +149,8 @@ class SendSignal(BatchEnds):
         sig = getattr(signal, self.name)
         if self.who == 'parent' and rank() == 0:
             os.kill(os.getppid(), sig)
+        elif self.who == 'group' and rank() == 0:
+            os.killpg(os.getpgid(os.getppid()), sig)
         elif self.who == f'rank{rank()}':
             os.kill(os.getpid(), sig)
 
