@@ -11,8 +11,15 @@ with a checkpoint every ``EVERY_N_STEPS`` optimizer steps besides every epoch:
    checkpoint (a step checkpoint inside that epoch) and trains what is left;
 4. the same command again in a third folder, sent SIGTERM (to ``torchrun``,
    as a scheduler preempting the job does) in the middle of epoch
-   ``--sigterm-epoch``: every rank saves at the next step and stops;
+   ``--sigterm-epoch``: every rank saves at the next step the ranks agree
+   on the signal and stops (torchrun then reports the signal with a
+   traceback of its own, which is expected and shown as one line);
 5. exactly the same command as 4, which resumes at the batch it stopped at.
+
+The ranks agree on a signal about every 0.5 s, and this network trains an
+epoch in a fraction of that: so that the SIGTERM lands inside an epoch, as
+it does in a real training, runs 4 and 5 take ``SLOW_BATCH_SECONDS`` longer
+per batch (a sleep, which changes no number).
 
 Then it prints the per-epoch log of the three runs side by side with the work
 each interruption lost (in batches: since the last step checkpoint for the
@@ -68,6 +75,13 @@ EVERY_N_STEPS = 10
 # SIGTERM after this many of its epoch, so that both land inside an epoch.
 KILL_AFTER_BATCH = 12
 SIGTERM_AFTER_BATCH = 3
+# Runs 4 and 5 sleep this long after each training batch: the ranks agree on
+# signals about every 0.5 s, and a signal is acted on within about two such
+# intervals, which is ~10 of these batches, well inside an epoch's 23.
+SLOW_BATCH_SECONDS = 0.1
+# What torchrun ends with when it is sent SIGTERM: a traceback of its own
+# SignalException (it forwarded the signal and the ranks stopped as meant).
+TORCHRUN_SIGNAL_EXCEPTION = 'torch.distributed.elastic.multiprocessing.api.SignalException'
 FINAL_STATE = 'final_state.pt'
 HISTORY = 'history.json'
 PLOT = 'loss_curves.png'
@@ -103,8 +117,9 @@ class MLP(torch.nn.Module):
 class Progress(Callback):
     """Tell the demo where training is, and which launch trained each epoch."""
 
-    def __init__(self, is_main):
+    def __init__(self, is_main, batch_seconds=0.0):
         self.is_main = is_main
+        self.batch_seconds = batch_seconds
 
     # a checkpoint inside an epoch holds where in it training is
     def state_dict(self):
@@ -117,6 +132,8 @@ class Progress(Callback):
         self.batches_ = 0
 
     def on_batch_end(self, net, training=False, **kwargs):
+        if training and self.batch_seconds:
+            time.sleep(self.batch_seconds)
         if training and self.is_main:
             self.batches_ += 1
             _tell('batch', epoch=len(net.history), batch=self.batches_)
@@ -142,7 +159,7 @@ def load_digits_data():
     return (X / 16.0).astype(np.float32), y.astype(np.int64)
 
 
-def build_net(run_dir, epochs, accelerator):
+def build_net(run_dir, epochs, accelerator, batch_seconds=0.0):
     checkpoint = AccelerateCheckpoint(
         dirname=os.path.join(run_dir, 'checkpoints'), sink=print,
         every_n_steps=EVERY_N_STEPS)
@@ -160,14 +177,14 @@ def build_net(run_dir, epochs, accelerator):
             checkpoint,
             AccelerateLoadInitState(checkpoint, sink=print),
             LRScheduler(policy=CosineAnnealingLR, T_max=epochs),
-            Progress(accelerator.is_main_process),
+            Progress(accelerator.is_main_process, batch_seconds),
         ],
         # skorch's AccelerateMixin prints the epoch log on the main process only
         callbacks__print_log__keys_ignored=['launch_pid'],
     )
 
 
-def train(run_dir, epochs, cpu):
+def train(run_dir, epochs, cpu, batch_seconds=0.0):
     """Train (or resume) one run; rank 0 writes its final state to ``run_dir``."""
     _tell('pid', rank=int(os.environ.get('RANK', '0')), pid=os.getpid())
     if not cpu:
@@ -175,7 +192,7 @@ def train(run_dir, epochs, cpu):
         torch.use_deterministic_algorithms(True)
     set_seed(SEED)
     accelerator = Accelerator(cpu=cpu)
-    net = build_net(run_dir, epochs, accelerator)
+    net = build_net(run_dir, epochs, accelerator, batch_seconds)
     try:
         net.fit(*load_digits_data())
     except TrainingPreempted as exc:
@@ -211,7 +228,7 @@ def train(run_dir, epochs, cpu):
 class Launch:
     """One ``torchrun`` job of this script, its output echoed as it comes."""
 
-    def __init__(self, args, run_dir, label):
+    def __init__(self, args, run_dir, label, slow=False):
         self.label = label
         self.run_dir = run_dir
         self.nproc = args.nproc
@@ -219,14 +236,18 @@ class Launch:
             sys.executable, '-m', 'torch.distributed.run', '--standalone',
             '--nproc_per_node', str(args.nproc), os.path.abspath(__file__),
             '--worker', run_dir, '--epochs', str(args.epochs),
-        ] + (['--cpu'] if args.cpu else [])
+        ] + (['--cpu'] if args.cpu else []) + (
+            ['--batch-seconds', str(SLOW_BATCH_SECONDS)] if slow else [])
         env = dict(os.environ, PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1',
                    CUBLAS_WORKSPACE_CONFIG=':4096:8')
         self.worker_pids = {}
         self.last_batch = None
         self.killed = False
         self.signalled = False
+        self.signalled_at = None
         self.tail = []
+        # a traceback held back until its last line says whose it is
+        self.traceback = []
         self.color = sys.stdout.isatty()
         # torchrun starts every rank in a session of its own: a kill of the
         # job has to name the ranks as well as torchrun's process group
@@ -262,9 +283,31 @@ class Launch:
                 self._act(line, kill_epoch, sigterm_epoch)
                 continue
             self.tail = (self.tail + [line])[-40:]
+            self._echo(line)
+        self._echo_lines(self.traceback)
+        return self.proc.wait()
+
+    def _echo(self, line):
+        """Print a line of the job's output; after the SIGTERM, torchrun's
+        traceback of the signal as one line (any other traceback in full)."""
+        if self.signalled and (self.traceback or line.startswith('Traceback (most recent')):
+            self.traceback.append(line)
+            if line[:1].isspace() or line.startswith('Traceback (most recent'):
+                return
+            if line.startswith(TORCHRUN_SIGNAL_EXCEPTION):
+                self._echo_lines([f"expected: torchrun reports the signal "
+                                  f"({line.rsplit('.', 1)[-1]}; its traceback of "
+                                  f"{len(self.traceback)} lines left out)"])
+            else:
+                self._echo_lines(self.traceback)
+            self.traceback = []
+            return
+        self._echo_lines([line])
+
+    def _echo_lines(self, lines):
+        for line in lines:
             print(f"  {self.label} | {line if self.color else ANSI.sub('', line)}",
                   flush=True)
-        return self.proc.wait()
 
     def _act(self, line, kill_epoch, sigterm_epoch):
         kind, _, payload = line[len(MARK):].partition(' ')
@@ -276,6 +319,7 @@ class Launch:
             if (not self.signalled and values['epoch'] == sigterm_epoch
                     and values['batch'] == SIGTERM_AFTER_BATCH):
                 self.signalled = True
+                self.signalled_at = self.last_batch
                 self.proc.send_signal(signal.SIGTERM)
                 print(f"  {self.label} | >>> SIGTERM to torchrun after batch "
                       f"{SIGTERM_AFTER_BATCH} of epoch {sigterm_epoch}", flush=True)
@@ -314,8 +358,8 @@ class Launch:
         self.proc.wait()
 
 
-def _launch(args, run_dir, label, kill_epoch=None, sigterm_epoch=None):
-    job = Launch(args, run_dir, label)
+def _launch(args, run_dir, label, kill_epoch=None, sigterm_epoch=None, slow=False):
+    job = Launch(args, run_dir, label, slow=slow)
     returncode = job.run(args.timeout, kill_epoch=kill_epoch, sigterm_epoch=sigterm_epoch)
     if job.killed:
         return job
@@ -395,14 +439,17 @@ def interruption(kind, epoch, job, resumed, batches_per_epoch):
     last batch the main process reported), the checkpoint the relaunch
     resumed from, and the batches trained in between, which were lost."""
     resumed_from = resumed['resumed_from']
+    stopped_epoch, stopped_batch = job.last_batch
     info = {'kind': kind, 'epoch': epoch, 'stopped_at': list(job.last_batch),
+            'signalled_at': list(job.signalled_at) if job.signalled_at else None,
+            # on the plot's axis, where epoch e ends at e
+            'stopped_at_epochs': stopped_epoch - 1 + stopped_batch / batches_per_epoch,
             'resumed_from': resumed_from, 'lost_batches': None}
     if resumed_from is None:
         return info
     with open(os.path.join(resumed_from, 'manifest.json')) as f:
         saved = json.load(f)
     saved_batches = saved['epoch'] * batches_per_epoch + saved['position']['batches']
-    stopped_epoch, stopped_batch = job.last_batch
     trained = (stopped_epoch - 1) * batches_per_epoch + stopped_batch
     info.update(lost_batches=trained - saved_batches, saved_epoch=saved['epoch'],
                 saved_batches=saved['position']['batches'])
@@ -412,8 +459,9 @@ def interruption(kind, epoch, job, resumed, batches_per_epoch):
 def _describe_interruption(info):
     epoch, batch = info['stopped_at']
     name = os.path.basename(info['resumed_from'] or 'nothing')
-    return (f">>> {info['kind']} during epoch {info['epoch']} (trained up to batch {batch} of "
-            f"epoch {epoch}); relaunch resumed from {name}: "
+    sent = (f"sent after batch {info['signalled_at'][1]}, " if info['signalled_at'] else '')
+    return (f">>> {info['kind']} during epoch {info['epoch']} ({sent}trained up to batch "
+            f"{batch} of epoch {epoch}); relaunch resumed from {name}: "
             f"{info['lost_batches']} batch(es) lost")
 
 
@@ -466,12 +514,15 @@ def plot(full, runs, verdict, path):
                 mask = launches == launch
                 ax.plot(epochs[mask], values[mask], marker, color=color,
                         label=f"{key}, launch {launch}")
-        # the interruption came during its epoch, between that epoch's point
-        # and the one before
-        x_cut = info['epoch'] - 0.5
+        # epoch e's point is at its end, x = e: training stopped this far
+        # into its epoch
+        x_cut = info['stopped_at_epochs']
+        stopped_epoch, stopped_batch = info['stopped_at']
         ax.axvline(x_cut, color='red', ls='--', lw=1.5)
-        ax.annotate(f"{info['kind']} in epoch {info['epoch']}\n"
-                    f"{info['lost_batches']} batch(es) lost", xy=(x_cut, 0.95),
+        sent = f" after batch {info['signalled_at'][1]}" if info['signalled_at'] else ''
+        ax.annotate(f"{info['kind']}{sent}: stopped at batch {stopped_batch}\nof epoch "
+                    f"{stopped_epoch}, {info['lost_batches']} batch(es) lost",
+                    xy=(x_cut, 0.95),
                     xycoords=('data', 'axes fraction'), ha='left', va='top', color='red',
                     xytext=(6, 0), textcoords='offset points')
         ax.set_xlabel('epoch')
@@ -554,8 +605,10 @@ def demo(args):
 
     phase(f"4/7 The same training in {dirs['preempted']}, sent SIGTERM (to torchrun, "
           f"as a scheduler does) during epoch {args.sigterm_epoch} (after batch "
-          f"{SIGTERM_AFTER_BATCH})")
-    preempted = _launch(args, dirs['preempted'], 'run 3', sigterm_epoch=args.sigterm_epoch)
+          f"{SIGTERM_AFTER_BATCH}); its batches take {SLOW_BATCH_SECONDS} s longer, so "
+          "that the signal lands inside the epoch")
+    preempted = _launch(args, dirs['preempted'], 'run 3', sigterm_epoch=args.sigterm_epoch,
+                        slow=True)
     latest = os.path.join(dirs['preempted'], 'checkpoints', 'latest.json')
     with open(latest) as f:
         taken = json.load(f)['name']
@@ -564,7 +617,7 @@ def demo(args):
           f"checkpoint taken on the signal: {taken}")
 
     phase("5/7 Relaunch, the same command unchanged")
-    _launch(args, dirs['preempted'], 'run 3, relaunched')
+    _launch(args, dirs['preempted'], 'run 3, relaunched', slow=True)
 
     phase("6/7 Comparison")
     full = _load(dirs['uninterrupted'])
@@ -633,6 +686,7 @@ def parse_args(argv=None):
     parser.add_argument('--timeout', type=float, default=300,
                         help="seconds each launch may take (default 300)")
     parser.add_argument('--worker', metavar='RUN_DIR', help=argparse.SUPPRESS)
+    parser.add_argument('--batch-seconds', type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.kill_epoch is None:
         args.kill_epoch = args.epochs // 2 + 1
@@ -646,7 +700,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
-        train(args.worker, args.epochs, cpu=args.cpu or not torch.cuda.is_available())
+        train(args.worker, args.epochs, cpu=args.cpu or not torch.cuda.is_available(),
+              batch_seconds=args.batch_seconds)
         return 0
     try:
         return demo(args)

@@ -5,10 +5,11 @@ in a folder of checkpoints, whether its files are intact, and a checkpoint's
 model(s) as files for inference. ``list`` and ``verify`` only read the
 folder; ``export`` only writes into ``OUT``.
 
-Exit codes: 0 done (``verify``: intact), 1 a checkpoint is damaged or
-cannot be used (``verify`` names each damaged file; ``export`` the file it
-could not read) or the command failed (``OUT`` not writable), 2 a usage
-error: a wrong argument, no such folder or checkpoint.
+Exit codes, the same for every command: 0 done (``verify``: intact), 1 a
+checkpoint is damaged or cannot be used (``verify`` names each damaged file;
+``export`` the model file it could not read) or the command failed (``OUT``
+not writable), 2 a usage error: a wrong argument (``OUT`` a file), no such
+folder or checkpoint (``best`` where no checkpoint is the best one).
 """
 
 import argparse
@@ -40,6 +41,20 @@ def _split(path, name):
                          or os.path.isfile(os.path.join(path, MANIFEST_NAME))):
         return os.path.dirname(path) or os.curdir, os.path.basename(path)
     return path, name
+
+
+def _pointed(dirname, which):
+    """The name ``latest.json`` or ``best.json`` of ``dirname`` gives; a
+    :class:`UsageError` if there is none."""
+    name = CheckpointFolder(dirname).pointed(which)
+    if name is not None:
+        return name
+    file = os.path.join(dirname, f'{which}.json')
+    if os.path.exists(file):
+        raise UsageError(f"no {which} checkpoint in {dirname}: {file} names no checkpoint")
+    why = (": only checkpoints saved because of `monitor` are best ones" if which == 'best'
+           else '')
+    raise UsageError(f"no {which} checkpoint in {dirname}: there is no {file}{why}")
 
 
 def _check_folder(dirname):
@@ -88,7 +103,8 @@ def _list(args, out):
                 str(row['step'] if row['step'] is not None else '-'),
                 'best' if row['best'] else '-', score, finished,
                 str(row['world_size'] if row['world_size'] is not None else '-'),
-                format_bytes(row['bytes']), saved_at, _took(row),
+                format_bytes(row['bytes']) if row['bytes'] is not None else '-', saved_at,
+                _took(row),
                 'DAMAGED' if row['problem'] else 'ok'))
         for line in _table(table):
             print('  ' + line, file=out)
@@ -153,10 +169,7 @@ def _verify(args, out):
         paths = [folder.path(found) for found in names]
         damaged, notes = _pointer_problems(dirname, names)
     elif name in POINTERS:
-        pointed = folder.pointed(name)
-        if pointed is None:
-            raise UsageError(f"{os.path.join(dirname, name + '.json')} names no checkpoint")
-        paths = [folder.path(pointed)]
+        paths = [folder.path(_pointed(dirname, name))]
     elif os.path.isdir(folder.path(name)):
         # a checkpoint, or a folder given as one (renamed, copied)
         paths = [folder.path(name)]
@@ -193,14 +206,17 @@ def _export(args, out):
     dirname, name = _split(args.dir, args.name)
     _check_folder(dirname)
     which = name or 'latest'
+    if which == 'best':
+        _pointed(dirname, which)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         try:
-            path = exporting.find_checkpoint(dirname, which)
+            path = exporting.find_exportable(dirname, which)
             files = exporting.export(path, args.out)
         finally:
-            for warning in caught:
-                print(f"warning: {warning.message}", file=sys.stderr)
+            # export warns again about the checkpoint it was given
+            for message in dict.fromkeys(str(warning.message) for warning in caught):
+                print(f"warning: {message}", file=sys.stderr)
     print(f"exported the model(s) of {path} into {args.out}:", file=out)
     for key, file in files.items():
         print(f"  {file}  ({key})", file=out)
@@ -216,9 +232,10 @@ def _parser(prog):
         prog=prog,
         description="List, verify and export the checkpoints of AccelerateCheckpoint. "
                     "list and verify only read the folder.",
-        epilog="Exit codes: 0 done (verify: intact), 1 a checkpoint is damaged or "
-               "cannot be used, or the command failed; 2 a usage error (no such "
-               "folder or checkpoint).")
+        epilog="Exit codes, the same for every command: 0 done (verify: intact); 1 a "
+               "checkpoint is damaged or cannot be used, or the command failed; 2 a "
+               "usage error: a wrong argument (export: OUT is a file), no such folder "
+               "or checkpoint (best where none is the best one).")
     commands = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
 
     listing = commands.add_parser(
@@ -236,7 +253,8 @@ def _parser(prog):
         description="Check the manifest, the size of every file and that every file "
                     "loads without running code (safetensors, JSON, "
                     "torch.load(weights_only=True)). Exit 0 if intact, 1 if damaged "
-                    "(each damaged file is named), 2 for a usage error.")
+                    "(each damaged file is named), 2 for a usage error (no such "
+                    "folder or checkpoint, no best one).")
     verifying.add_argument('dir', metavar='DIR',
                            help="an AccelerateCheckpoint's dirname, or one checkpoint folder")
     verifying.add_argument('name', metavar='NAME', nargs='?',
@@ -249,13 +267,19 @@ def _parser(prog):
         description="Write the model(s) of a checkpoint into OUT as "
                     "params.safetensors (the module), <name>.safetensors (other "
                     "modules and criteria) and history.json, which skorch's "
-                    "net.load_params(f_params=..., use_safetensors=True) reads.")
+                    "net.load_params(f_params=..., use_safetensors=True) reads. A "
+                    "checkpoint whose model files are intact is exported even if an "
+                    "optimizer or random-state file is missing (a warning names it). "
+                    "Exit 0 if exported, 1 if a model file is damaged, 2 for a usage "
+                    "error (no such folder or checkpoint, no best one, OUT a file).")
     exporting_.add_argument('dir', metavar='DIR',
                             help="an AccelerateCheckpoint's dirname, or one checkpoint folder")
     exporting_.add_argument('name', metavar='NAME', nargs='?',
                             help="latest (default: the newest complete checkpoint), best, "
                                  "or epoch-NNNN")
-    exporting_.add_argument('out', metavar='OUT', help="the folder to write into")
+    exporting_.add_argument('out', metavar='OUT',
+                            help="the folder to write into (created if needed; files of "
+                                 "an earlier export are replaced)")
     exporting_.set_defaults(run=_export)
     return parser
 
@@ -267,7 +291,7 @@ def main(argv=None, prog=None):
     try:
         return args.run(args, sys.stdout)
     # CheckpointError is a ValueError, FileNotFoundError an OSError
-    except (UsageError, FileNotFoundError, NotADirectoryError) as exc:
+    except (UsageError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)
         return USAGE
     except (CheckpointError, OSError) as exc:  # and CorruptCheckpointError

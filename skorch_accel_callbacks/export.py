@@ -14,16 +14,18 @@ from a file: safetensors files are read as such, other tensor files with
 
 import os
 import shutil
+import warnings
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from skorch_accel_callbacks import accelerate_io, manifest, training_state
 from skorch_accel_callbacks.atomic import atomic_path, read_json
-from skorch_accel_callbacks.errors import CorruptCheckpointError
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import POINTERS, CheckpointFolder, is_checkpoint_name
 
-__all__ = ['checkpoint_files', 'export', 'exported_name', 'f_argument', 'find_checkpoint']
+__all__ = ['checkpoint_files', 'export', 'exported_name', 'f_argument', 'find_checkpoint',
+           'find_exportable']
 
 
 def f_argument(module_name):
@@ -65,8 +67,7 @@ def find_checkpoint(source, which='latest'):
     source = os.fspath(source)
     if not os.path.isdir(source):
         raise FileNotFoundError(f"no such folder: {source}")
-    if (is_checkpoint_name(os.path.basename(os.path.normpath(source)))
-            or os.path.isfile(os.path.join(source, manifest.MANIFEST_NAME))):
+    if _is_one_checkpoint(source):
         if which != 'latest':
             raise ValueError(
                 f"{source} is one checkpoint; which={which!r} chooses among the "
@@ -109,6 +110,101 @@ def checkpoint_files(path):
     return files
 
 
+def _exportable_manifest(path):
+    """The manifest of checkpoint ``path`` if its model files and history
+    are intact (listed, of their listed sizes): an incomplete checkpoint, of
+    a missing or damaged optimizer or random-state file, cannot be resumed
+    from, but its model can be exported; a warning names the files at fault.
+
+    Raises the error of :func:`manifest.read` if the manifest itself is at
+    fault, and :class:`CorruptCheckpointError` naming the model file or
+    history that is missing or damaged.
+    """
+    try:
+        return manifest.read(path)
+    except CorruptCheckpointError as exc:
+        incomplete = exc
+    sealed = os.path.join(path, manifest.MANIFEST_NAME)
+    try:
+        saved = read_json(sealed)
+    except (OSError, ValueError):
+        raise incomplete from None
+    fmt = saved.get('format_version') if isinstance(saved, dict) else None
+    if not (type(fmt) is int and 1 <= fmt <= manifest.FORMAT_VERSION
+            and isinstance(saved.get('files'), dict)):
+        raise incomplete
+    files = saved['files']
+    needed = [file for _, file in manifest.model_files(saved, path)]
+    needed.append(training_state.HISTORY_NAME)
+    problems = {}
+    for rel, size in files.items():
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
+            problems[rel] = f"{file} is missing (listed in {sealed})"
+        elif os.path.getsize(file) != size:
+            problems[rel] = (f"{file} has {os.path.getsize(file)} bytes, {sealed} says "
+                             f"{size}: the file is damaged")
+        else:
+            continue
+        if rel in needed:
+            raise CorruptCheckpointError(problems[rel])
+    if training_state.HISTORY_NAME not in files:
+        raise CorruptCheckpointError(
+            f"{os.path.join(path, training_state.HISTORY_NAME)} is not listed in {sealed}")
+    warnings.warn(f"{path} is not a complete checkpoint, it cannot be resumed from: "
+                  + '; '.join(problems.values())
+                  + "; its model files and history are intact and are exported", UserWarning)
+    return saved
+
+
+def find_exportable(source, which='latest'):
+    """The path of the checkpoint :func:`export` exports: the one
+    :func:`find_checkpoint` finds, except that a checkpoint whose model
+    files and history are intact qualifies even if another of its files (an
+    optimizer or random state) is missing or damaged, with a warning naming
+    it; for ``'latest'``, the newest such checkpoint.
+
+    Raises as :func:`find_checkpoint` does; :class:`CorruptCheckpointError`
+    names the model file or history at fault.
+    """
+    return _exported_checkpoint(source, which)[0]
+
+
+def _exported_checkpoint(source, which):
+    """``(path, manifest)`` of :func:`find_exportable`."""
+    source = os.fspath(source)
+    one = _is_one_checkpoint(source)
+    if which == 'latest' and not one and os.path.isdir(source):
+        folder = CheckpointFolder(source)
+        newest = folder.pointed('latest') or next(reversed(folder.committed()), None)
+        if newest is not None:
+            try:
+                return folder.path(newest), _exportable_manifest(folder.path(newest))
+            except CheckpointError:
+                pass  # find_checkpoint warns that it skips it, and finds an older one
+    try:
+        path = find_checkpoint(source, which)
+    except CorruptCheckpointError:
+        if which == 'latest' and not one:
+            raise
+        # the checkpoint named (one, best.json's, by name or path) is incomplete
+        path = source if one else _named(CheckpointFolder(source), which)
+        return path, _exportable_manifest(path)
+    return path, manifest.read(path)
+
+
+def _is_one_checkpoint(source):
+    return (is_checkpoint_name(os.path.basename(os.path.normpath(source)))
+            or os.path.isfile(os.path.join(source, manifest.MANIFEST_NAME)))
+
+
+def _named(folder, which):
+    """The folder that ``which`` (not ``'latest'``) names in ``folder``."""
+    if which == 'best':
+        return folder.path(folder.pointed('best'))
+    return folder.path(which) if is_checkpoint_name(which) else os.fspath(which)
+
+
 def _load_tensors(file):
     """A state dict from a model file, without running code from it."""
     try:
@@ -135,7 +231,9 @@ def export(source, out, which='latest'):
     checkpoint holds (those with trainable parameters), and
     ``<out>/history.json`` the history. Each file is written atomically;
     files of an earlier export into ``out`` are replaced, the checkpoint
-    is only read.
+    is only read. A checkpoint whose model files and history are intact
+    is exported even if another of its files (an optimizer or random state)
+    is missing or damaged, with a warning naming it (:func:`find_exportable`).
 
     Parameters
     ----------
@@ -144,7 +242,8 @@ def export(source, out, which='latest'):
       :func:`find_checkpoint`).
 
     out : str or path-like
-      The folder to write into; it is created if needed.
+      The folder to write into; it is created if needed, and must not be a
+      file.
 
     which : str (default='latest')
       Which checkpoint of a folder of checkpoints: ``'latest'``,
@@ -160,11 +259,16 @@ def export(source, out, which='latest'):
     ------
     FileNotFoundError
       No such folder, or no checkpoint in it (of that name).
+    FileExistsError
+      ``out`` is a file (or anything but a folder).
     ValueError
       ``out`` is inside the checkpoint.
+    CheckpointError
+      ``which='best'`` and the folder has checkpoints but no best one; the
+      checkpoint is of a newer format.
     CorruptCheckpointError
-      A file of the checkpoint is missing, of another size or does not
-      load; the message names it.
+      A model file or the history of the checkpoint is missing, of another
+      size or does not load; the message names it.
 
     Examples
     --------
@@ -176,12 +280,14 @@ def export(source, out, which='latest'):
     >>> net.load_params(**files, use_safetensors=True)
 
     """
-    path = find_checkpoint(source, which)
     out = os.fspath(out)
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise FileExistsError(f"{out} exists and is not a folder: export into a new "
+                              "folder, or one an earlier export wrote")
+    path, saved = _exported_checkpoint(source, which)
     inside = os.path.relpath(os.path.realpath(out), os.path.realpath(path))
     if not (inside == os.pardir or inside.startswith(os.pardir + os.sep)):
         raise ValueError(f"{out} is inside the checkpoint {path}: export into another folder")
-    saved = manifest.read(path)
     history = os.path.join(path, training_state.HISTORY_NAME)
     try:
         read_json(history)

@@ -19,20 +19,20 @@ from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.folder import PARTIAL_SUFFIX, POINTERS, PROBE_PREFIX, CheckpointFolder
 from skorch_accel_callbacks.lock import LOCK_NAME
 
-__all__ = ['Verdict', 'describe', 'folder_size', 'leftovers', 'lock_state', 'pointers',
+__all__ = ['Verdict', 'checkpoint_bytes', 'describe', 'leftovers', 'lock_state', 'pointers',
            'verify']
 
 
-def folder_size(path):
-    """Bytes of the files below ``path``."""
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:  # removed meanwhile
-                pass
-    return total
+def checkpoint_bytes(saved):
+    """The size of a checkpoint, as its save message says it: the total of
+    the files its manifest ``saved`` lists (the manifest's ``bytes``), the
+    manifest itself not counted; None if the manifest lists no sizes."""
+    if type(saved.get('bytes')) is int:
+        return saved['bytes']
+    files = saved.get('files')
+    if not isinstance(files, dict) or not all(type(size) is int for size in files.values()):
+        return None
+    return sum(files.values())
 
 
 def _score(path):
@@ -78,7 +78,8 @@ def describe(dirname):
     Keys: ``name``, ``path``, ``epoch`` (complete epochs), ``step`` (optimizer
     steps; None before format 3), ``batches_into_epoch`` (0 at an epoch's
     end), ``best``, ``finished``,
-    ``stopped_early``, ``world_size``, ``bytes`` (on disk), ``saved_at``
+    ``stopped_early``, ``world_size``, ``bytes`` (:func:`checkpoint_bytes`;
+    None if the manifest cannot be read), ``saved_at``
     (a UTC datetime), ``save_seconds`` and ``blocked_seconds`` (None if not
     recorded), ``score`` (``(column, value)`` of the last epoch or None),
     ``problem`` (None, or why it is not a complete checkpoint: the quick
@@ -109,7 +110,7 @@ def describe(dirname):
             'finished': bool(saved.get('finished')),
             'stopped_early': manifest.stopped_early(saved) if saved else False,
             'world_size': saved.get('world_size'),
-            'bytes': folder_size(path),
+            'bytes': checkpoint_bytes(saved),
             'saved_at': _saved_at(path, saved),
             'save_seconds': saved.get('save_seconds'),
             'blocked_seconds': saved.get('blocked_seconds'),
@@ -191,7 +192,8 @@ class Verdict:
     files : int
       Number of files the manifest lists.
     bytes : int
-      Their total size.
+      Their total size, as the save message and ``list`` say it
+      (:func:`checkpoint_bytes`).
     """
 
     def __init__(self, path):
@@ -270,7 +272,7 @@ def verify(path):
         verdict.damaged.append(f"{sealed} lists no files")
         return verdict
     verdict.files = len(files)
-    verdict.bytes = sum(size for size in files.values() if isinstance(size, int))
+    verdict.bytes = checkpoint_bytes(saved) or 0
 
     layouts = {}
     try:

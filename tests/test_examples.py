@@ -28,7 +28,9 @@ PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 
 
 def _run(command, cwd=REPO, timeout=TIMEOUT):
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
+    # the examples (and the ranks they start) import this checkout's package
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1',
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get('PYTHONPATH', '')]))
     proc = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
     return proc.returncode, proc.stdout
@@ -81,10 +83,33 @@ def test_demo_preempts_with_sigterm_and_loses_nothing(demo):
     sigterm = demo['summary']['sigterm']
     assert sigterm['epoch'] == 2
     assert sigterm['resumed_from'] is not None and sigterm['lost_batches'] == 0
+    # the signal lands inside epoch 2: its checkpoint is a step one, after
+    # the batch the signal was sent at, and the relaunch continues the epoch
+    assert re.fullmatch(r'epoch-0001-step-\d{8}', os.path.basename(sigterm['resumed_from']))
+    stopped_epoch, stopped_batch = sigterm['stopped_at']
+    assert sigterm['signalled_at'] == [2, 3]
+    assert stopped_epoch == 2 and 3 <= stopped_batch < demo['summary']['batches_per_epoch']
+    assert (f"Resumed from {sigterm['resumed_from']} at batch {stopped_batch} of epoch 2"
+            in demo['output'])
+    # the plot marks it there: epoch 2 ends at x = 2
+    assert sigterm['stopped_at_epochs'] == \
+        1 + stopped_batch / demo['summary']['batches_per_epoch']
     assert 'TrainingPreempted: training stopped on SIGTERM' in demo['output']
     assert re.search(r'torchrun exit code [1-9]\d*; the last batch it reported', demo['output'])
     assert f"SIGTERM {sigterm['lost_batches']} (saved at the batch it stopped at)" in \
         demo['output']
+
+
+def test_demo_shows_torchruns_traceback_of_the_signal_as_one_line(demo):
+    """torchrun ends a SIGTERM with a traceback of its SignalException: the
+    demo says it is expected instead of echoing its 30 lines."""
+    output = demo['output']
+    assert re.search(r'^  run 3 \| expected: torchrun reports the signal \(SignalException: '
+                     r'Process \d+ got signal: 15; its traceback of \d+ lines left out\)$',
+                     output, flags=re.M)
+    assert 'Traceback (most recent call last)' not in output
+    assert 'SignalException' not in output.replace(
+        'expected: torchrun reports the signal (SignalException', '')
 
 
 def test_demo_prints_the_epoch_logs_side_by_side(demo):

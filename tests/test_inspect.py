@@ -362,9 +362,10 @@ def test_list_shows_each_checkpoint_leftovers_and_the_lock(tmp_path, trained):
         valid_loss = trained['net'].history[epoch - 1, 'valid_loss']
         finished = 'yes' if epoch == 3 else 'no'
         assert row[3:7] == ['valid_loss', f"{valid_loss:.4f}", finished, '1']
-        size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names
-                   in os.walk(os.path.join(folder, f'epoch-{epoch:04d}')) for name in names)
-        assert ' '.join(row[7:9]) == format_bytes(size)
+        # the files the manifest lists (epoch 1's has no 'bytes'), not itself
+        listed = json.loads(open(os.path.join(folder, f'epoch-{epoch:04d}', 'manifest.json'))
+                            .read())['files']
+        assert ' '.join(row[7:9]) == format_bytes(sum(listed.values()))
         assert row[-1] == 'ok'
     assert rows[0][9:12] == ['1970-01-01', '00:00:00', '-']
     saved_at = datetime.fromisoformat(json.loads(open(os.path.join(
@@ -386,6 +387,29 @@ def test_list_shows_each_checkpoint_leftovers_and_the_lock(tmp_path, trained):
         lock.release()
     assert held.returncode == 0, held.stderr
     assert f"lock: held by a running job: pid {os.getpid()} on host" in held.stdout
+
+
+def test_list_verify_and_the_save_message_say_one_size(trained):
+    """The size of a checkpoint is the manifest's ``bytes``, the files it
+    lists (the manifest not counted): the save message, ``list`` and
+    ``verify`` say the same."""
+    listed = cli('list', trained['dirname'])
+    verified = cli('verify', trained['dirname'])
+    assert listed.returncode == verified.returncode == 0, listed.stderr + verified.stderr
+    for epoch, message in zip((1, 2, 3), trained['messages'], strict=True):
+        name = f'epoch-{epoch:04d}'
+        saved = json.loads(open(os.path.join(trained['dirname'], name, 'manifest.json')).read())
+        size = format_bytes(saved['bytes'])
+        assert f": {size} in " in message
+        row = next(line.split() for line in listed.stdout.splitlines()
+                   if line.split()[:1] == [name])
+        assert ' '.join(row[8:10]) == size
+        assert (f"{trained['dirname']}/{name}: intact ({len(saved['files'])} files, {size})"
+                in verified.stdout)
+    # counting the manifest too would show: it is more than a rounding error
+    folder = os.path.join(trained['dirname'], 'epoch-0003')
+    on_disk = sum(os.path.getsize(os.path.join(folder, rel)) for rel in os.listdir(folder))
+    assert format_bytes(on_disk) != format_bytes(saved['bytes'])
 
 
 def test_verify_intact_then_damaged_names_each_file(tmp_path, trained):
@@ -461,6 +485,82 @@ def test_export_command_then_load_params(tmp_path, trained):
     assert proc.returncode == 1
     assert proc.stderr.startswith(f"export: {model} cannot be loaded: SafetensorError")
     assert not (tmp_path / 'out2').exists()
+
+
+def test_no_best_checkpoint_is_a_usage_error_for_verify_and_export(tmp_path):
+    """A folder saved without ``monitor`` has no best checkpoint: both
+    commands exit 2 and say so; export writes nothing."""
+    run = train(tmp_path / 'ck', max_epochs=1)
+    for command in (('verify', run['dirname'], 'best'),
+                    ('export', run['dirname'], 'best', tmp_path / 'out')):
+        proc = cli(*command)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr == (
+            f"{command[0]}: no best checkpoint in {run['dirname']}: there is no "
+            f"{run['dirname']}/best.json: only checkpoints saved because of `monitor` are "
+            "best ones\n")
+    assert not (tmp_path / 'out').exists()
+
+
+def test_export_into_a_file_names_it_and_exits_2(tmp_path, trained):
+    target = tmp_path / 'model.safetensors'
+    target.write_bytes(b'mine')
+    proc = cli('export', trained['dirname'], target)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == (f"export: {target} exists and is not a folder: export into a new "
+                           "folder, or one an earlier export wrote\n")
+    assert target.read_bytes() == b'mine'
+    with pytest.raises(FileExistsError, match=re.escape(f"{target} exists and is not a folder")):
+        export(trained['dirname'], target)
+
+
+def test_export_a_checkpoint_missing_a_random_state_file_warns_and_exports(tmp_path, trained):
+    """The newest checkpoint lacks its random states: it cannot be resumed
+    from (verify says so), but its model is intact and is the one exported,
+    by name and as the latest, with a warning naming the missing file."""
+    folder = copy_folder(trained['dirname'], tmp_path / 'ck')
+    missing = os.path.join(folder, 'epoch-0003', 'random_states_0.pkl')
+    os.remove(missing)
+    verified = cli('verify', folder, 'epoch-0003')
+    assert verified.returncode == 1
+    assert f"{missing} is missing (listed in " in verified.stdout
+    for args in ((), ('epoch-0003',), ('latest',)):
+        out = tmp_path / f"out{'-'.join(args)}"
+        proc = cli('export', folder, *args, out)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"exported the model(s) of {folder}/epoch-0003 into {out}" in proc.stdout
+        warnings = [line for line in proc.stderr.splitlines() if line.startswith('warning: ')]
+        assert len(warnings) == 1, proc.stderr
+        assert warnings[0] == (
+            f"warning: {folder}/epoch-0003 is not a complete checkpoint, it cannot be resumed "
+            f"from: {missing} is missing (listed in {folder}/epoch-0003/manifest.json); its "
+            "model files and history are intact and are exported")
+        net = plain_net()
+        net.load_params(f_params=out / 'params.safetensors', use_safetensors=True)
+        assert_params(net, trained['params'][3])
+    with pytest.warns(UserWarning, match=re.escape(f"{missing} is missing")):
+        files = export(folder, tmp_path / 'api')
+    assert load_file(files['f_params']).keys() == trained['params'][3].keys()
+
+
+def test_export_refuses_a_checkpoint_whose_model_file_is_missing(tmp_path, trained):
+    folder = copy_folder(trained['dirname'], tmp_path / 'ck')
+    model = os.path.join(folder, 'epoch-0002', 'model.safetensors')
+    os.remove(os.path.join(folder, 'epoch-0002', 'random_states_0.pkl'))
+    os.remove(model)
+    proc = cli('export', folder, 'best', tmp_path / 'out')
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr == (f"export: {model} is missing (listed in "
+                           f"{folder}/epoch-0002/manifest.json)\n")
+    assert not (tmp_path / 'out').exists()
+
+
+def test_help_documents_the_exit_codes():
+    proc = cli('--help')
+    assert proc.returncode == 0
+    text = ' '.join(proc.stdout.split())
+    assert ("Exit codes, the same for every command: 0 done (verify: intact); 1 a checkpoint "
+            "is damaged or cannot be used, or the command failed; 2 a usage error") in text
 
 
 def test_console_script_is_declared():

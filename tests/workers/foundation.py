@@ -5,6 +5,7 @@ saw to ``foundation-rank<r>.json`` and the test compares across ranks.
 """
 
 import os
+import shutil
 import tempfile
 
 import torch
@@ -203,15 +204,22 @@ def main():
     accelerator = make_accelerator()
     X, y = make_data()
     out = {}
+    # one folder the ranks share, made and removed by the main process
     tmp = sync.broadcast(type('Net', (), {'accelerator': accelerator})(),
-                         tempfile.mkdtemp())
-    net = make_net(accelerator)
-    check_sync(net, out)
-    check_unwrapped(accelerator, X, y, tmp, out)
-    check_fixed_mixin(accelerator, X, y, tmp, out)
-    check_stock_reinit(accelerator, X, y, out)
-    check_upstream_growth(accelerator, X, y, tmp, out)
-    check_stock_parameterless_criterion(accelerator, X, y, out)
+                         tempfile.mkdtemp() if accelerator.is_main_process else None)
+    try:
+        net = make_net(accelerator)
+        check_sync(net, out)
+        check_unwrapped(accelerator, X, y, tmp, out)
+        check_fixed_mixin(accelerator, X, y, tmp, out)
+        check_stock_reinit(accelerator, X, y, out)
+        check_upstream_growth(accelerator, X, y, tmp, out)
+        check_stock_parameterless_criterion(accelerator, X, y, out)
+        # no rank reads the folder any more
+        accelerator.wait_for_everyone()
+    finally:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
     write_result('foundation', out)
     settle_gloo()
 
