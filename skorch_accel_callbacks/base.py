@@ -19,8 +19,8 @@ from skorch.callbacks import PrintLog
 
 from skorch_accel_callbacks import sync
 
-__all__ = ['FolderStateCallback', 'InitParamsOnly', 'Resumed', 'check_sink', 'format_bytes',
-           'find_resumed', 'move_callback', 'say']
+__all__ = ['FolderStateCallback', 'InitParamsOnly', 'Resumed', 'check_sink', 'find_resumed',
+           'format_bytes', 'move_callback', 'processes', 'say']
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,6 +71,11 @@ def say(net, sink, text):
     net is verbose (as skorch's callbacks do)."""
     if sync.is_main_process(net) and (sink is not print or net.verbose):
         sink(text)
+
+
+def processes(count: int) -> str:
+    """``'1 process'``, ``'2 processes'``."""
+    return f"{count} process" + ('' if count == 1 else 'es')
 
 
 def format_bytes(size):

@@ -717,9 +717,12 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         ------
         FileNotFoundError
           There is no checkpoint (of that name) in ``dirname``.
-        CorruptCheckpointError, CheckpointError
-          The checkpoint chosen is damaged (the message names the file), or
-          of a newer format.
+        CheckpointError
+          ``which='best'`` and no checkpoint of ``dirname`` was saved as the
+          best (``monitor`` marks those); or the checkpoint chosen is of a
+          newer format.
+        CorruptCheckpointError
+          The checkpoint chosen is damaged (the message names the file).
 
         Examples
         --------

@@ -12,6 +12,7 @@ from skorch_accel_callbacks.base import (
     Resumed,
     check_sink,
     move_callback,
+    processes,
     say,
 )
 from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
@@ -283,7 +284,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self._rng_at_batch = True
         if changed:
             rng, rank_state, inside = self._reseed(net, saved, path, rng, rank_state, inside)
-            path_said = (f"{path} (written by {saved['world_size']} processes, "
+            path_said = (f"{path} (written by {processes(saved['world_size'])}, "
                          "random states derived anew)")
         else:
             path_said = path
@@ -336,7 +337,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         rng = training_state.derived_rng(origin, world_size, sync.process_index(net))
         rank_state = training_state.derived_rank_state(origin, world_size, iteration)
         message = (
-            f"{path} was written by {saved['world_size']} processes, this run has "
+            f"{path} was written by {processes(saved['world_size'])}, this run has "
             f"{world_size}: the model, optimizer, schedulers, history and callbacks "
             "are resumed exactly, but every rank's random state and data order are "
             "derived anew (on_world_size_change='reseed') and a step now "
@@ -349,7 +350,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             skipped = batches * saved['world_size'] // world_size
             message += (
                 f". It was taken inside an epoch, after {batches} batches on each of "
-                f"{saved['world_size']} processes: each process skips {skipped} "
+                f"{processes(saved['world_size'])}: each process skips {skipped} "
                 "batches of that epoch in the new order, and scores collected on the "
                 "epoch's training batches (EpochScoring on_train) cover the rest only")
             start = epoch_position.EpochStart(
