@@ -6,6 +6,7 @@ gives under the process's umask.
 
 import os
 import socket
+import stat
 import threading
 import warnings
 
@@ -183,3 +184,69 @@ def test_locks_of_one_thread_are_shared(tmp_path):
                       FolderInUseError)
     two.release()
     assert in_thread(lambda: lock.FolderLock(tmp_path).acquire().release()) is None
+
+
+# ---------------------------------------------------------------- file modes
+
+
+@pytest.fixture(params=[0o022, 0o027], ids=['umask022', 'umask027'])
+def umask(request):
+    """The process's umask while the test runs; the test is single-threaded."""
+    old = os.umask(request.param)
+    try:
+        yield request.param
+    finally:
+        os.umask(old)
+
+
+def modes_unlike_plain(root, umask):
+    """The files and folders under ``root`` (and ``root``) whose mode is not
+    what a plain open / mkdir gives under ``umask``, with their modes."""
+    wanted = {True: 0o777 & ~umask, False: 0o666 & ~umask}
+    found = {}
+    for path in [root, *(os.path.join(folder, name) for folder, folders, files
+                         in os.walk(root) for name in folders + files)]:
+        mode = stat.S_IMODE(os.lstat(path).st_mode)
+        if mode != wanted[os.path.isdir(path)]:
+            found[os.path.relpath(path, root)] = oct(mode)
+    return found
+
+
+@pytest.mark.parametrize('async_save', [False, True], ids=['sync', 'async'])
+def test_accelerate_checkpoint_files_have_plain_modes(tmp_path, umask, async_save):
+    dirname = str(tmp_path / 'ck')
+    cp = AccelerateCheckpoint(dirname=dirname, async_save=async_save, every_n_steps=2,
+                              keep_last=10)
+    net = make_net(make_accelerator(), max_epochs=2,
+                   callbacks=[cp, AccelerateLoadInitState(cp)])
+    net.fit(*make_data(n=96))
+    committed = cp.committed()
+    # mid-epoch ones too; safetensors writes its files 0600
+    assert any('-step-' in name for name in committed), committed
+    assert 'model.safetensors' in os.listdir(os.path.join(dirname, committed[-1]))
+    assert modes_unlike_plain(dirname, umask) == {}
+
+
+@pytest.mark.parametrize('use_safetensors', [False, True], ids=['torch', 'safetensors'])
+def test_params_checkpoint_files_have_plain_modes(tmp_path, umask, use_safetensors):
+    dirname = str(tmp_path / 'ck')
+    cp = ParamsCheckpoint(
+        monitor=None, dirname=dirname, f_pickle='net.pkl',
+        use_safetensors=use_safetensors,
+        **({'f_optimizer': None} if use_safetensors else {}))
+    net = NeuralNetClassifier(MLP, max_epochs=2, lr=0.1, train_split=None, verbose=0,
+                              callbacks=[cp])
+    net.fit(*make_data(n=64))
+    assert 'params.pt' in os.listdir(dirname)
+    assert modes_unlike_plain(dirname, umask) == {}
+    # a save outside training: one file, moved into place at once
+    cp.save_model(net)
+    assert modes_unlike_plain(dirname, umask) == {}
+
+
+def test_umask_read_without_setting_it(tmp_path, umask):
+    # the file that a plain open creates is the measure of both ways to read it
+    assert atomic._umask_from_proc() == umask
+    assert atomic._umask_from_probe(str(tmp_path)) == umask
+    assert os.listdir(tmp_path) == []
+    assert atomic.plain_modes(str(tmp_path)) == (0o666 & ~umask, 0o777 & ~umask)
