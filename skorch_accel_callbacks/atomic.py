@@ -12,6 +12,7 @@ checkpoint folder are written by accelerate
 (:mod:`~skorch_accel_callbacks.accelerate_io`).
 """
 
+import errno
 import json
 import os
 import re
@@ -103,21 +104,31 @@ def plain_modes(folder: str) -> tuple[int, int]:
     return 0o666 & ~umask, 0o777 & ~umask
 
 
+def _chmod(path, mode):
+    try:
+        os.chmod(path, mode)
+    except OSError as exc:
+        # a filesystem without Unix modes (vfat, some FUSE mounts) refuses:
+        # its files have the mode it gives, as those of a plain open do
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.ENOSYS):
+            raise
+
+
 def give_plain_modes(root: str) -> None:
     """Give ``root`` and every file and folder under it the modes of
     :func:`plain_modes`; symbolic links are left alone."""
     file_mode, folder_mode = plain_modes(root)
-    os.chmod(root, folder_mode)
+    _chmod(root, folder_mode)
     for folder, folders, files in os.walk(root):
         for names, mode in ((folders, folder_mode), (files, file_mode)):
             for name in names:
                 path = os.path.join(folder, name)
                 if not os.path.islink(path):
-                    os.chmod(path, mode)
+                    _chmod(path, mode)
 
 
 def _give_plain_mode(path):
-    os.chmod(path, plain_modes(os.path.dirname(path))[0])
+    _chmod(path, plain_modes(os.path.dirname(path))[0])
 
 
 def fsync_dir(path):
