@@ -29,13 +29,11 @@ class _Hold:
         self.holders = 0
 
 
-# Two threads of one process would both own a flock that one of them took,
-# and the lock files of one job's callbacks are opened once: lock file's real
-# path -> _Hold. A second open file of the same process is refused by flock
-# itself (flock locks belong to an open file, unlike POSIX fcntl locks,
-# which a process holds once and drops on any close of the file); this
-# registry is what makes the holders of one thread share it and those of
-# another thread fail with FolderInUseError before they open it.
+# The locks this process holds: lock file's real path -> _Hold. A flock
+# belongs to an open file (unlike a POSIX fcntl lock, which a process holds
+# once and loses on any close of the file), so flock itself refuses a second
+# open of the file in this process: the callbacks of one job share the file
+# opened once, and a job in another thread is refused here, naming the thread.
 _HELD = {}
 # a lock file that keeps being replaced under us (by holders that remove it
 # on release) is retried this often before giving up

@@ -250,3 +250,16 @@ def test_umask_read_without_setting_it(tmp_path, umask):
     assert atomic._umask_from_probe(str(tmp_path)) == umask
     assert os.listdir(tmp_path) == []
     assert atomic.plain_modes(str(tmp_path)) == (0o666 & ~umask, 0o777 & ~umask)
+
+
+def test_lock_reached_by_another_path_is_refused_naming_this_process(tmp_path):
+    # a hard link: another real path to the same lock file, as a bind mount gives
+    held = lock.FolderLock(tmp_path).acquire()
+    try:
+        os.link(tmp_path / lock.LOCK_NAME, tmp_path / 'alias')
+        with pytest.raises(FolderInUseError,
+                           match=f"pid {os.getpid()} on host {socket.gethostname()}, "
+                                 "this process, through another path to the lock file"):
+            lock.FolderLock(tmp_path, name='alias').acquire()
+    finally:
+        held.release()
