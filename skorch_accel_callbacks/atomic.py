@@ -12,6 +12,7 @@ checkpoint folder are written by accelerate
 (:mod:`~skorch_accel_callbacks.accelerate_io`).
 """
 
+import errno
 import json
 import os
 import re
@@ -32,7 +33,9 @@ __all__ = [
     'finish_staged',
     'fsync_dir',
     'fsync_files',
+    'give_plain_modes',
     'is_leftover',
+    'plain_modes',
     'read_json',
     'remove',
     'remove_temp_files',
@@ -58,6 +61,74 @@ def unique_name(path, mark):
 def is_leftover(name):
     """Whether ``name`` is a temporary or half-removed file of a killed writer."""
     return DISCARD_MARK in name or TEMP_MARK in name
+
+
+def _umask_from_proc():
+    """The process's umask from ``/proc/self/status`` (Linux 4.7+), or None."""
+    try:
+        with open('/proc/self/status', encoding='ascii') as status:
+            for line in status:
+                if line.startswith('Umask:'):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _umask_from_probe(folder):
+    """The umask that a file created in ``folder`` gets now, by creating one."""
+    probe = unique_name(os.path.join(folder or '.', 'umask'), TEMP_MARK)
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o777)
+    try:
+        return 0o777 & ~os.fstat(fd).st_mode
+    finally:
+        os.close(fd)
+        os.remove(probe)
+
+
+def plain_modes(folder: str) -> tuple[int, int]:
+    """The modes ``(file, folder)`` that a plain ``open`` and ``mkdir`` give
+    what they create in ``folder`` now: ``0o666`` and ``0o777`` less the
+    umask.
+
+    Writers that create their file privately (safetensors, as ``mkstemp``
+    does) give it ``0o600``, which a team sharing checkpoints cannot read.
+    The umask is read, not set: ``os.umask`` can only be read by setting it,
+    and another thread creating a file meanwhile would get the mode that was
+    set. Linux reports it in ``/proc/self/status``; elsewhere a file created
+    in ``folder`` shows it.
+    """
+    umask = _umask_from_proc()
+    if umask is None:
+        umask = _umask_from_probe(folder)
+    return 0o666 & ~umask, 0o777 & ~umask
+
+
+def _chmod(path, mode):
+    try:
+        os.chmod(path, mode)
+    except OSError as exc:
+        # a filesystem without Unix modes (vfat, some FUSE mounts) refuses:
+        # its files have the mode it gives, as those of a plain open do
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.ENOSYS):
+            raise
+
+
+def give_plain_modes(root: str) -> None:
+    """Give ``root`` and every file and folder under it the modes of
+    :func:`plain_modes`; symbolic links are left alone."""
+    file_mode, folder_mode = plain_modes(root)
+    _chmod(root, folder_mode)
+    for folder, folders, files in os.walk(root):
+        for names, mode in ((folders, folder_mode), (files, file_mode)):
+            for name in names:
+                path = os.path.join(folder, name)
+                if not os.path.islink(path):
+                    _chmod(path, mode)
+
+
+def _give_plain_mode(path):
+    _chmod(path, plain_modes(os.path.dirname(path))[0])
 
 
 def fsync_dir(path):
@@ -99,7 +170,8 @@ def atomic_path(path):
     The caller writes the complete file to the yielded path (with any writer
     that takes a path: ``torch.save``, ``safetensors.torch.save_file``,
     ``net.save_params``). When the block ends without an exception, the file
-    is flushed to disk and atomically renamed to ``path``; when it raises,
+    gets the mode a plain ``open`` gives (:func:`plain_modes`), is flushed
+    to disk and atomically renamed to ``path``; when it raises,
     the temporary file is removed and ``path`` is left as it was.
 
     Examples
@@ -114,6 +186,7 @@ def atomic_path(path):
         yield tmp
         if not os.path.exists(tmp):
             raise FileNotFoundError(f"nothing was written for {path!r}")
+        _give_plain_mode(tmp)
         _fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
@@ -156,7 +229,8 @@ class StagedFiles:
     """Several files replaced together: all of them or none.
 
     Each file is written under a temporary name next to its final one
-    (:meth:`temp_path`). :meth:`commit` flushes them, writes ``journal`` (the
+    (:meth:`temp_path`). :meth:`commit` gives them the mode a plain ``open``
+    gives (:func:`plain_modes`), flushes them, writes ``journal`` (the
     list of moves) atomically, moves every file into place and removes the
     journal. A crash before the journal exists leaves every final file as it
     was; a crash after it leaves the journal, and :func:`finish_staged`
@@ -179,6 +253,8 @@ class StagedFiles:
         for tmp, path in self._moves:
             if not os.path.exists(tmp):
                 raise FileNotFoundError(f"nothing was written for {path!r}")
+        for tmp, _ in self._moves:
+            _give_plain_mode(tmp)
         fsync_files([tmp for tmp, _ in self._moves])
         # an earlier commit that failed halfway must not be overwritten unfinished
         finish_staged(self.journal)

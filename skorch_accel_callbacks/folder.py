@@ -239,14 +239,19 @@ class CheckpointFolder:
         return partial
 
     def commit(self, name, sealed, durable, best):
-        """Seal the partial folder of ``name`` with the manifest ``sealed``,
-        rename it into place and point ``latest.json`` (and ``best.json``
-        if ``best``) at it; return the manifest written.
+        """Give the files and folders in the partial folder of ``name`` the
+        modes a plain ``open`` and ``mkdir`` give (:func:`atomic.plain_modes`),
+        seal it with the manifest ``sealed``, rename it into place and point
+        ``latest.json`` (and ``best.json`` if ``best``) at it; return the
+        manifest written.
 
         Runs on the committing process, in the background with
         ``async_save``: it touches no net and runs no collective.
         """
         partial = self.partial_path(name)
+        # before the manifest flushes them: their writers (safetensors)
+        # may have made them private
+        atomic.give_plain_modes(partial)
         written = manifest.write(partial, sealed, durable=durable)
         replaced = atomic.replace_folder(partial, self.path(name))
         if replaced is not None:

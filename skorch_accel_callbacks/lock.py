@@ -16,9 +16,24 @@ class FolderInUseError(RuntimeError):
     """Another running job holds the lock of a checkpoint folder."""
 
 
-# flock refuses a second open file of the same process too; the callbacks of
-# one job that share a folder share its lock: lock file's real path ->
-# [open file, number of holders, remove the file on the last release]
+class _Hold:
+    """A lock file that this process holds, shared by the locks of the thread
+    that took it: the callbacks of one job share a folder's lock, a job
+    fitted in another thread is refused."""
+
+    def __init__(self, lock_file, thread, remove):
+        self.file = lock_file
+        self.thread = thread
+        # the file is removed on the last release only if every holder asks
+        self.remove = remove
+        self.holders = 0
+
+
+# The locks this process holds: lock file's real path -> _Hold. A flock
+# belongs to an open file (unlike a POSIX fcntl lock, which a process holds
+# once and loses on any close of the file), so flock itself refuses a second
+# open of the file in this process: the callbacks of one job share the file
+# opened once, and a job in another thread is refused here, naming the thread.
 _HELD = {}
 # a lock file that keeps being replaced under us (by holders that remove it
 # on release) is retried this often before giving up
@@ -37,9 +52,10 @@ class FolderLock:
     state); with ``remove_on_release=True`` the last holder removes it when
     it releases the lock (a killed holder leaves it, unlocked, until the
     next holder releases it). Within one process the lock is shared
-    (counted): a job's callbacks that use the same folder do not refuse each
-    other. A copy (pickle, deepcopy) of a lock holds nothing: a lock belongs
-    to its process.
+    (counted) by the thread that took it: a job's callbacks that use the
+    same folder do not refuse each other, while a job fitted in another
+    thread is refused like one in another process. A copy (pickle,
+    deepcopy) of a lock holds nothing: a lock belongs to its process.
 
     Parameters
     ----------
@@ -67,7 +83,8 @@ class FolderLock:
         self.folder = os.fspath(folder) or '.'
         self.path = os.path.join(self.folder, name)
         self.remove_on_release = remove_on_release
-        self._key = os.path.realpath(self.path)
+        # the real path when it was taken: the folder may not exist before
+        self._key = None
         self._file = None
 
     @property
@@ -77,16 +94,20 @@ class FolderLock:
 
     def acquire(self):
         """Take the lock (once per object) or raise :class:`FolderInUseError`
-        naming the holder."""
+        naming the holder: another process, or another thread of this one."""
         with _HELD_GUARD:
             if self._file is None:
-                held = _HELD.get(self._key)
+                key = os.path.realpath(self.path)
+                thread = threading.current_thread()
+                held = _HELD.get(key)
                 if held is None:
-                    held = _HELD[self._key] = [self._lock_file(), 0, True]
-                held[1] += 1
-                # the file stays if any holder in this process wants it kept
-                held[2] = held[2] and self.remove_on_release
-                self._file = held[0]
+                    held = _HELD[key] = _Hold(self._lock_file(), thread, True)
+                elif held.thread is not thread:
+                    raise FolderInUseError(self._refusal(_thread_holder(held)))
+                held.holders += 1
+                held.remove = held.remove and self.remove_on_release
+                self._key = key
+                self._file = held.file
         return self
 
     def _lock_file(self):
@@ -146,22 +167,21 @@ class FolderLock:
                 return
             self._file = None
             held = _HELD[self._key]
-            held[1] -= 1
-            if held[1] == 0:
+            held.holders -= 1
+            if held.holders == 0:
                 del _HELD[self._key]
-                lock_file, _, remove = held
                 try:
                     # removed while still locked: see _lock_file; a file that
                     # someone else put at the path is not ours to remove
-                    if remove and _is_at_path(lock_file, self.path):
+                    if held.remove and _is_at_path(held.file, self.path):
                         os.remove(self.path)
                 except OSError:
                     pass
                 finally:
-                    lock_file.close()
+                    held.file.close()
 
     def __getstate__(self):
-        return dict(self.__dict__, _file=None)
+        return dict(self.__dict__, _file=None, _key=None)
 
     # a lock dropped without release (a fit that raised, then forgotten)
     # closes its file itself, without a ResourceWarning
@@ -214,7 +234,23 @@ def _holder(lock_file):
     lock_file.seek(0)
     try:
         holder = json.loads(lock_file.read())
-        return f"pid {holder['pid']} on host {holder['host']}"
+        described = f"pid {holder['pid']} on host {holder['host']}"
     except (ValueError, KeyError, TypeError):
         # the holder is between taking the lock and writing its name
         return 'a job that is starting'
+    if (holder['pid'], holder['host']) == (os.getpid(), socket.gethostname()):
+        # a thread of this process that reached the folder by another path
+        # (a bind mount): the registry did not know it as the same file
+        described += ", this process, through another path to the lock file"
+    return described
+
+
+def _thread_holder(held):
+    """Who holds ``held``: a thread of this process."""
+    described = (f"pid {os.getpid()} on host {socket.gethostname()}, thread "
+                 f"{held.thread.name!r} of this process")
+    if not held.thread.is_alive():
+        # a fit there raised: its callbacks keep the lock until their net
+        # is initialized again or collected
+        described += ", a thread that has ended without releasing it"
+    return described

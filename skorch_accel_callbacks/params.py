@@ -14,6 +14,7 @@ import uuid
 import warnings
 
 from skorch.callbacks import Checkpoint, LoadInitState, TrainEndCheckpoint
+from skorch.exceptions import SkorchException
 from skorch.utils import _check_f_arguments, noop, open_file_like
 
 from skorch_accel_callbacks import atomic, sync, triggers
@@ -264,7 +265,12 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
       When training begins, if ``f_pickle`` is set and the net cannot be
       pickled.
     skorch_accel_callbacks.FolderInUseError
-      When training begins: another running job saves the same files.
+      When training begins: another running job (another process, or a
+      net fitted in another thread) saves the same files.
+    skorch.exceptions.SkorchException
+      At the end of an epoch whose history lacks the ``monitor`` column,
+      with skorch's message ("Key 'valid_loss_best' was not found in
+      history. Make sure you have validation data ...") on the main process.
 
     Examples
     --------
@@ -484,6 +490,17 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
 
     def _monitor_says(self, net):
         """skorch's decision whether to checkpoint, from this rank's history."""
+        if self.monitor is not None and not callable(self.monitor):
+            try:
+                net.history[-1, self.monitor]
+            except KeyError as exc:
+                # skorch's Checkpoint raises this text, which users and
+                # skorch's own tests match: a drop-in keeps it
+                raise SkorchException(
+                    f"{exc.args[0]} Make sure you have validation data if you use "
+                    f"validation scores for checkpointing. ({type(self).__name__}: "
+                    f"monitor={self.monitor!r}; the history of this epoch has "
+                    f"{sorted(net.history[-1])})") from None
         return triggers.monitor_says(net, self.monitor, type(self).__name__)
 
     def save_model(self, net):

@@ -28,7 +28,8 @@ from sklearn.base import clone
 from sklearn.model_selection import cross_validate
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback, Checkpoint, TrainEndCheckpoint
-from skorch.exceptions import DeviceWarning
+from skorch.exceptions import DeviceWarning, SkorchException
+from skorch.tests.callbacks import test_training as skorch_tests
 
 from common import MLP, make_accelerator, make_data, make_net, plain_criterion
 from launcher import REPO, WORKERS
@@ -364,3 +365,84 @@ def test_get_params_lists_init_arguments_only(fitted):
             assert set(callback.get_params(deep=False)) == arguments, name
             cloned = clone(callback)
             assert cloned.get_params(deep=False).keys() == arguments
+
+
+# ---------------------------------------------------------------- skorch's messages
+
+# skorch's own tests of the errors and warnings of its Checkpoint,
+# TrainEndCheckpoint and LoadInitState, run against ours. skorch's other
+# tests there mock save_params and expect the final file names in its calls;
+# ours writes temporary names that are moved into place together.
+_SKORCH_CP = skorch_tests.TestCheckpoint
+_SKORCH_TE = skorch_tests.TestTrainEndCheckpoint
+_SKORCH_LOAD = skorch_tests.TestLoadInitState
+
+
+class TestParamsCheckpointAsSkorchCheckpoint:
+    checkpoint_cls = pytest.fixture(lambda self: ParamsCheckpoint)
+    net_cls = _SKORCH_CP.net_cls
+    data = _SKORCH_CP.data
+    save_params_mock = _SKORCH_CP.save_params_mock
+
+    test_init_with_wrong_kwarg_name_raises = _SKORCH_CP.test_init_with_wrong_kwarg_name_raises
+    test_init_with_f_params_and_f_module_raises = (
+        _SKORCH_CP.test_init_with_f_params_and_f_module_raises)
+    test_init_with_f_optimizer_and_safetensors_raises = (
+        _SKORCH_CP.test_init_with_f_optimizer_and_safetensors_raises)
+    test_init_with_dirname_and_file_like_object_error = (
+        _SKORCH_CP.test_init_with_dirname_and_file_like_object_error)
+    test_initialize_with_dirname_and_file_like_object_error = (
+        _SKORCH_CP.test_initialize_with_dirname_and_file_like_object_error)
+    test_default_without_validation_raises_meaningful_error = (
+        _SKORCH_CP.test_default_without_validation_raises_meaningful_error)
+    test_warnings_when_monitor_appears_in_history = (
+        _SKORCH_CP.test_warnings_when_monitor_appears_in_history)
+    test_outputs_to_sink_when_save_params_errors = (
+        _SKORCH_CP.test_outputs_to_sink_when_save_params_errors)
+
+
+class TestTrainEndParamsCheckpointAsSkorchTrainEndCheckpoint:
+    trainendcheckpoint_cls = pytest.fixture(lambda self: TrainEndParamsCheckpoint)
+
+    test_init_with_f_params_and_f_module_raises = (
+        _SKORCH_TE.test_init_with_f_params_and_f_module_raises)
+    test_init_with_f_optimizer_and_safetensors_raises = (
+        _SKORCH_TE.test_init_with_f_optimizer_and_safetensors_raises)
+
+
+class TestLoadInitParamsAsSkorchLoadInitState:
+    loadinitstate_cls = pytest.fixture(lambda self: LoadInitParams)
+    checkpoint_cls = pytest.fixture(lambda self: ParamsCheckpoint)
+    net_cls = _SKORCH_LOAD.net_cls
+    data = _SKORCH_LOAD.data
+    use_safetensors = _SKORCH_LOAD.use_safetensors
+
+    # the first fit finds no files: nothing is loaded, and no error
+    test_load_initial_state = _SKORCH_LOAD.test_load_initial_state
+    test_load_initial_state_custom_scoring = _SKORCH_LOAD.test_load_initial_state_custom_scoring
+
+
+def test_wrong_kwarg_name_message_is_skorchs_with_our_class_name():
+    # skorch's own test expects its class name in the text, which skorch
+    # formats from the class (as for any subclass of its TrainEndCheckpoint)
+    for cls in (ParamsCheckpoint, TrainEndParamsCheckpoint):
+        with pytest.raises(TypeError, match=f"^{cls.__name__} got an unexpected argument "
+                                            "'foobar', did you mean 'f_foobar'\\?$"):
+            cls(foobar='foobar.pt').initialize()
+
+
+def test_missing_monitor_column_adds_our_context_after_skorchs_text():
+    net = plain_net([ParamsCheckpoint()])
+    with pytest.raises(SkorchException) as raised:
+        net.fit(*make_data(n=64))
+    assert str(raised.value).startswith(
+        "Key 'valid_loss_best' was not found in history. Make sure you have validation "
+        "data if you use validation scores for checkpointing. (ParamsCheckpoint: "
+        "monitor='valid_loss_best'; the history of this epoch has ['batches', 'dur', "
+        "'epoch', ")
+
+
+def test_monitor_of_a_wrong_type_raises_as_in_skorch():
+    for cp in (ParamsCheckpoint(monitor=3), Checkpoint(monitor=3)):
+        with pytest.raises(TypeError, match="History access with given types not supported"):
+            plain_net([cp]).fit(*make_data(n=64))
