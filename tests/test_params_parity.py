@@ -378,6 +378,13 @@ _SKORCH_TE = skorch_tests.TestTrainEndCheckpoint
 _SKORCH_LOAD = skorch_tests.TestLoadInitState
 
 
+@pytest.fixture
+def in_tmp_path(tmp_path, monkeypatch):
+    # skorch's tests write their checkpoints into the working folder
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.usefixtures('in_tmp_path')
 class TestParamsCheckpointAsSkorchCheckpoint:
     checkpoint_cls = pytest.fixture(lambda self: ParamsCheckpoint)
     net_cls = _SKORCH_CP.net_cls
@@ -401,6 +408,7 @@ class TestParamsCheckpointAsSkorchCheckpoint:
         _SKORCH_CP.test_outputs_to_sink_when_save_params_errors)
 
 
+@pytest.mark.usefixtures('in_tmp_path')
 class TestTrainEndParamsCheckpointAsSkorchTrainEndCheckpoint:
     trainendcheckpoint_cls = pytest.fixture(lambda self: TrainEndParamsCheckpoint)
 
@@ -410,6 +418,7 @@ class TestTrainEndParamsCheckpointAsSkorchTrainEndCheckpoint:
         _SKORCH_TE.test_init_with_f_optimizer_and_safetensors_raises)
 
 
+@pytest.mark.usefixtures('in_tmp_path')
 class TestLoadInitParamsAsSkorchLoadInitState:
     loadinitstate_cls = pytest.fixture(lambda self: LoadInitParams)
     checkpoint_cls = pytest.fixture(lambda self: ParamsCheckpoint)
