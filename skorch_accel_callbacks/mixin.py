@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from skorch.hf import AccelerateMixin
 
 from skorch_accel_callbacks import accelerate_io, sync
 from skorch_accel_callbacks.wrapping import bare_modules, unwrapped
@@ -118,6 +119,12 @@ class AccelerateFixesMixin:
       is not among the net's parameters. A ``fit`` that raised leaves the
       pass over its loaders, which accelerate's gradient state otherwise
       keeps as a weak reference that no pickle can hold.
+    - The outputs of ``predict``, ``predict_proba`` and ``forward`` are
+      gathered by :func:`skorch_accel_callbacks.sync.gather_for_metrics`,
+      as by ``accelerator.gather_for_metrics``, holding the tensors on gloo
+      until gloo let go of them: a script whose last collective is a
+      prediction exits cleanly, instead of aborting now and then at exit
+      (pytorch/pytorch#190489).
 
     Examples
     --------
@@ -158,6 +165,11 @@ class AccelerateFixesMixin:
     def _get_param_names(self):
         return [name for name in super()._get_param_names()
                 if name not in _TRAINING_ATTRIBUTES]
+
+    def evaluation_step(self, batch, training=False):
+        # AccelerateMixin's, with the gather of sync
+        output = super(AccelerateMixin, self).evaluation_step(batch, training=training)
+        return sync.gather_for_metrics(self, output)
 
     def _initialize_accelerator(self):
         if self._wrapped_with_accelerator:

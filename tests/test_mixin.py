@@ -5,6 +5,7 @@ import pytest
 
 from common import make_accelerator
 from launcher import launch
+from mixin_predict import ROWS, predictions
 from mixin_roundtrip import ENDINGS, roundtrips
 from testutil import read_results
 
@@ -54,3 +55,33 @@ def test_net_pickled_in_two_processes_fits_in_a_fresh_one(two_processes):
     [result] = read_results(folder, 'unpickle', 1)
     for ending in ENDINGS:
         assert result[ending] == {'num_processes': 1, 'same_proba': True, **FITS}, ending
+
+
+def assert_predictions(result):
+    assert result['rows'] == ROWS
+    assert result['same_as_stock'] and result['same_as_module']
+    assert result['same_gathers'] == {'tensors': True, 'objects': True}
+
+
+def test_predictions_in_one_process():
+    _, _, result = predictions(make_accelerator())
+    assert result['num_processes'] == 1
+    assert_predictions(result)
+    # one process gathers nothing
+    assert result['held_by_gloo'] == {'gathered': 0, 'after_steps': [0] * 64,
+                                      'after_predict': 0}
+
+
+def test_predictions_gathered_in_two_processes_are_held_until_gloo_let_go(run_workers):
+    """Predictions of a last batch that accelerate filled up come back as
+    skorch's own mixin's; right after each evaluation step, gloo holds none
+    of the gathered tensors, so that a script that ends with a prediction
+    cannot abort at exit (pytorch/pytorch#190489), as the launch (ending
+    with predict_proba, without settle_gloo) shows."""
+    for result in run_workers('mixin_predict.py', 'predict', nproc=2):
+        assert result['num_processes'] == 2
+        assert_predictions(result)
+        held = result['held_by_gloo']
+        # 32 steps of 16 rows per process, 3 tensors passed per step
+        assert held['gathered'] == 32 * 3
+        assert held['after_steps'] == [0] * 32 and held['after_predict'] == 0
