@@ -18,7 +18,6 @@ from common import (
     params_digest,
     plain_criterion,
     rank,
-    settle_gloo,
     write_result,
 )
 from skorch_accel_callbacks import RankError, sync, unwrapped
@@ -213,7 +212,6 @@ def main():
     check_upstream_growth(accelerator, X, y, tmp, out)
     check_stock_parameterless_criterion(accelerator, X, y, out)
     write_result('foundation', out)
-    settle_gloo()
 
 
 if __name__ == '__main__':
