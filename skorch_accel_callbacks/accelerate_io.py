@@ -47,6 +47,7 @@ __all__ = [
     'prune_registries',
     'registries_of',
     'rng_file',
+    'rows_of_data_in_last_batch',
     'save_on_each_node',
     'save_state',
     'save_state_in_two',
@@ -302,6 +303,18 @@ def leave_loader(loader):
     ``Accelerator`` of the process unpicklable from then on."""
     if loader is not None and loader in loader.gradient_state.dataloader_references:
         loader.end()
+
+
+def rows_of_data_in_last_batch(accelerator):
+    """How many of the first rows of a batch gathered from every process
+    are data, not the samples that accelerate repeated to fill up the last
+    batch of a pass; None where all are. ``Accelerator.gather_for_metrics``'
+    rule: at the end of the loader under way, if its data set has a length
+    that the processes' batches do not divide."""
+    state = accelerator.gradient_state
+    if state.end_of_dataloader and state.remainder > 0:
+        return state.remainder
+    return None
 
 
 def at_end_of_loader(loader):

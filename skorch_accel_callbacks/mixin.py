@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from skorch.hf import AccelerateMixin
 
 from skorch_accel_callbacks import accelerate_io, sync
 from skorch_accel_callbacks.wrapping import bare_modules, unwrapped
@@ -66,6 +67,13 @@ def _bare_optimizers(net):
             setattr(net, attr, wrapper)
 
 
+# what the mixins keep of a training, not arguments of the net: sklearn's
+# clone passed them to a new net's __init__ as parameters (and refused a net
+# left wrapped by an exception in fit: __init__ sets the first one to False)
+_TRAINING_ATTRIBUTES = frozenset(
+    {'_wrapped_with_accelerator', '_accelerator_loaders', '_accelerator_registered'})
+
+
 def _has_trainable_parameters(module):
     return any(param.requires_grad for param in module.parameters())
 
@@ -101,7 +109,22 @@ class AccelerateFixesMixin:
       unpickles it (see :func:`dump_net`): a net pickled in a job of several
       processes predicts and trains in one process on its own, and one
       pickled while wrapped in DDP loads where no process group exists. The
-      modules are prepared again when training begins.
+      modules are prepared again when training begins. Its ``device``
+      stays None (skorch set it to the CPU, which ``AccelerateMixin``
+      refuses in ``fit``), and its tensors are loaded onto the accelerator's
+      device.
+    - ``sklearn.base.clone`` works after any ``fit``, also one that raised
+      (:class:`~skorch_accel_callbacks.TrainingPreempted`, another
+      exception) and left the modules wrapped: the mixins' training state
+      is not among the net's parameters. A ``fit`` that raised leaves the
+      pass over its loaders, which accelerate's gradient state otherwise
+      keeps as a weak reference that no pickle can hold.
+    - The outputs of ``predict``, ``predict_proba`` and ``forward`` are
+      gathered by :func:`skorch_accel_callbacks.sync.gather_for_metrics`,
+      as by ``accelerator.gather_for_metrics``, holding the tensors on gloo
+      until gloo let go of them: a script whose last collective is a
+      prediction exits cleanly, instead of aborting now and then at exit
+      (pytorch/pytorch#190489).
 
     Examples
     --------
@@ -126,6 +149,27 @@ class AccelerateFixesMixin:
         if isinstance(state.get('accelerator'), Accelerator):
             state['accelerator'] = _ThisProcessAccelerator(state['accelerator'])
         return state
+
+    def __setstate__(self, state):
+        device = state['device']
+        accelerator = state.get('accelerator')
+        if device is None and getattr(accelerator, 'device_placement', False):
+            # skorch loads the tensors onto state['device'] and makes a None
+            # the CPU, which AccelerateMixin then refuses in fit; torch maps
+            # no storage to an indexed CPU such as accelerate's 'cpu:0'
+            placed = accelerator.device
+            state['device'] = 'cpu' if placed.type == 'cpu' else placed
+        super().__setstate__(state)
+        self.device = device
+
+    def _get_param_names(self):
+        return [name for name in super()._get_param_names()
+                if name not in _TRAINING_ATTRIBUTES]
+
+    def evaluation_step(self, batch, training=False):
+        # AccelerateMixin's, with the gather of sync
+        output = super(AccelerateMixin, self).evaluation_step(batch, training=training)
+        return sync.gather_for_metrics(self, output)
 
     def _initialize_accelerator(self):
         if self._wrapped_with_accelerator:
@@ -186,6 +230,16 @@ class AccelerateFixesMixin:
                 loader for loader in loaders_of_accelerator if loader is not previous]
         loaders[training] = iterator
         return iterator
+
+    def fit_loop(self, *args, **kwargs):
+        try:
+            return super().fit_loop(*args, **kwargs)
+        except BaseException:
+            # accelerate's gradient state keeps a loader left inside its pass
+            # as a weak reference, which no pickle of the net can hold
+            for loader in self.__dict__.get('_accelerator_loaders', {}).values():
+                accelerate_io.leave_loader(loader)
+            raise
 
     def on_train_begin(self, net, X=None, y=None, **kwargs):
         if self.initialized_ and not self._wrapped_with_accelerator:

@@ -18,7 +18,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list, gather_object, recursively_apply
+
+from skorch_accel_callbacks import accelerate_io
 
 __all__ = [
     'RankError',
@@ -27,6 +29,7 @@ __all__ = [
     'barrier',
     'broadcast',
     'gather',
+    'gather_for_metrics',
     'is_distributed',
     'is_local_main_process',
     'is_main_process',
@@ -105,6 +108,38 @@ def gather(net, value):
     return gather_object([value])
 
 
+def gather_for_metrics(net, data):
+    """``accelerator.gather_for_metrics(data)``: the outputs of a batch of
+    evaluation on every process, concatenated along the first dimension,
+    less the rows that accelerate repeated to fill up the last batch.
+
+    ``data`` is a tensor or a nested list, tuple or dict of tensors (any
+    other object is gathered as a list, as accelerate does). On gloo the
+    gathered tensors are held until gloo let go of them (see
+    :func:`_released`); accelerate's own gather leaves them to gloo's worker
+    thread, and a script whose last collective is an evaluation then aborts
+    at exit now and then.
+    """
+    accelerator = _accelerator(net)
+    if not (is_distributed(net) and _on_gloo()):
+        return accelerator.gather_for_metrics(data)
+    try:
+        recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
+        only_tensors = True
+    except TypeError:
+        only_tensors = False
+    if only_tensors:
+        gathered = recursively_apply(_gloo_gather_tensor, data, error_on_other_type=True)
+    else:
+        gathered = [item for part in _gloo_gather(data) for item in part]
+    rows = accelerate_io.rows_of_data_in_last_batch(accelerator)
+    if rows is None:
+        return gathered
+    if only_tensors:
+        return recursively_apply(lambda tensor: tensor[:rows], gathered)
+    return gathered[:rows]
+
+
 # gloo lets go of a collective's tensors a moment after the collective
 # returns; this long at most is waited for it
 _RELEASE_TIMEOUT = 10.0
@@ -153,6 +188,17 @@ def _gloo_gather(value):
     _released([padded, *parts])
     return [pickle.loads(part[:int(n)].numpy().tobytes())
             for part, n in zip(parts, sizes, strict=True)]
+
+
+def _gloo_gather_tensor(tensor):
+    # a copy that nothing else holds, so that its count of users tells when
+    # gloo let go of it; a 0-d tensor is gathered as 1-d, as by accelerate
+    mine = (tensor[None] if tensor.ndim == 0 else tensor).clone(
+        memory_format=torch.contiguous_format)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    _released([mine, *parts])
+    return torch.cat(parts)
 
 
 def _gloo_broadcast(value):

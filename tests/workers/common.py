@@ -61,7 +61,8 @@ def plain_criterion():
 def _destroy_process_group():
     # a clean end of every launch; the abort at interpreter exit
     # (pytorch/pytorch#190489) is prevented in skorch_accel_callbacks.sync
-    # and, after a launch's own predictions, by settle_gloo, not here
+    # (also for a FixedNet's predictions) and, after a StockNet's
+    # predictions, by settle_gloo, not here
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -142,16 +143,19 @@ def write_result(name, obj):
 
 
 def settle_gloo():
-    """End a launch whose last collective was skorch's, not this package's.
+    """End a launch whose last collective was skorch's own gather: the
+    predictions of a ``StockNet``.
 
     skorch's ``evaluation_step`` gathers every batch of ``predict`` through
     accelerate, which lets go of the gathered tensors while a gloo worker
     thread still holds them; when that thread frees them after the
-    interpreter began to exit, the process aborts (pytorch/pytorch#190489;
-    the package's own exchanges are safe, see test_foundation). gloo offers
-    no way to wait for its threads: one more collective does not do (a
-    probe found the gather still held after it in 11 of 600 predicts, by a
-    thread the two busy cores had not scheduled yet), so the main thread
+    interpreter began to exit, the process aborts (pytorch/pytorch#190489).
+    A ``FixedNet`` gathers through ``sync.gather_for_metrics``, which holds
+    them until gloo let go (test_mixin counts them), as the package's other
+    exchanges do (test_foundation): its launches need no settling. gloo
+    offers no way to wait for its threads: one more collective does not do
+    (a probe found the gather still held after it in 11 of 600 predicts, by
+    a thread the two busy cores had not scheduled yet), so the main thread
     lets go of the GIL long enough for any such thread to run (0 of 600
     held after it). Call it as the last step of a launch that succeeded.
     """

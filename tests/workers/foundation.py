@@ -19,7 +19,6 @@ from common import (
     params_digest,
     plain_criterion,
     rank,
-    settle_gloo,
     write_result,
 )
 from skorch_accel_callbacks import RankError, sync, unwrapped
@@ -221,7 +220,6 @@ def main():
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
     write_result('foundation', out)
-    settle_gloo()
 
 
 if __name__ == '__main__':

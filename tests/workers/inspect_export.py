@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from common import make_accelerator, make_data, make_net, rank, settle_gloo, write_result
+from common import make_accelerator, make_data, make_net, rank, write_result
 from skorch_accel_callbacks import AccelerateCheckpoint, unwrapped
 
 
@@ -57,7 +57,6 @@ def main(dirname):
         'history_len': len(wrapped.history),
         'rank': rank(),
     })
-    settle_gloo()
     accelerator.end_training()
 
 

@@ -32,7 +32,6 @@ from common import (
     params_digest,
     plain_criterion,
     rank,
-    settle_gloo,
     write_result,
 )
 from skorch_accel_callbacks import (
@@ -386,7 +385,6 @@ def main():
     check_load_init(accelerator, X, y, folder, killed, out)
     out['num_processes'] = accelerator.num_processes
     write_result('params', out)
-    settle_gloo()
 
 
 if __name__ == '__main__':
