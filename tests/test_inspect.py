@@ -267,7 +267,9 @@ def test_async_save_says_how_long_training_was_blocked(tmp_path):
         saved = json.loads(open(os.path.join(folder, 'manifest.json')).read())
         assert saved['bytes'] == sum(saved['files'].values())
         assert 0 <= saved['blocked_seconds'] < (run['ended'] - run['began']).total_seconds()
-        assert message == (f"Saved checkpoint {folder}: {format_bytes(saved['bytes'])} in "
+        finished = ' (finished)' if epoch == 2 else ''
+        assert message == (f"Saved checkpoint {folder}{finished}: "
+                           f"{format_bytes(saved['bytes'])} in "
                            f"{saved['save_seconds']:.2f} s, training blocked "
                            f"{saved['blocked_seconds']:.2f} s")
 
@@ -608,8 +610,8 @@ def test_checkpoint_of_two_processes_in_every_kind_of_net(tmp_path, run_workers)
     listed = cli('list', dirname)
     assert listed.returncode == 0, listed.stderr
     row = next(line.split() for line in listed.stdout.splitlines() if 'epoch-0003' in line)
-    # epoch 3 was saved at its end, before training ended: not marked finished
-    assert row[1] == '3' and row[6] == 'no' and row[7] == '2'
+    # epoch 3, the last, was saved at its end marked finished
+    assert row[1] == '3' and row[6] == 'yes' and row[7] == '2'
 
 
 def test_format_bytes():
