@@ -22,6 +22,7 @@ import os
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 
+import numpy as np
 import torch
 
 from skorch_accel_callbacks import accelerate_io, atomic, epoch_position, sync, training_state
@@ -396,8 +397,11 @@ def describe(value, depth=0):
     """A JSON value that stands for ``value`` and is the same in every run
     with the same value: classes and functions by module and qualified name,
     arrays and tensors by shape, dtype and a hash of some rows, other objects
-    by their type and (estimators) ``get_params()`` or public attributes.
+    by their type and (estimators) ``get_params()``, a ``repr`` without an
+    address, or public attributes.
     Nothing is pickled, and no address (``<... at 0x...>``) is part of it."""
+    if isinstance(value, np.generic):
+        value = value.item()
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -423,6 +427,9 @@ def describe(value, depth=0):
         return {'type': kind}
     if hasattr(value, 'get_params'):
         return {'type': kind, 'params': describe(value.get_params(deep=False), depth + 1)}
+    text = repr(value)
+    if ' at 0x' not in text:  # a repr that says the value (torch.float32, an enum)
+        return {'type': kind, 'repr': text}
     attrs = getattr(value, '__dict__', None)
     if isinstance(attrs, dict):
         return {'type': kind, 'attrs': {
@@ -470,6 +477,12 @@ def _show(description):
         return description['callable']
     if isinstance(description, dict) and 'float' in description:
         return description['float']
+    if isinstance(description, dict) and 'repr' in description:
+        return description['repr']
+    if isinstance(description, dict) and isinstance(description.get('data'), dict):
+        data = description['data']
+        return (f"{description['type']} of shape {tuple(data['shape'])}, {data['dtype']} "
+                f"(rows hashed {data['sample']})")
     if isinstance(description, dict) and 'type' in description:
         inner = description.get('params', description.get('attrs'))
         if inner is None:

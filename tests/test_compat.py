@@ -3,6 +3,7 @@ is refused: the settings the position inside an epoch depends on, the
 net's hyper-parameters, and a data fingerprint that augmentation does not
 change (issue 19, items 3, 4 and 8)."""
 
+import functools
 import json
 import random
 import re
@@ -13,9 +14,15 @@ import torch
 from safetensors.torch import load_file
 from sklearn.base import clone
 from skorch.callbacks import Callback
+from skorch.dataset import ValidSplit
 
 from common import NotTrainingState, make_accelerator, make_data, make_net
-from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
+from skorch_accel_callbacks import (
+    AccelerateCheckpoint,
+    AccelerateLoadInitState,
+    CheckpointError,
+    manifest,
+)
 from skorch_accel_callbacks.training_state import data_fingerprint
 
 # 160 rows: 128 training rows, 4 batches of 32 an epoch
@@ -218,6 +225,19 @@ def test_an_allowed_optimizer_setting_takes_effect(tmp_path):
                 load_kwargs={'check_params': ('optimizer__momentum',)})
     net.fit(*make_data(n=N_ROWS))
     assert settings.seen_ == [(0.1, 0.5)] * 4
+
+
+def test_parameter_values_are_described_without_addresses():
+    split = ValidSplit(3)
+    values = [np.float32(0.5), np.float32(0.25), torch.float16, torch.float32, split,
+              ValidSplit(4), functools.partial(max, 1), float('nan'), torch.tensor([1., 2.]),
+              torch.tensor([1., 3.]), torch.optim.SGD, torch.optim.Adam]
+    described = [manifest.describe(value) for value in values]
+    # JSON, the same after a round trip, and every value told apart
+    assert json.loads(json.dumps(described)) == described
+    assert len({json.dumps(d, sort_keys=True) for d in described}) == len(values)
+    assert '0x' not in json.dumps(described)
+    assert manifest.describe(split) == manifest.describe(ValidSplit(3))
 
 
 @pytest.mark.parametrize('check_params', ['lr', 1, None, ('lr', 2)])
