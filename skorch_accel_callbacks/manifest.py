@@ -517,7 +517,9 @@ def check_same_params(net, manifest, path, check=True):
     refused = [change for change in changes
                if check is True or (check is not False and change[0] not in check)]
     if refused:
-        names = tuple(name for name, _, _ in refused)
+        # with the names allowed already, if any
+        names = tuple(dict.fromkeys(
+            [*(() if isinstance(check, bool) else check), *(name for name, _, _ in refused)]))
         raise CheckpointError(
             f"{path} was trained with other hyper-parameters: {_said(refused)}. "
             "Resuming it would continue another training (in a hyper-parameter "
