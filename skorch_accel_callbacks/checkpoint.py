@@ -779,7 +779,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                 position = {'step': self.global_step_,
                             'batches': self._batches if inside_epoch else 0}
                 sealed = manifest.build(net, name, best, finished, stopped_early, self._data,
-                                        position)
+                                        position, self._train_loader)
                 # called by manifest.write once every file is flushed
                 sealed['save_seconds'] = lambda: round(time.monotonic() - started, 3)
         written = {}

@@ -79,7 +79,13 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     model (parameter names or shapes) or in a newer format raises
     :class:`CheckpointError` naming what differs, before any training step;
     a damaged one raises (or, for ``resume='latest'``, is skipped with a
-    warning) naming the file.
+    warning) naming the file. So does one trained with other
+    hyper-parameters (see ``check_params``), and one taken inside an epoch
+    when what its position there depends on changed: the training loader's
+    batch size, gradient accumulation, shuffling or the train split (when
+    training begins) or the number of training rows (when the first epoch
+    begins, once the split is made; still before any training step). From
+    a checkpoint of an epoch's end, a new batch size resumes fine.
 
     A checkpoint written by another number of processes raises too, unless
     ``on_world_size_change='reseed'``: then the model, optimizers, LR
@@ -117,6 +123,18 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
       for the new ranks (see above), e.g. when a cluster gives back 4 GPUs
       of the 8 a preempted job had.
 
+    check_params : bool or tuple of str (default=True)
+      Refuse a checkpoint trained with other values of the net's parameters
+      that change training (``get_params()`` without ``callbacks``,
+      ``max_epochs``, ``verbose``, ``warm_start``, ``accelerator``,
+      ``device``, ``batch_size``, the validation loader's and others that
+      decide only how long, how verbosely or how fast training runs),
+      naming each: in a hyper-parameter search every fit needs its own
+      folder. A tuple of names, e.g. ``('lr',)``, lets those differ, and
+      the new values take effect (the optimizers' settings of ``lr`` and
+      ``optimizer__*`` replace the checkpoint's); ``False`` lets any differ.
+      Checkpoints of versions before 0.3 recorded no parameters.
+
     Attributes
     ----------
     did_load_ : bool
@@ -135,14 +153,17 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     ------
     TypeError, ValueError
       At ``initialize``: ``checkpoint`` is not an
-      :class:`AccelerateCheckpoint`, ``resume``, ``sink``, ``check_data`` or
-      ``on_world_size_change`` of the wrong type or value.
+      :class:`AccelerateCheckpoint`, ``resume``, ``sink``, ``check_data``,
+      ``on_world_size_change`` or ``check_params`` of the wrong type or value.
       When training begins: accelerate's FSDP, DeepSpeed, Megatron-LM or
       XLA back-end (``ValueError`` naming it).
     CheckpointError
       When training begins: the checkpoint cannot be resumed by this run
       (another number of processes with ``on_world_size_change='raise'``,
-      another model, a newer format), or no complete checkpoint is left.
+      another model, other data, other hyper-parameters, a newer format, a
+      change that moves the position inside an epoch), or no complete
+      checkpoint is left. A changed number of training rows inside an epoch
+      raises when the first epoch begins.
     CorruptCheckpointError
       When training begins: a named checkpoint, or a file of the chosen
       one, is damaged; the message names the file.
@@ -160,15 +181,20 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     >>> load = AccelerateLoadInitState(cp, on_world_size_change='reseed')
 
+    Going on with a larger learning rate on purpose:
+
+    >>> load = AccelerateLoadInitState(cp, check_params=('lr',))
+
     """
 
     def __init__(self, checkpoint, resume='latest', sink=noop, check_data=True,
-                 on_world_size_change='raise'):
+                 on_world_size_change='raise', check_params=True):
         self.checkpoint = checkpoint
         self.resume = resume
         self.sink = sink
         self.check_data = check_data
         self.on_world_size_change = on_world_size_change
+        self.check_params = check_params
 
     def initialize(self):
         owner = type(self).__name__
@@ -186,6 +212,12 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             raise ValueError(
                 f"{owner}: on_world_size_change must be one of {WORLD_SIZE_CHANGES}, "
                 f"got {self.on_world_size_change!r}")
+        if not (isinstance(self.check_params, bool) or (
+                isinstance(self.check_params, (tuple, list))
+                and all(isinstance(name, str) for name in self.check_params))):
+            raise ValueError(
+                f"{owner}: check_params must be True, False or a tuple of parameter "
+                f"names, got {self.check_params!r}")
         self.did_load_ = False
         self.loaded_from_ = None
         self.resumed_ = None
@@ -197,6 +229,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self._undo_skip = None
         self._skipped = 0
         self._folder = None
+        self._saved_manifest = None
         return self
 
     def __getstate__(self):
@@ -244,6 +277,11 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             manifest.check_compatible(net, saved, path)
             if self.check_data:
                 manifest.check_same_data(saved, training_state.data_fingerprint(X, y), path)
+            changed_params = manifest.check_same_params(net, saved, path, self.check_params)
+            # the number of training rows is checked when the first epoch begins
+            manifest.check_epoch_settings(net, saved, path)
+            self._saved_manifest = saved
+            fresh_settings = training_state.optimizer_hyperparameters(net_optimizers(net))
             # on another number of processes the new ranks' random states
             # derive from rank 0's: the other saved ranks' files are not read
             reads_own_rank = not changed or rank == 0
@@ -258,6 +296,9 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                     f"{type(exc).__name__}: {exc}") from exc
             rng = training_state.capture_rng()
             hyperparameters = training_state.optimizer_hyperparameters(net_optimizers(net))
+            # the new values of parameters allowed to change take effect
+            training_state.keep_new_optimizer_settings(
+                net, changed_params, fresh_settings, hyperparameters)
             history = _read_own(path, training_state.HISTORY_NAME,
                                 training_state.load_history)
             callbacks = _read_own(
@@ -390,6 +431,9 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             raise CheckpointError(
                 f"{self.loaded_from_} was taken inside an epoch, but this run's training "
                 "data cannot skip batches by index (an IterableDataset)")
+        # the train split is made by now, before the epoch's first step
+        manifest.check_train_rows(self._saved_manifest, len(loader.dataset),
+                                  self.loaded_from_)
         # on another number of processes the share of an epoch changed; at
         # least one batch is left, which the resume begins at
         batches = min(batches, max(len(loader) - 1, 0))

@@ -16,6 +16,8 @@ import math
 import random
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -47,6 +49,9 @@ __all__ = [
     'derived_rng',
     'derived_rank_state',
     'data_fingerprint',
+    'describe_data',
+    'fixed_rng',
+    'keep_new_optimizer_settings',
     'epoch_completed',
     'optimizer_steps',
     'find_train_loader',
@@ -129,9 +134,45 @@ def data_fingerprint(X, y=None):
     at every ``fit``).
 
     Arrays, tensors, pandas objects, dicts of those and (torch) datasets
-    are described; anything else by its type only.
+    are described; anything else by its type only. The rows of a data set
+    are read under :func:`fixed_rng`: one that draws random numbers when
+    it loads a row (augmentation) has the same fingerprint at every
+    launch, and the run's random states are left as they were.
     """
-    return {'X': _describe(X), 'y': _describe(y)}
+    with fixed_rng():
+        return {'X': _describe(X), 'y': _describe(y)}
+
+
+@contextmanager
+def fixed_rng(seed: int = 0) -> Iterator[None]:
+    """Inside, Python's, numpy's and torch's generators (CPU, and the current
+    CUDA device's once CUDA is initialized) start from ``seed``; after, they
+    are where they were before."""
+    python, numpy = random.getstate(), np.random.get_state()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.default_generator.manual_seed(seed)
+        if devices:
+            torch.cuda.manual_seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
+
+
+def describe_data(data: object) -> dict | None:
+    """The fingerprint of an array, tensor or pandas object (length, shape,
+    dtype, a hash of some rows); ``None`` for anything else."""
+    if hasattr(data, 'to_numpy'):  # pandas
+        data = data.to_numpy()
+    if isinstance(data, (np.ndarray, torch.Tensor)):
+        length = len(data) if data.ndim else 0
+        return {'len': length, 'shape': list(data.shape), 'dtype': str(data.dtype),
+                'sample': _digest(data[i] for i in _sample_rows(length))}
+    return None
 
 
 def _describe(data):
@@ -139,12 +180,9 @@ def _describe(data):
         return None
     if isinstance(data, dict):
         return {str(key): _describe(value) for key, value in data.items()}
-    if hasattr(data, 'to_numpy'):  # pandas
-        data = data.to_numpy()
-    if isinstance(data, (np.ndarray, torch.Tensor)):
-        length = len(data) if data.ndim else 0
-        return {'len': length, 'shape': list(data.shape), 'dtype': str(data.dtype),
-                'sample': _digest(data[i] for i in _sample_rows(length))}
+    array = describe_data(data)
+    if array is not None:
+        return array
     if hasattr(data, '__len__') and hasattr(data, '__getitem__'):
         length = len(data)
         return {'type': type(data).__qualname__, 'len': length,
@@ -257,6 +295,23 @@ def optimizer_hyperparameters(optimizers):
     """Each optimizer's param-group settings (lr, momentum, ...) without the params."""
     return [[{key: value for key, value in group.items() if key != 'params'}
              for group in optimizer.param_groups] for optimizer in optimizers]
+
+
+def keep_new_optimizer_settings(net, names, fresh, saved):
+    """Make the values that the net's parameters ``names`` give its
+    optimizers now (``fresh``, as :func:`optimizer_hyperparameters` read
+    them before the checkpoint was loaded) win over those of the checkpoint
+    (``saved``, changed in place): ``lr`` sets every optimizer's ``lr``,
+    ``<optimizer>__<key>`` that optimizer's ``key``, and
+    ``<optimizer>__param_groups`` all its settings."""
+    present = [name for name in net._optimizers if getattr(net, name + '_', None) is not None]
+    for optimizer, new_groups, old_groups in zip(present, fresh, saved, strict=True):
+        keys = {'lr'} if 'lr' in names else set()
+        keys |= {name[len(optimizer) + 2:] for name in names
+                 if name.startswith(optimizer + '__')}
+        for new, old in zip(new_groups, old_groups, strict=True):
+            taken = new if 'param_groups' in keys else keys & set(new)
+            old.update({key: new[key] for key in taken})
 
 
 def restore_optimizer_hyperparameters(optimizers, saved):
