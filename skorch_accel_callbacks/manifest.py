@@ -304,7 +304,8 @@ def check_world_size(net, manifest, path, reseed):
             "not a number of processes")
     if not reseed:
         raise CheckpointError(
-            f"{path} was written by {saved} processes, this run has {world_size}: "
+            f"{path} was written by {saved} process{'' if saved == 1 else 'es'}, "
+            f"this run has {world_size}: "
             "every rank resumes its own random state and data order, so resume "
             "with the same number of processes, or pass "
             "on_world_size_change='reseed' to AccelerateLoadInitState to derive "
