@@ -258,6 +258,7 @@ def test_check_params_survives_clone(tmp_path):
     assert dict(copy.callbacks_)['AccelerateLoadInitState'].check_params == ('lr',)
 
 
+@pytest.mark.slow
 def test_the_hyper_parameter_loop_is_refused_on_every_rank(run_workers, tmp_path):
     results = run_workers('compat.py', 'compat', nproc=2, args=[str(tmp_path / 'ck')])
     assert [res['num_processes'] for res in results] == [2, 2]

@@ -391,6 +391,7 @@ def test_list_shows_each_checkpoint_leftovers_and_the_lock(tmp_path, trained):
     assert f"lock: held by a running job: pid {os.getpid()} on host" in held.stdout
 
 
+@pytest.mark.slow
 def test_list_verify_and_the_save_message_say_one_size(trained):
     """The size of a checkpoint is the manifest's ``bytes``, the files it
     lists (the manifest not counted): the save message, ``list`` and
@@ -489,6 +490,7 @@ def test_export_command_then_load_params(tmp_path, trained):
     assert not (tmp_path / 'out2').exists()
 
 
+@pytest.mark.slow
 def test_no_best_checkpoint_is_a_usage_error_for_verify_and_export(tmp_path):
     """A folder saved without ``monitor`` has no best checkpoint: both
     commands exit 2 and say so; export writes nothing."""
@@ -516,6 +518,7 @@ def test_export_into_a_file_names_it_and_exits_2(tmp_path, trained):
         export(trained['dirname'], target)
 
 
+@pytest.mark.slow
 def test_export_a_checkpoint_missing_a_random_state_file_warns_and_exports(tmp_path, trained):
     """The newest checkpoint lacks its random states: it cannot be resumed
     from (verify says so), but its model is intact and is the one exported,

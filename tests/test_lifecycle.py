@@ -109,7 +109,7 @@ def test_a_callback_that_records_its_decision_stops_the_run_for_good(tmp_path):
     assert load.loaded_from_.endswith('epoch-0002') and len(again.history) == 2
 
 
-@pytest.mark.parametrize('nproc', [1, 2])
+@pytest.mark.parametrize('nproc', [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_an_interrupted_epoch_end_is_replayed_in_processes(run_workers, tmp_path, nproc):
     results = run_workers('lifecycle.py', 'epoch_end_interrupt', nproc=nproc,
                           args=(tmp_path, 'epoch_end_interrupt'))
@@ -122,7 +122,7 @@ def test_an_interrupted_epoch_end_is_replayed_in_processes(run_workers, tmp_path
 
 # ---------------------------------------------------------------- partial_fit
 
-@pytest.mark.parametrize('nproc', [1, 2])
+@pytest.mark.parametrize('nproc', [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_partial_fit_after_a_resume_counts_steps_and_batches_on(run_workers, tmp_path, nproc):
     results = run_workers('lifecycle.py', 'partial_fit', nproc=nproc,
                           args=(tmp_path, 'partial_fit'))
@@ -188,7 +188,7 @@ def test_resuming_never_changes_max_epochs(tmp_path):
 
 # ---------------------------------------------------------------- a signal at the end
 
-@pytest.mark.parametrize('nproc, who', [(1, 0), (2, 1)])
+@pytest.mark.parametrize('nproc, who', [(1, 0), pytest.param(2, 1, marks=pytest.mark.slow)])
 def test_a_sigterm_during_the_end_of_training_stops_with_the_last_save(
         run_workers, tmp_path, nproc, who):
     results = run_workers('lifecycle.py', 'sigterm_at_train_end', nproc=nproc,

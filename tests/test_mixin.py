@@ -41,6 +41,7 @@ def two_processes(tmp_path_factory):
     return folder, read_results(folder, 'roundtrip', 2)
 
 
+@pytest.mark.slow
 def test_clone_and_pickle_after_any_fit_in_two_processes(two_processes):
     _, results = two_processes
     for result in results:
@@ -48,6 +49,7 @@ def test_clone_and_pickle_after_any_fit_in_two_processes(two_processes):
         assert_roundtrips(result)
 
 
+@pytest.mark.slow
 def test_net_pickled_in_two_processes_fits_in_a_fresh_one(two_processes):
     folder, _ = two_processes
     launch('mixin_roundtrip.py', 'unpickle', str(folder / 'rank0'), nproc=1,

@@ -4,10 +4,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from launcher import launch
 from testutil import read_results
 
 
+@pytest.mark.slow
 def test_foundation_worker_leaves_no_temporary_folder(tmp_path):
     """The worker that saves files into a temporary folder, in 2 processes,
     with ``TMPDIR`` a fresh folder: that folder is empty afterwards (today's
