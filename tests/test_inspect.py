@@ -456,6 +456,7 @@ def test_verify_intact_then_damaged_names_each_file(tmp_path, trained):
         renamed.stdout + renamed.stderr
 
 
+@pytest.mark.slow
 def test_verify_and_list_usage_errors_exit_2(tmp_path, trained):
     missing = tmp_path / 'nowhere'
     proc = cli('verify', missing)

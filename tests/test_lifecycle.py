@@ -109,7 +109,9 @@ def test_a_callback_that_records_its_decision_stops_the_run_for_good(tmp_path):
     assert load.loaded_from_.endswith('epoch-0002') and len(again.history) == 2
 
 
-@pytest.mark.parametrize('nproc', [1, pytest.param(2, marks=pytest.mark.slow)])
+# in one process in this process too: test_a_ctrl_c_in_another_callbacks_epoch_end_ends_nothing
+@pytest.mark.slow
+@pytest.mark.parametrize('nproc', [1, 2])
 def test_an_interrupted_epoch_end_is_replayed_in_processes(run_workers, tmp_path, nproc):
     results = run_workers('lifecycle.py', 'epoch_end_interrupt', nproc=nproc,
                           args=(tmp_path, 'epoch_end_interrupt'))
