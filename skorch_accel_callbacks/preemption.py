@@ -17,6 +17,9 @@ __all__ = ['SignalWatch', 'check_signals']
 # what cannot be caught, or is not a request to stop
 _REFUSED = {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGCONT}
 
+# the watch whose handlers are set (signal handlers belong to the process)
+_installed = None
+
 
 def check_signals(signals, owner):
     """``signals`` (names such as ``'SIGTERM'`` or ``signal.Signals``) as a
@@ -63,7 +66,11 @@ class SignalWatch:
       not watched this way.
 
     Installed in the main thread only (Python runs signal handlers there);
-    the handlers that were set before are put back when uninstalled.
+    the handlers that were set before are put back when uninstalled. One
+    watch is installed at a time: installing one uninstalls another that a
+    fit which raised left behind, so that a signal never reaches a watch of
+    a training that is over (one that had noted a signal would take the
+    next for a second one, and end the process).
 
     Attributes
     ----------
@@ -83,6 +90,7 @@ class SignalWatch:
     def install(self, owner, stop, passed_on=()):
         """Set the handlers, after forgetting what an earlier installation
         noted; warn naming ``owner`` and do nothing outside the main thread."""
+        global _installed
         self.uninstall()
         self.received = None
         self.interrupted = None
@@ -96,6 +104,9 @@ class SignalWatch:
                     f"can be set: {', '.join(s.name for s in self._stop)} will not save "
                     "a checkpoint", UserWarning, stacklevel=3)
             return
+        if _installed is not None:
+            _installed.uninstall()
+        _installed = self
         for sig in self._stop:
             self._previous[sig] = signal.signal(sig, self._note)
         for sig in passed_on:
@@ -129,6 +140,9 @@ class SignalWatch:
         self._previous[signum](signum, frame)
 
     def uninstall(self):
+        global _installed
+        if _installed is self:
+            _installed = None
         previous, self._previous = self._previous, {}
         for sig, handler in previous.items():
             # None: set by code outside Python, which cannot be put back

@@ -206,6 +206,15 @@ def test_a_sigterm_during_the_end_of_training_stops_with_the_last_save(
     assert manifest['finished'] and not manifest['stopped_early']
 
 
+def test_signals_after_a_fit_that_failed_save_and_stop(run_workers, tmp_path):
+    # the failed fit's watch stays set; a later fit's must not hand a signal
+    # on to it (it took the next for a second one and ended the process)
+    result, = run_workers('lifecycle.py', 'after_a_failed_fit', nproc=1,
+                          args=(tmp_path, 'after_a_failed_fit'))
+    assert result['num_processes'] == 1
+    assert result['stopped'] == ['epoch-0000-step-00000002'] * 2
+
+
 # ---------------------------------------------------------------- what a user sees
 
 def test_the_last_epoch_of_a_run_is_saved_finished(tmp_path, capsys):

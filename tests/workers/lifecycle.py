@@ -17,6 +17,9 @@ net in turn from the same seed, and writes every rank's result:
 - ``sigterm_at_train_end``: SIGTERM to rank ``SIGNAL_RANK`` (default 0) in
   another callback's ``on_train_end``, then a ``partial_fit`` that gets a
   SIGTERM inside its first epoch.
+- ``after_a_failed_fit``: a fit that fails inside an epoch (its signal
+  handlers stay set: no ``on_train_end``), then two nets in turn that each
+  get a SIGTERM inside an epoch.
 """
 
 import json
@@ -178,11 +181,31 @@ def sigterm_at_train_end(dirname, X, y):
     return {'at_end': at_end, 'second': second}
 
 
+class FailInEpoch(NotTrainingState, Callback):
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training and len(net.history) == 2:
+            raise RuntimeError("crash")
+
+
+def after_a_failed_fit(dirname, X, y):
+    net, _ = new_net(os.path.join(dirname, 'failed'), FailInEpoch(), max_epochs=2)
+    try:
+        net.fit(X, y)
+    except RuntimeError:
+        pass
+    stopped = []
+    for run in ('first', 'second'):
+        net, _ = new_net(os.path.join(dirname, run), SignalAt(1, 2), max_epochs=2)
+        stopped.append(preempted(net, lambda: net.fit(X, y))['checkpoint'])
+    return {'stopped': stopped}
+
+
 def main():
     dirname, scenario = sys.argv[1], sys.argv[2]
     X, y = make_data(n=320)
     result = {'partial_fit': partial_fit, 'epoch_end_interrupt': epoch_end_interrupt,
-              'sigterm_at_train_end': sigterm_at_train_end}[scenario](dirname, X, y)
+              'sigterm_at_train_end': sigterm_at_train_end,
+              'after_a_failed_fit': after_a_failed_fit}[scenario](dirname, X, y)
     result['num_processes'] = make_accelerator().num_processes
     write_result(scenario, result)
 
