@@ -409,8 +409,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             self._stop(net, reason, path)
 
     def on_epoch_end(self, net, **kwargs):
-        # an epoch whose end this hook did not see was ended by a callback
-        # before it (EarlyStopping raises KeyboardInterrupt there)
+        # an epoch whose end this hook did not see was ended before it by a
+        # KeyboardInterrupt: a callback's decision (EarlyStopping) or a Ctrl-C
         self._epoch_end_seen = len(net.history)
         deferred, self._deferred = self._deferred, None
         received = self._signal_at_epoch_end(net)
