@@ -59,7 +59,7 @@ from skorch_accel_callbacks import (  # noqa: E402
     ParamsCheckpoint,
     atomic,
 )
-from skorch_accel_callbacks.background import copy_into  # noqa: E402
+from skorch_accel_callbacks.stager import copy_into  # noqa: E402
 
 WIDTH = 1024
 
@@ -204,7 +204,7 @@ def bench_size(size, repeats, root):
         times['skorch'].append(timed(lambda: skorch_cp.save_model(net)))
         times['skorch_fsync'].append(timed(
             lambda: (skorch_cp.save_model(net), fsync_folder(root / 'skorch'))))
-    checkpoints['async']._saver.close()
+    checkpoints['async'].writer_.close()
     shutil.rmtree(root)
     if os.environ.get("BENCH_RAW"):
         print(json.dumps({k: [round(x * 1000) for x in v] for k, v in times.items()}),

@@ -12,6 +12,7 @@ these internals fails one obvious test.
 
 import warnings
 from contextlib import contextmanager
+from typing import Any
 
 from accelerate import Accelerator
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
@@ -214,6 +215,25 @@ def check_plain_state(accelerator, what):
             "it shards or places the models itself and saves them with collectives "
             "of its own. Supported are one process and DistributedDataParallel "
             "(distributed_type NO, MULTI_CPU, MULTI_GPU and the other MULTI_* devices)")
+
+
+def check_checkpointable(net: Any, what: str) -> None:
+    """Raise naming ``what`` if the accelerator of ``net`` cannot be
+    checkpointed by ``AccelerateCheckpoint``: ``TypeError`` without an
+    accelerator, ``ValueError`` with ``automatic_checkpoint_naming`` (the
+    callback names and retires its folders itself) or a back-end that
+    saves with collectives of its own (:func:`check_plain_state`)."""
+    accelerator = getattr(net, 'accelerator', None)
+    if accelerator is None:
+        raise TypeError(
+            f"{what} needs a net with skorch's AccelerateMixin "
+            "(an `accelerator` attribute); for a plain net use ParamsCheckpoint")
+    if uses_automatic_naming(accelerator):
+        raise ValueError(
+            f"{what} names and retires its checkpoint folders itself; "
+            "create the Accelerator without "
+            "ProjectConfiguration(automatic_checkpoint_naming=True)")
+    check_plain_state(accelerator, what)
 
 
 # ---------------------------------------------------------------- files

@@ -1,9 +1,12 @@
-"""AccelerateCheckpoint: decide when to save the whole training state, and save it."""
+"""AccelerateCheckpoint: decide when to save the whole training state."""
+
+from __future__ import annotations
 
 import os
 import signal
 import time
 import warnings
+from typing import Any
 
 from skorch.callbacks import Callback
 from skorch.utils import noop
@@ -17,26 +20,27 @@ from skorch_accel_callbacks import (
     training_state,
     triggers,
 )
-from skorch_accel_callbacks.background import BackgroundSaver
 from skorch_accel_callbacks.base import (
     FolderStateCallback,
     check_sink,
     find_resumed,
-    format_bytes,
     move_callback,
     say,
 )
 from skorch_accel_callbacks.errors import TrainingPreempted
-from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
-from skorch_accel_callbacks.preemption import SignalWatch, check_signals
+from skorch_accel_callbacks.folder import is_committer
+from skorch_accel_callbacks.preemption import StepPoll, check_signals
+from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 from skorch_accel_callbacks.wrapping import own_registries
+from skorch_accel_callbacks.writer import (
+    BackgroundWriter,
+    CheckpointWriter,
+    Retention,
+    SaveRequest,
+    SyncWriter,
+)
 
 __all__ = ['AccelerateCheckpoint']
-
-# steps between two votes on signals and time: about this many seconds, and
-# at most this many steps
-_VOTE_SECONDS = 0.5
-_MAX_VOTE_STEPS = 1000
 
 
 class AccelerateCheckpoint(FolderStateCallback, Callback):
@@ -259,20 +263,20 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
     def __init__(
             self,
-            dirname='checkpoints',
-            monitor=None,
-            every_n_epochs=1,
-            keep_last=2,
-            event_name='event_acp',
-            sink=noop,
-            safe_serialization=True,
-            durable=True,
-            async_save=False,
-            every_n_steps=None,
-            every_n_seconds=None,
-            save_on_signal=('SIGTERM',),
-            keep_best=None,
-    ):
+            dirname: str | os.PathLike = 'checkpoints',
+            monitor: Any = None,
+            every_n_epochs: int = 1,
+            keep_last: int = 2,
+            event_name: str | None = 'event_acp',
+            sink: Any = noop,
+            safe_serialization: bool = True,
+            durable: bool = True,
+            async_save: bool = False,
+            every_n_steps: int | None = None,
+            every_n_seconds: float | None = None,
+            save_on_signal: tuple = ('SIGTERM',),
+            keep_best: int | None = None,
+    ) -> None:
         self.dirname = dirname
         self.monitor = monitor
         self.every_n_epochs = every_n_epochs
@@ -287,7 +291,33 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         self.save_on_signal = save_on_signal
         self.keep_best = keep_best
 
-    def initialize(self):
+    def initialize(self) -> AccelerateCheckpoint:
+        self._check_arguments()
+        self.signals_ = check_signals(self.save_on_signal, type(self).__name__)
+        self.close()
+        self.folder_: CheckpointStorage = open_storage(self.dirname)
+        writer = SyncWriter(self.folder_, Retention(self.keep_last, self.keep_best),
+                            self.durable, self.safe_serialization)
+        self.writer_: CheckpointWriter = BackgroundWriter(writer) if self.async_save else writer
+        self.last_saved_ = None
+        self.global_step_ = 0
+        self._poll = StepPoll(self.every_n_seconds)
+        # training batches of the epoch under way, and the random states it began with
+        self._batches = 0
+        self._epoch_start = None
+        # why to save at the end of this epoch (a step or time due at its last batch)
+        self._deferred = None
+        # the resume this callback counts from (a record of AccelerateLoadInitState)
+        self._resumed = None
+        # complete epochs after which the fit under way ends
+        self._last_epoch = None
+        self._fit_began = False
+        self._train_loader = None
+        self._data = None
+        self._epoch_end_seen = None
+        return self
+
+    def _check_arguments(self) -> None:
         owner = type(self).__name__
         if not isinstance(self.dirname, (str, os.PathLike)) or not str(self.dirname):
             raise ValueError(f"{owner}: dirname must be a folder path, got {self.dirname!r}")
@@ -309,61 +339,29 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         if self.keep_best is not None and self.monitor is None:
             raise ValueError(f"{owner}: keep_best keeps the checkpoints that monitor "
                              "marks best; set monitor too")
-        self.signals_ = check_signals(self.save_on_signal, owner)
         check_sink(self.sink, owner)
-        self.close()
-        self.folder_ = CheckpointFolder(self.dirname)
-        self.last_saved_ = None
-        self.global_step_ = 0
-        self._watch = SignalWatch()
-        self._vote = None
-        # training batches of the epoch under way, and the random states it began with
-        self._batches = 0
-        self._epoch_start = None
-        self._last_save = None
-        # why to save at the end of this epoch (a step or time due at its last batch)
-        self._deferred = None
-        # the resume this callback counts from (a record of AccelerateLoadInitState)
-        self._resumed = None
-        # complete epochs after which the fit under way ends
-        self._last_epoch = None
-        self._fit_began = False
-        self._saver = BackgroundSaver() if self.async_save else None
-        # (folder, message) of the save in the background
-        self._in_flight = None
-        self._train_loader = None
-        self._data = None
-        self._epoch_end_seen = None
-        return self
 
     @property
-    def resumed_from_(self):
+    def resumed_from_(self) -> str | None:
         return None if self._resumed is None else self._resumed.name
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict:
         # a loader holds the training data; it is found again each epoch
-        return dict(self.__dict__, _train_loader=None, _in_flight=None, _epoch_start=None)
+        return dict(self.__dict__, _train_loader=None, _epoch_start=None)
 
     # ------------------------------------------------------------ hooks
 
     # pylint: disable=arguments-differ
-    def on_train_begin(self, net, X=None, y=None, **kwargs):
+    def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         self._check_net(net)
         move_callback(net, self, 'last')
         self.folder_.claim(net)
         self._data = training_state.data_fingerprint(X, y)
         self._fit_began = False
         self._deferred = None
-        self._last_save = time.monotonic()
-        self._is_main = sync.is_main_process(net)
-        if sync.is_distributed(net):
-            # every rank needs to hear of a signal, SIGINT at least
-            self._vote = sync.Vote(net)
-            self._next_vote = 0
-            self._vote_interval = 1
-            self._voted_at = (0, self._last_save)
+        self._poll.begin(net)
 
-    def on_epoch_begin(self, net, dataset_train=None, **kwargs):
+    def on_epoch_begin(self, net: Any, dataset_train: Any = None, **kwargs: Any) -> None:
         self._train_loader = training_state.find_train_loader(net, dataset_train)
         self._batches = 0
         if not self._fit_began:
@@ -374,8 +372,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                 self._last_epoch = len(net.history) - 1 + net.max_epochs
             # once every callback's on_train_begin went through: a fit that
             # fails before training leaves no handler behind
-            self._watch.install(type(self).__name__, *self._watched_signals(net))
-        if self.every_n_steps or self.every_n_seconds or self._watch.stop_signals:
+            self._poll.install(net, type(self).__name__, self.signals_)
+        if self.every_n_steps or self.every_n_seconds or self._poll.stop_signals:
             if ((self.every_n_steps or self.every_n_seconds)
                     and not epoch_position.can_skip(self._train_loader)):
                 raise ValueError(
@@ -385,14 +383,14 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             # after the resume callback gave back the epoch's starting state
             self._epoch_start = epoch_position.EpochStart.capture(self._train_loader)
 
-    def on_batch_end(self, net, training=False, **kwargs):
+    def on_batch_end(self, net: Any, training: bool = False, **kwargs: Any) -> None:
         if not training:
             return
         self._batches += 1
         if not accelerate_io.gradients_applied(net.accelerator):
             return  # inside a gradient accumulation: no step to resume from
         self.global_step_ += 1
-        reason = self._poll(net)
+        reason = self._reason_at_step()
         if reason is None:
             return
         if accelerate_io.at_end_of_loader(self._train_loader):
@@ -408,15 +406,16 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             accelerate_io.leave_loader(self._train_loader)
             self._stop(net, reason, path)
 
-    def on_epoch_end(self, net, **kwargs):
+    def on_epoch_end(self, net: Any, **kwargs: Any) -> None:
         # an epoch whose end this hook did not see was ended before it by a
         # KeyboardInterrupt: a callback's decision (EarlyStopping) or a Ctrl-C
         self._epoch_end_seen = len(net.history)
         deferred, self._deferred = self._deferred, None
-        received = self._signal_at_epoch_end(net)
+        received = self._poll.at_epoch_end(self.global_step_)
         if received is None and isinstance(deferred, signal.Signals):
             received = deferred
-        decided, best = self._decide(net)
+        decided, best = triggers.epoch_decision(
+            net, self.every_n_epochs, self.monitor, self.keep_best, type(self).__name__)
         # the fit ends after this epoch: its checkpoint says training finished
         last = len(net.history) >= self._last_epoch
         do_save = decided or last or deferred is not None or received is not None
@@ -427,7 +426,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             if received is not None:
                 self._stop(net, received, path)
 
-    def on_train_end(self, net, **kwargs):
+    def on_train_end(self, net: Any, **kwargs: Any) -> None:
         try:
             # a fit that the resume callback ended before its first epoch
             self._take_resumed(net)
@@ -435,21 +434,33 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                     and self.checkpoint_name(net) not in (self.last_saved_, self.resumed_from_)):
                 self._save_at_train_end(net)
             self.wait_for_saves(net)
-            received = self._signal_at_train_end(net)
+            received = self._poll.at_train_end(net)
             if received is not None:
                 saved = self.last_saved_ or self.resumed_from_
                 self._stop(net, received, saved and self.folder_.path(saved))
         finally:
             self.close()
 
-    def _save_at_train_end(self, net):
+    # ------------------------------------------------------------ policy
+
+    def _reason_at_step(self) -> str | signal.Signals | None:
+        """Why to save after the optimizer step just taken: a signal,
+        ``'step'``, ``'time'``, or None."""
+        received, time_due = self._poll.at_step(self.global_step_)
+        if received is not None:
+            return received
+        if triggers.step_due(self.global_step_, self.every_n_steps):
+            return 'step'
+        return 'time' if time_due else None
+
+    def _save_at_train_end(self, net: Any) -> None:
         """Save the epoch that training ended in, unless its end was cut
         short by an interruption that was no callback's decision."""
         # this callback's own end of the epoch went through, but for its
         # save (a KeyboardInterrupt in the save): the epoch's state is whole
         seen = self._epoch_end_seen == len(net.history)
         stopped_early = not seen and sync.broadcast(
-            net, self._watch.interrupted is None and triggers.stopped_by_callback(net))
+            net, self._poll.interrupted is None and triggers.stopped_by_callback(net))
         if seen or stopped_early:
             ends = self._last_epoch is not None and len(net.history) >= self._last_epoch
             self.save_model(net, finished=stopped_early or ends, stopped_early=stopped_early)
@@ -463,7 +474,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             + (f"{self.folder_.path(last)} stands" if last else "no checkpoint was taken")
             + "; run the same command again to resume")
 
-    def _take_resumed(self, net):
+    def _take_resumed(self, net: Any) -> bool:
         """Count on from the checkpoint that this fit resumed from, if it did
         (not a fit that continues training without loading, such as
         ``partial_fit``); return whether it did."""
@@ -475,141 +486,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         self._last_epoch = record.last_epoch
         return True
 
-    def _watched_signals(self, net):
-        """``(signals that save and stop, signals only noted)``: a Ctrl-C
-        (SIGINT) stops every rank as a preemption does when there are
-        several (one rank's KeyboardInterrupt would leave the others waiting
-        in a collective), and in one process ends ``fit`` as skorch's does,
-        noted so that it is not taken for a callback's decision."""
-        stop = tuple(self.signals_)
-        if signal.SIGINT in stop:
-            return stop, ()
-        if sync.is_distributed(net):
-            return stop + (signal.SIGINT,), ()
-        return stop, (signal.SIGINT,)
-
-    def close(self):
-        """Wait for this process's background work, free the save buffers
-        and release the folder.
-
-        Called when training ends and by ``initialize`` (a new ``fit`` after
-        one that raised while a save was written in the background). A
-        background save that failed and was not reported on every rank by
-        :meth:`wait_for_saves` is reported here with a warning.
-        """
-        saver = getattr(self, '_saver', None)
-        folder = getattr(self, 'folder_', None)
-        watch = getattr(self, '_watch', None)
-        if watch is not None:
-            watch.uninstall()
-        vote, self._vote = getattr(self, '_vote', None), None
-        try:
-            if vote is not None:
-                vote.close()
-            if saver is not None:
-                try:
-                    saver.close()
-                except Exception as exc:  # pylint: disable=broad-except
-                    warnings.warn(
-                        f"{type(self).__name__}: the checkpoint written in the background "
-                        f"failed: {type(exc).__name__}: {exc}", UserWarning)
-        finally:
-            if folder is not None:
-                folder.wait_for_removals()
-                folder.release()
-
-    # ------------------------------------------------------------ policy
-
-    def _decide(self, net):
-        """``(save, best)`` at the end of this epoch."""
-        if not triggers.epoch_due(net, self.every_n_epochs):
-            return False, False
-        if self.monitor is None:
-            return True, False
-        best = sync.run_on_main(
-            net, lambda: triggers.monitor_says(net, self.monitor, type(self).__name__),
-            f"evaluating checkpoint monitor {self.monitor!r}")
-        # with keep_best the monitor marks the best, and every epoch is saved
-        return best or self.keep_best is not None, best
-
-    def _poll(self, net):
-        """Why to save after the optimizer step just taken: ``'step'``,
-        ``'time'``, a signal (``signal.Signals``), or None.
-
-        The step count is the same on every rank; the time is measured on
-        the main process and a signal may reach one rank only, so those two
-        go through a vote (:meth:`_vote_now`).
-        """
-        if self._vote is not None:
-            flags = self._vote_now()
-        else:
-            received = self._watch.received
-            flags = (int(received) if received else 0,
-                     self.every_n_seconds is not None and triggers.time_due(
-                         time.monotonic() - self._last_save, self.every_n_seconds))
-        if flags[0]:
-            return signal.Signals(flags[0])
-        if triggers.step_due(self.global_step_, self.every_n_steps):
-            return 'step'
-        return 'time' if flags[1] else None
-
-    def _vote_now(self):
-        """``(signal number, time due)`` that the ranks agreed on at this step.
-
-        A vote is posted without waiting and counted when the next one is
-        posted, a number of steps later that the votes themselves agree on:
-        the main process proposes as many steps as take about
-        ``_VOTE_SECONDS`` (or half of ``every_n_seconds``, if shorter), so
-        that posting one (a few hundred microseconds on gloo) costs well
-        under 1% of training, and a signal is seen within about two such
-        intervals.
-        """
-        if self.global_step_ < self._next_vote:
-            return 0, False
-        now = time.monotonic()
-        proposed = 0
-        if self._is_main:
-            steps = self.global_step_ - self._voted_at[0]
-            seconds = max(now - self._voted_at[1], 1e-9)
-            # a short every_n_seconds needs votes as often as its half
-            wanted = (_VOTE_SECONDS if self.every_n_seconds is None
-                      else min(_VOTE_SECONDS, self.every_n_seconds / 2))
-            proposed = max(1, min(_MAX_VOTE_STEPS, round(wanted * steps / seconds)))
-        self._voted_at = (self.global_step_, now)
-        received = self._watch.received
-        time_is_due = self._is_main and self.every_n_seconds is not None and triggers.time_due(
-            now - self._last_save, self.every_n_seconds)
-        # none under way at an epoch's first vote: the interval agreed before
-        counted = self._vote.count() or [0, 0, self._vote_interval]
-        self._vote.post([int(received) if received else 0, time_is_due, proposed])
-        self._vote_interval = counted[2]
-        self._next_vote = self.global_step_ + counted[2]
-        return counted[0], bool(counted[1])
-
-    def _signal_at_epoch_end(self, net):
-        """The signal any rank got by the end of this epoch, or None; every
-        rank counts the vote under way and one more (the epoch end waits for
-        collectives anyway)."""
-        received = int(self._watch.received or 0)
-        if self._vote is not None:
-            counted = self._vote.count() or [0, 0, 1]
-            self._vote.post([received, 0, 0])
-            received = max(received, counted[0], self._vote.count()[0])
-            # the next epoch votes at its first step
-            self._next_vote = self.global_step_ + 1
-        return signal.Signals(received) if received else None
-
-    def _signal_at_train_end(self, net):
-        """The signal any rank got that training did not stop for (it came
-        during the end of training), or None; every rank counts the vote
-        under way and what every rank got since."""
-        received = int(self._watch.received or 0)
-        if self._vote is not None:
-            counted = self._vote.count()
-            received = max(sync.gather(net, max(received, counted[0] if counted else 0)))
-        return signal.Signals(received) if received else None
-
-    def _stop(self, net, received, path):
+    def _stop(self, net: Any, received: signal.Signals, path: str | None) -> None:
         """End training on every rank after the checkpoint ``path`` of a
         signal is committed."""
         try:
@@ -621,7 +498,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                "inside the epoch of an IterableDataset"))
         raise TrainingPreempted(received, path)
 
-    def checkpoint_name(self, net):
+    def checkpoint_name(self, net: Any) -> str:
         """The folder name of a checkpoint of the net as it is now:
         ``epoch-NNNN`` after ``NNNN`` epochs, ``epoch-NNNN-step-SSSSSSSS``
         at optimizer step ``SSSSSSSS`` of the epoch after (names sort in
@@ -630,42 +507,31 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             return f"epoch-{len(net.history):04d}"
         return f"epoch-{len(net.history) - 1:04d}-step-{self.global_step_:08d}"
 
-    def is_committer(self, net):
+    def is_committer(self, net: Any) -> bool:
         """Whether this process commits checkpoint folders (one per folder)."""
         return is_committer(net)
 
-    def _check_net(self, net):
-        accelerator = getattr(net, 'accelerator', None)
-        if accelerator is None:
-            raise TypeError(
-                "AccelerateCheckpoint needs a net with skorch's AccelerateMixin "
-                "(an `accelerator` attribute); for a plain net use ParamsCheckpoint")
-        if accelerate_io.uses_automatic_naming(accelerator):
-            raise ValueError(
-                "AccelerateCheckpoint names and retires its checkpoint folders itself; "
-                "create the Accelerator without "
-                "ProjectConfiguration(automatic_checkpoint_naming=True)")
-        # before the model layout, which would blame the modules of a back-end
-        # that shards or wraps them itself
-        accelerate_io.check_plain_state(
-            accelerator,
-            'AccelerateCheckpoint' + ('(async_save=True)' if self.async_save else ''))
+    def _check_net(self, net: Any) -> None:
+        # the back-end before the model layout, which would blame the
+        # modules of a back-end that shards or wraps them itself
+        accelerate_io.check_checkpointable(
+            net, type(self).__name__ + ('(async_save=True)' if self.async_save else ''))
         with own_registries(net):
             manifest.model_layout(net)
 
     # ------------------------------------------------------------ reading
 
-    def _reader(self):
+    def _reader(self) -> CheckpointStorage:
         # reading needs no lock, nor initialize(): a script that only loads
         # a checkpoint creates the callback and reads
-        folder = getattr(self, 'folder_', None)
-        return folder if folder is not None else CheckpointFolder(self.dirname)
+        storage = getattr(self, 'folder_', None)
+        return storage if storage is not None else open_storage(self.dirname)
 
-    def committed(self):
+    def committed(self) -> list[str]:
         """Names of the committed checkpoint folders, oldest commit first."""
         return self._reader().committed()
 
-    def find(self, which='latest'):
+    def find(self, which: str = 'latest') -> str | None:
         """Path of the checkpoint to resume from, or None; see
         :meth:`CheckpointFolder.find`."""
         return self._reader().find(which)
@@ -673,28 +539,25 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     # ------------------------------------------------------------ skorch's load_params
 
     @property
-    def f_history(self):
+    def f_history(self) -> str:
         """The history's file in a checkpoint; skorch's ``load_params``
         reads the history of a checkpoint when this is not None."""
         return training_state.HISTORY_NAME
 
     @property
-    def f_history_(self):
+    def f_history_(self) -> str:
         """Path of the history of the newest complete checkpoint."""
         return self.get_formatted_files(None)['f_history']
 
-    def get_formatted_files(self, net, which='latest'):
+    def get_formatted_files(self, net: Any, which: str = 'latest') -> dict[str, str]:
         """The files of a checkpoint as arguments of skorch's ``load_params``.
 
-        ``net.load_params(checkpoint=cp)`` calls it, so it loads the
-        model(s) and the history of the newest complete checkpoint into any
-        net: a plain skorch net without accelerate, an accelerated net,
-        wrapped or not, in one process or many. It loads neither the
-        optimizer nor the rest of the training state (resuming is
-        :class:`AccelerateLoadInitState`'s). The model files are
-        safetensors (unless ``safe_serialization=False``): torch 2.13 reads
-        them with ``torch.load``; with an older torch, pass
-        ``use_safetensors=True`` to ``load_params``.
+        ``net.load_params(checkpoint=cp)`` calls it: it loads the model(s)
+        and the history of the newest complete checkpoint into any net,
+        with or without accelerate, in one process or many (not the
+        optimizer nor the rest of the training state: resuming is
+        :class:`AccelerateLoadInitState`'s). With a torch older than 2.13,
+        pass ``use_safetensors=True`` to ``load_params``.
 
         Parameters
         ----------
@@ -702,33 +565,29 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
           Unused; skorch passes the net.
 
         which : str (default='latest')
-          ``'latest'`` (the newest complete checkpoint), ``'best'``, the name
-          of a checkpoint (``'epoch-0003'``) or the path of a checkpoint
-          folder.
+          ``'latest'``, ``'best'``, the name of a checkpoint
+          (``'epoch-0003'``) or the path of a checkpoint folder.
 
         Returns
         -------
         files : dict
           ``f_params`` (the module ``module``), ``f_<name>`` for every other
-          module or criterion the checkpoint holds (those with trainable
-          parameters, such as ``f_criterion``), ``f_history``.
+          module or criterion with trainable parameters, ``f_history``.
 
         Raises
         ------
         FileNotFoundError
           There is no checkpoint (of that name) in ``dirname``.
         CheckpointError
-          ``which='best'`` and no checkpoint of ``dirname`` was saved as the
-          best (``monitor`` marks those); or the checkpoint chosen is of a
-          newer format.
+          ``which='best'`` and no checkpoint is marked best; or the
+          checkpoint is of a newer format.
         CorruptCheckpointError
           The checkpoint chosen is damaged (the message names the file).
 
         Examples
         --------
-        >>> cp = AccelerateCheckpoint(dirname='run1')
         >>> net = NeuralNetClassifier(MyModule).initialize()
-        >>> net.load_params(checkpoint=cp)  # the newest checkpoint
+        >>> net.load_params(checkpoint=AccelerateCheckpoint(dirname='run1'))
         >>> net.load_params(**cp.get_formatted_files(net, which='best'))
 
         """
@@ -736,99 +595,66 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
     # ------------------------------------------------------------ saving
 
-    def save_model(self, net, best=False, finished=False, stopped_early=False):
-        """Save a checkpoint of the whole training state on every rank.
+    def save_model(self, net: Any, best: bool = False, finished: bool = False,
+                   stopped_early: bool = False) -> str:
+        """Save a checkpoint of the whole training state; return its path.
 
-        Every process must call it. Raises on every rank if any rank fails.
-        With ``async_save``, it first waits for the previous save, and
-        returns once the states are copied; the files are written and
-        committed in the background. ``best`` points ``best.json`` at it;
-        ``finished`` marks the end of training (``max_epochs`` reached or,
-        with ``stopped_early``, stopped by a callback: resuming such a
-        checkpoint trains nothing). Called inside an epoch (after a training
-        batch), the checkpoint also holds where in the epoch training is.
-        Returns the checkpoint's path.
+        Every process must call it; it raises on every rank if any rank
+        fails. ``best`` points ``best.json`` at it; ``finished`` marks the
+        end of training (``max_epochs`` reached or, with ``stopped_early``,
+        stopped by a callback: resuming it trains nothing). Called inside an
+        epoch, the checkpoint holds where in the epoch training is. With
+        ``async_save`` it returns once the states are copied, and the
+        writer commits the checkpoint in the background.
         """
-        entered = time.monotonic()
+        requested_at = time.monotonic()
         self.wait_for_saves(net)
-        started = time.monotonic()
         name = self.checkpoint_name(net)
-        folder = self.folder_
-        committer = self.is_committer(net)
-        partial = folder.partial_path(name)
-
-        with sync.agree(net, f"preparing {partial}"):
-            if committer:
-                folder.start(name)
-        snapshot, sealed = None, None
-        with sync.agree(net, f"writing checkpoint {partial}"), own_registries(net):
-            if self.async_save:
-                snapshot = self._saver.snapshot(
-                    net.accelerator, partial, self.safe_serialization, writer=committer)
-            else:
-                accelerate_io.save_state(net.accelerator, partial, self.safe_serialization)
-            rank = sync.process_index(net)
-            training_state.save_rank_state(partial, rank, self._train_loader)
-            inside_epoch = not training_state.epoch_completed(net)
-            if inside_epoch:
-                epoch_position.save_position(partial, rank, self._epoch_start, self._batches)
-                training_state.save_epoch_caches(partial, rank, net)
-            if committer:
-                training_state.save_history(partial, net)
-                training_state.save_callback_states(partial, net)
-                position = {'step': self.global_step_,
-                            'batches': self._batches if inside_epoch else 0}
-                sealed = manifest.build(net, name, best, finished, stopped_early, self._data,
-                                        position, self._train_loader)
-                # called by manifest.write once every file is flushed
-                sealed['save_seconds'] = lambda: round(time.monotonic() - started, 3)
-        written = {}
-
-        def commit():
-            written.update(folder.commit(name, sealed, durable=self.durable, best=best))
-            folder.retire(self.keep_last, self.keep_best, keep=[self.resumed_from_])
-
-        def message():
-            # the committing process knows the size; only the main process,
-            # a committer, says it
-            text = f"Saved checkpoint {folder.path(name)}" + (" (finished)" if finished else '')
-            if written:
-                text += (f": {format_bytes(written['bytes'])} in "
-                         f"{written['save_seconds']:.2f} s")
-                if 'blocked_seconds' in written:
-                    text += f", training blocked {written['blocked_seconds']:.2f} s"
-            return text
-
-        if self.async_save:
-            # every other rank's files are complete: the others agreed above
-            if committer:
-                # training waited for the previous save too
-                sealed['blocked_seconds'] = round(time.monotonic() - entered, 3)
-                self._saver.start(partial, snapshot, commit)
-            self._in_flight = (folder.path(name), message)
-        else:
-            with sync.agree(net, f"committing checkpoint {folder.path(name)}"):
-                if committer:
-                    commit()
-            say(net, self.sink, message())
+        inside_epoch = not training_state.epoch_completed(net)
+        report = self.writer_.save(net, SaveRequest(
+            name=name, step=self.global_step_,
+            batches=self._batches if inside_epoch else 0,
+            train_loader=self._train_loader, epoch_start=self._epoch_start,
+            data=self._data, best=best, finished=finished, stopped_early=stopped_early,
+            keep=(self.resumed_from_,), requested_at=requested_at))
+        if report is not None:
+            say(net, self.sink, report.message())
         self.last_saved_ = name
-        self._last_save = time.monotonic()
-        return folder.path(name)
+        self._poll.saved()
+        return self.folder_.path(name)
 
-    def wait_for_saves(self, net):
-        """Wait for the checkpoint written in the background, if any, and
-        for the removal of retired checkpoints.
+    def wait_for_saves(self, net: Any) -> None:
+        """Wait for the checkpoint being written in the background, if any,
+        and for the removal of retired checkpoints.
 
         Every process must call it. If writing or committing the checkpoint
         failed, raises on every rank: the committing one raises the error,
         the others :class:`~skorch_accel_callbacks.RankError`.
         """
-        if self._in_flight is not None:
-            path, message = self._in_flight
-            self._in_flight = None
-            with sync.agree(net, f"writing checkpoint {path} in the background"):
-                self._saver.join()
-            say(net, self.sink, message())
-        # after the writer: with async_save, it starts them
-        self.folder_.wait_for_removals()
+        report = self.writer_.wait(net)
+        if report is not None:
+            say(net, self.sink, report.message())
 
+    def close(self) -> None:
+        """Put the signal handlers back, wait for this process's background
+        work, free the save buffers and release the folder.
+
+        Called when training ends and by ``initialize`` (a new ``fit`` after
+        one that raised while a save was written in the background). A
+        background save that failed and was not reported on every rank by
+        :meth:`wait_for_saves` is reported here with a warning.
+        """
+        poll = getattr(self, '_poll', None)
+        if poll is not None:
+            poll.close()
+        writer = getattr(self, 'writer_', None)
+        storage = getattr(self, 'folder_', None)
+        try:
+            if writer is not None:
+                writer.close()
+        except Exception as exc:  # pylint: disable=broad-except
+            warnings.warn(f"{type(self).__name__}: the checkpoint written in the background "
+                          f"failed: {type(exc).__name__}: {exc}", UserWarning)
+        finally:
+            if storage is not None:
+                storage.release()

@@ -238,7 +238,7 @@ class CheckpointFolder:
         os.makedirs(partial)
         return partial
 
-    def commit(self, name, sealed, durable, best):
+    def commit(self, name, sealed, durable, best, started=None):
         """Give the files and folders in the partial folder of ``name`` the
         modes a plain ``open`` and ``mkdir`` give (:func:`atomic.plain_modes`),
         seal it with the manifest ``sealed``, rename it into place and point
@@ -252,7 +252,7 @@ class CheckpointFolder:
         # before the manifest flushes them: their writers (safetensors)
         # may have made them private
         atomic.give_plain_modes(partial)
-        written = manifest.write(partial, sealed, durable=durable)
+        written = manifest.write(partial, sealed, durable=durable, started=started)
         replaced = atomic.replace_folder(partial, self.path(name))
         if replaced is not None:
             self._removals.append(replaced)

@@ -1,12 +1,22 @@
 """AccelerateLoadInitState: resume a run from an AccelerateCheckpoint."""
 
+from __future__ import annotations
+
 import os
 import warnings
+from typing import Any
 
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
-from skorch_accel_callbacks import accelerate_io, epoch_position, manifest, sync, training_state
+from skorch_accel_callbacks import (
+    accelerate_io,
+    epoch_position,
+    manifest,
+    restore,
+    sync,
+    training_state,
+)
 from skorch_accel_callbacks.base import (
     FolderStateCallback,
     Resumed,
@@ -16,33 +26,14 @@ from skorch_accel_callbacks.base import (
     say,
 )
 from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
-from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
-from skorch_accel_callbacks.readers import first_unloadable
-from skorch_accel_callbacks.wrapping import net_optimizers, own_registries
+from skorch_accel_callbacks.errors import CheckpointError
+from skorch_accel_callbacks.folder import CheckpointFolder
+from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
+from skorch_accel_callbacks.wrapping import net_optimizers
 
 __all__ = ['AccelerateLoadInitState']
 
 WORLD_SIZE_CHANGES = ('raise', 'reseed')
-
-
-def _checkpoint_files(folder):
-    return [os.path.join(folder, name) for name in sorted(os.listdir(folder))
-            if name.endswith(('.bin', '.pkl', '.pt', '.safetensors'))]
-
-
-def _read_own(folder, names, load):
-    """``load(folder)`` for this package's own files ``names``; an error names
-    the file (JSON and safetensors readers do not always say which)."""
-    try:
-        return load(folder)
-    except Exception as exc:  # pylint: disable=broad-except
-        names = (names,) if isinstance(names, str) else names
-        files = [os.path.join(folder, name) for name in names]
-        at_fault = first_unloadable(files) if len(files) > 1 else None
-        raise CorruptCheckpointError(
-            f"{at_fault[0] if at_fault else ' or '.join(files)} cannot be loaded: "
-            f"{type(exc).__name__}: {exc}") from exc
 
 
 class AccelerateLoadInitState(FolderStateCallback, Callback):
@@ -187,8 +178,10 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     """
 
-    def __init__(self, checkpoint, resume='latest', sink=noop, check_data=True,
-                 on_world_size_change='raise', check_params=True):
+    def __init__(self, checkpoint: AccelerateCheckpoint, resume: str = 'latest',
+                 sink: Any = noop, check_data: bool = True,
+                 on_world_size_change: str = 'raise',
+                 check_params: bool | tuple[str, ...] = True) -> None:
         self.checkpoint = checkpoint
         self.resume = resume
         self.sink = sink
@@ -196,7 +189,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self.on_world_size_change = on_world_size_change
         self.check_params = check_params
 
-    def initialize(self):
+    def initialize(self) -> AccelerateLoadInitState:
         owner = type(self).__name__
         if not isinstance(self.checkpoint, AccelerateCheckpoint):
             raise TypeError(
@@ -223,33 +216,33 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self.resumed_ = None
         # the epochs after which the fit that resumed ends; None in other fits
         self._last_epoch = None
-        self._pending = None
-        self._inside = None
-        self._rng_at_batch = True
+        # the checkpoint read, until its callback states are applied
+        self._pending: restore.Restored | None = None
+        # where inside its epoch it goes on, until the epoch's first batch
+        self._inside: restore.InsideEpoch | None = None
         self._undo_skip = None
         self._skipped = 0
-        self._folder = None
-        self._saved_manifest = None
+        self._storage: CheckpointStorage | None = None
         return self
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict:
         return dict(self.__dict__, _undo_skip=None)
 
-    def _checkpoint_folder(self, net):
-        """The folder object of the checkpoint callback that trains with
-        this net: ``checkpoint`` itself, or the callback of the net with
-        the same folder (a clone of the net holds a copy of ``checkpoint``
-        here and another in its callbacks); else one of its own."""
+    def _checkpoint_storage(self, net: Any) -> CheckpointStorage:
+        """The storage of the checkpoint callback that trains with this net:
+        ``checkpoint``'s, or that of the callback of the net with the same
+        folder (a clone of the net holds a copy of ``checkpoint`` here and
+        another in its callbacks); else one of its own."""
         wanted = os.path.realpath(self.checkpoint.dirname)
         for _, callback in net.callbacks_:
             if (isinstance(callback, AccelerateCheckpoint)
                     and getattr(callback, 'folder_', None) is not None
                     and os.path.realpath(callback.dirname) == wanted):
                 return callback.folder_
-        return CheckpointFolder(self.checkpoint.dirname)
+        return open_storage(self.checkpoint.dirname)
 
     # pylint: disable=arguments-differ
-    def on_train_begin(self, net, X=None, y=None, **kwargs):
+    def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         self._last_epoch = None
         accelerator = getattr(net, 'accelerator', None)
         if accelerator is not None:
@@ -257,153 +250,47 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             # blame the modules of a back-end that shards or wraps them itself
             accelerate_io.check_plain_state(accelerator, type(self).__name__)
         move_callback(net, self, 'first')
-        self._folder = self._checkpoint_folder(net)
+        self._storage = self._checkpoint_storage(net)
         # a job refused by the lock must not have read another job's checkpoint
-        self._folder.claim(net)
+        self._storage.claim(net)
         if self.did_load_:
             return
         self.did_load_ = True
-        path = self._resolve(net)
+        path = restore.choose_checkpoint(net, self._storage, self.resume)
         if path is None:
             say(net, self.sink, f"No checkpoint in {self.checkpoint.dirname}; "
                                 "training from scratch.")
             return
-
-        rank = sync.process_index(net)
-        reseed = self.on_world_size_change == 'reseed'
-        with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
-            saved = manifest.read(path)
-            changed = manifest.check_world_size(net, saved, path, reseed)
-            manifest.check_compatible(net, saved, path)
-            if self.check_data:
-                manifest.check_same_data(saved, training_state.data_fingerprint(X, y), path)
-            changed_params = manifest.check_same_params(net, saved, path, self.check_params)
-            # the number of training rows is checked when the first epoch begins
-            manifest.check_epoch_settings(net, saved, path)
-            self._saved_manifest = saved
-            fresh_settings = training_state.optimizer_hyperparameters(net_optimizers(net))
-            # on another number of processes the new ranks' random states
-            # derive from rank 0's: the other saved ranks' files are not read
-            reads_own_rank = not changed or rank == 0
-            if reads_own_rank:
-                manifest.check_rank_files(path, saved, rank)
-            try:
-                accelerate_io.load_state(net.accelerator, path)
-            except Exception as exc:
-                at_fault = first_unloadable(_checkpoint_files(path))
-                raise CheckpointError(
-                    f"{at_fault[0] if at_fault else path} could not be loaded: "
-                    f"{type(exc).__name__}: {exc}") from exc
-            rng = training_state.capture_rng()
-            hyperparameters = training_state.optimizer_hyperparameters(net_optimizers(net))
-            # the new values of parameters allowed to change take effect
-            training_state.keep_new_optimizer_settings(
-                net, changed_params, fresh_settings, hyperparameters)
-            history = _read_own(path, training_state.HISTORY_NAME,
-                                training_state.load_history)
-            callbacks = _read_own(
-                path, (training_state.CALLBACKS_NAME, training_state.CALLBACK_TENSORS_NAME),
-                training_state.load_callback_states)
-            rank_state = None
-            if reads_own_rank:
-                rank_state = _read_own(
-                    path, training_state.rank_state_name(rank),
-                    lambda folder: training_state.load_rank_state(folder, rank))
-            inside = None
-            if manifest.batches_into_epoch(saved) and not changed:
-                caches = training_state.epoch_caches_name(rank)
-                inside = _read_own(
-                    path, (epoch_position.position_name(rank), f'{caches}.json',
-                           f'{caches}.safetensors'),
-                    lambda folder: (*epoch_position.load_position(folder, rank),
-                                    training_state.load_epoch_caches(folder, rank)))
-            elif manifest.batches_into_epoch(saved) and reads_own_rank:
-                inside = _read_own(path, epoch_position.position_name(rank),
-                                   lambda folder: epoch_position.load_position(folder, rank))
-        # the random states of the batch the checkpoint was taken at, given
-        # back when training goes on inside its epoch
-        self._rng_at_batch = True
-        if changed:
-            rng, rank_state, inside = self._reseed(net, saved, path, rng, rank_state, inside)
-            path_said = (f"{path} (written by {processes(saved['world_size'])}, "
-                         "random states derived anew)")
-        else:
-            path_said = path
-
-        net.history = history
-        self._pending = (rng, rank_state, callbacks, hyperparameters)
-        self._inside = inside
+        restored = restore.read_checkpoint(net, path, restore.ResumeChecks(
+            data=self.check_data, params=self.check_params,
+            reseed=self.on_world_size_change == 'reseed'), X, y)
+        net.history = restored.history
+        self._pending, self._inside = restored, restored.inside
         self.loaded_from_ = path
-        # the history's last row is the epoch under way, if any
-        done = len(history) - (1 if inside else 0)
-        stopped = manifest.stopped_early(saved)
-        self._last_epoch = done if stopped else max(done, net.max_epochs)
-        left = self._last_epoch - done
-        self.resumed_ = self._record(net, saved, path)
-        where = (f"at batch {inside[0]} of epoch {done + 1}" if inside
-                 else f"after epoch {done}")
-        say(net, self.sink,
-            f"Resumed from {path_said} {where}; "
-            + ("a callback had stopped training." if stopped
-               else f"training {left} more epoch(s)." if left
-               else "max_epochs had been reached."))
-
-    def _record(self, net, saved, path):
-        position = saved.get('position')
-        if position is None:  # format 2 recorded no steps: count them
-            position = {'step': training_state.optimizer_steps(
-                net.history, accelerate_io.accumulation_steps(net.accelerator)), 'batches': 0}
-        return Resumed(
+        done = restored.epochs_done
+        self._last_epoch = done if restored.stopped_early else max(done, net.max_epochs)
+        self.resumed_ = Resumed(
             dirname=os.path.realpath(self.checkpoint.dirname), path=path,
-            name=CheckpointFolder.name_of(path), step=position['step'],
+            name=CheckpointFolder.name_of(path), step=restored.step,
             # on another number of processes, the batches this run skips
-            batches=self._inside[0] if self._inside else 0,
+            batches=restored.inside.batches if restored.inside else 0,
             last_epoch=self._last_epoch)
+        say(net, self.sink, self._resumed_message(restored))
 
-    def _reseed(self, net, saved, path, rng, rank_state, inside):
-        """This rank's random state, loader state and place in the epoch in a
-        run on another number of processes than ``path`` was written by:
-        derived from the saved rank 0's and the new number of processes, so
-        that every resume of ``path`` on that many processes draws the same
-        numbers. ``inside``: rank 0's ``(batches, EpochStart)`` of a
-        checkpoint taken inside an epoch (on rank 0), else None."""
-        world_size = sync.num_processes(net)
-        origin, iteration, step, position = sync.broadcast(net, (
-            training_state.reseed_origin(rng, rank_state),
-            rank_state['loader_iteration'],
-            accelerate_io.accumulation_step(net.accelerator),
-            None if inside is None else (inside[0], inside[1].iteration),
-        ) if rank_state is not None else None)
-        accelerate_io.set_accumulation_step(net.accelerator, step)
-        rng = training_state.derived_rng(origin, world_size, sync.process_index(net))
-        rank_state = training_state.derived_rank_state(origin, world_size, iteration)
-        message = (
-            f"{path} was written by {processes(saved['world_size'])}, this run has "
-            f"{world_size}: the model, optimizer, schedulers, history and callbacks "
-            "are resumed exactly, but every rank's random state and data order are "
-            "derived anew (on_world_size_change='reseed') and a step now "
-            f"averages the batches of {world_size} process(es): the run goes on "
-            "statistically, not bitwise, as the uninterrupted one would have")
-        if position is not None:
-            batches, start_iteration = position
-            # as many rows of the epoch as the saved run had trained, in the
-            # new order: some rows of the epoch are trained twice, others not
-            skipped = batches * saved['world_size'] // world_size
-            message += (
-                f". It was taken inside an epoch, after {batches} batches on each of "
-                f"{processes(saved['world_size'])}: each process skips {skipped} "
-                "batches of that epoch in the new order, and scores collected on the "
-                "epoch's training batches (EpochScoring on_train) cover the rest only")
-            start = epoch_position.EpochStart(
-                rng, rank_state['generator'], start_iteration)
-            inside = (skipped, start, {})
-            # the epoch's draws go on from its new start
-            self._rng_at_batch = False
-        if sync.is_main_process(net):
-            warnings.warn(message, UserWarning, stacklevel=3)
-        return rng, rank_state, inside
+    def _resumed_message(self, restored: restore.Restored) -> str:
+        done, left = restored.epochs_done, self._last_epoch - restored.epochs_done
+        where = (f"at batch {restored.inside.batches} of epoch {done + 1}" if restored.inside
+                 else f"after epoch {done}")
+        source = restored.path
+        if restored.reseeded_from is not None:
+            source += (f" (written by {processes(restored.reseeded_from)}, "
+                       "random states derived anew)")
+        return (f"Resumed from {source} {where}; "
+                + ("a callback had stopped training." if restored.stopped_early
+                   else f"training {left} more epoch(s)." if left
+                   else "max_epochs had been reached."))
 
-    def on_epoch_begin(self, net, dataset_train=None, **kwargs):
+    def on_epoch_begin(self, net: Any, dataset_train: Any = None, **kwargs: Any) -> None:
         # skorch began an epoch that the resumed run does not have
         ends = self._last_epoch is not None and sum(
             'train_loss' in row for row in net.history[:-1]) >= self._last_epoch
@@ -414,29 +301,28 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             if self._inside is not None and not ends:
                 self._continue_epoch(net, loader)
                 return
-            rng, rank_state = self._restore_callbacks(net)
-            training_state.apply_rank_state(loader, rank_state)
+            restored = self._restore_callbacks(net)
+            training_state.apply_rank_state(loader, restored.rank_state)
             # preparing the training loader drew from the global generator to
             # seed the sampler; the uninterrupted run had not drawn at this
             # point (nor, when this fit ends here, at its end)
-            training_state.restore_rng(rng)
+            training_state.restore_rng(restored.rng)
         if ends:
             raise KeyboardInterrupt
 
-    def _continue_epoch(self, net, loader):
+    def _continue_epoch(self, net: Any, loader: Any) -> None:
         """Set the epoch that a checkpoint taken inside it was taken in up to
         go on after its trained batches."""
-        batches, start, _ = self._inside
         if not epoch_position.can_skip(loader):
             raise CheckpointError(
                 f"{self.loaded_from_} was taken inside an epoch, but this run's training "
                 "data cannot skip batches by index (an IterableDataset)")
         # the train split is made by now, before the epoch's first step
-        manifest.check_train_rows(self._saved_manifest, len(loader.dataset),
+        manifest.check_train_rows(self._pending.manifest, len(loader.dataset),
                                   self.loaded_from_)
         # on another number of processes the share of an epoch changed; at
         # least one batch is left, which the resume begins at
-        batches = min(batches, max(len(loader) - 1, 0))
+        batches = min(self._inside.batches, max(len(loader) - 1, 0))
         unknown = training_state.unknown_batch_state(net)
         if unknown and sync.is_main_process(net):
             warnings.warn(
@@ -449,44 +335,43 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         net.history.pop()
         # the loader draws the epoch's order again from these, skipping the
         # batches trained
-        start.restore(loader)
+        self._inside.start.restore(loader)
         self._undo_skip = accelerate_io.skip_first_batches_once(loader, batches)
         self._skipped = batches
 
-    def on_batch_begin(self, net, training=False, **kwargs):
+    def on_batch_begin(self, net: Any, training: bool = False, **kwargs: Any) -> None:
         if self._inside is None or not training:
             return
-        _, _, caches = self._inside
-        self._inside = None
+        inside, self._inside = self._inside, None
         # the pass over the loader has begun: it keeps its skip
         self._undo_skip()
         self._undo_skip = None
         # after every callback's on_epoch_begin, which resets their scratch space
-        rng, _ = self._restore_callbacks(net)
-        training_state.apply_epoch_caches(net, caches, device=net.accelerator.device)
-        if self._rng_at_batch:
-            training_state.restore_rng(rng)
+        restored = self._restore_callbacks(net)
+        training_state.apply_epoch_caches(net, inside.caches, device=net.accelerator.device)
+        if inside.rng_at_batch:
+            training_state.restore_rng(restored.rng)
 
-    def on_epoch_end(self, net, **kwargs):
+    def on_epoch_end(self, net: Any, **kwargs: Any) -> None:
         if self._skipped:
             # skorch counted the batches of this fit only
             net.history.record('train_batch_count',
                                self._skipped + net.history[-1]['train_batch_count'])
             self._skipped = 0
 
-    def _restore_callbacks(self, net):
+    def _restore_callbacks(self, net: Any) -> restore.Restored:
         """Give the callbacks and optimizer settings their saved state, once.
 
         Done after every callback's on_train_begin, which may reset state
         (EarlyStopping) or build and step a new LR scheduler.
         """
-        rng, rank_state, callbacks, hyperparameters = self._pending
-        self._pending = None
-        training_state.apply_callback_states(net, callbacks)
-        training_state.restore_optimizer_hyperparameters(net_optimizers(net), hyperparameters)
-        return rng, rank_state
+        restored, self._pending = self._pending, None
+        training_state.apply_callback_states(net, restored.callbacks)
+        training_state.restore_optimizer_hyperparameters(net_optimizers(net),
+                                                         restored.hyperparameters)
+        return restored
 
-    def on_train_end(self, net, **kwargs):
+    def on_train_end(self, net: Any, **kwargs: Any) -> None:
         try:
             if self._undo_skip is not None:
                 self._undo_skip()
@@ -496,29 +381,9 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                 self._restore_callbacks(net)
             self._last_epoch = None
         finally:
-            # the checkpoint callback releases a folder it shares, when its
+            # the checkpoint callback releases a storage it shares, when its
             # training ends (it runs after this one)
-            if self._folder is not None and not any(
-                    getattr(cb, 'folder_', None) is self._folder for _, cb in net.callbacks_):
-                self._folder.release()
-            self._folder = None
-
-    def _resolve(self, net):
-        """The folder to resume from, the same checkpoint on every rank."""
-        committer = is_committer(net)
-        found = None
-        with sync.agree(net, f"finding a checkpoint in {self.checkpoint.dirname}"):
-            if committer:
-                found = self._folder.find(self.resume)
-        name = None if found is None else CheckpointFolder.name_of(found)
-        chosen = sync.broadcast(net, name)
-        with sync.agree(net, "choosing the checkpoint to resume from"):
-            if committer and name != chosen:
-                raise CheckpointError(
-                    f"rank {sync.process_index(net)} would resume from {found}, but "
-                    f"rank 0 from {chosen}: the nodes' checkpoint folders differ")
-        if chosen is None:
-            return None
-        if self.resume in ('latest', 'best'):
-            return self._folder.path(chosen)
-        return os.fspath(self.resume)
+            if self._storage is not None and not any(
+                    getattr(cb, 'folder_', None) is self._storage for _, cb in net.callbacks_):
+                self._storage.release()
+            self._storage = None

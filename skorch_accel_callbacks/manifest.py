@@ -19,6 +19,7 @@ values is refused instead of silently continuing another training.
 import functools
 import math
 import os
+import time
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
 
@@ -150,7 +151,7 @@ def _file_sizes(folder):
     return sizes
 
 
-def write(folder, manifest, durable):
+def write(folder, manifest, durable, started=None):
     """Seal ``folder``: flush its files (if ``durable``), then write the
     manifest listing each file with its size, atomically; return what was
     written.
@@ -164,7 +165,9 @@ def write(folder, manifest, durable):
     files.pop(MANIFEST_NAME, None)
     if durable:
         atomic.fsync_files([os.path.join(folder, rel) for rel in files])
-    sealed = {key: value() if callable(value) else value for key, value in manifest.items()}
+    sealed = dict(manifest)
+    if started is not None:
+        sealed['save_seconds'] = round(time.monotonic() - started, 3)
     sealed.update(files=files, bytes=sum(files.values()),
                   saved_at=datetime.now(UTC).isoformat(timespec='milliseconds'))
     atomic.write_json(os.path.join(folder, MANIFEST_NAME), sealed)

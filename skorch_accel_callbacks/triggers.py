@@ -1,17 +1,21 @@
-"""When to save: pure policy, no I/O and no collective.
+"""When to save: policy, no I/O.
 
-The callbacks evaluate these on the main process and send the answer to
-every rank (:func:`skorch_accel_callbacks.sync.run_on_main`), since the
-ranks' histories can differ.
+What depends on the history (the monitor) is evaluated on the main process
+and its answer sent to every rank
+(:func:`skorch_accel_callbacks.sync.run_on_main`), since the ranks'
+histories can differ; the rest is the same on every rank.
 """
 
 import warnings
+from typing import Any, NamedTuple
 
 from skorch.callbacks import EarlyStopping
 from skorch.exceptions import SkorchException
 
-__all__ = ['STOPPED_EARLY', 'check_interval', 'check_monitor', 'epoch_due', 'monitor_says',
-           'step_due', 'stopped_by_callback', 'time_due']
+from skorch_accel_callbacks import sync
+
+__all__ = ['STOPPED_EARLY', 'EpochDecision', 'check_interval', 'check_monitor', 'epoch_decision',
+           'epoch_due', 'monitor_says', 'step_due', 'stopped_by_callback', 'time_due']
 
 # the history column in which a callback that ends training on purpose says so
 STOPPED_EARLY = 'stopped_early'
@@ -54,6 +58,28 @@ def epoch_due(net, every_n_epochs):
     """Whether the epoch that just ended is one of every ``every_n_epochs``
     (counted from the start of training, over resumes)."""
     return len(net.history) % every_n_epochs == 0
+
+
+class EpochDecision(NamedTuple):
+    """Whether to save at the end of an epoch, and whether it is a best one."""
+
+    save: bool
+    best: bool
+
+
+def epoch_decision(net: Any, every_n_epochs: int, monitor: Any, keep_best: int | None,
+                   owner: str) -> EpochDecision:
+    """The decision at the end of the epoch just ended, the same on every
+    rank: an epoch that is one of every ``every_n_epochs`` is saved if there
+    is no ``monitor``, or if the monitor says it is best, or (with
+    ``keep_best``) always, marked best when the monitor says so."""
+    if not epoch_due(net, every_n_epochs):
+        return EpochDecision(False, False)
+    if monitor is None:
+        return EpochDecision(True, False)
+    best = sync.run_on_main(net, lambda: monitor_says(net, monitor, owner),
+                            f"evaluating checkpoint monitor {monitor!r}")
+    return EpochDecision(best or keep_best is not None, best)
 
 
 def monitor_says(net, monitor, owner):

@@ -92,7 +92,7 @@ def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
                    max_epochs=4)
     net.fit(*make_data(n=64))
     assert overlaps == [0, 0, 0, 0]
-    assert len(written) == 4 and not cp._saver.busy()
+    assert len(written) == 4 and not cp.writer_.busy()
     assert cp.committed() == ['epoch-0003', 'epoch-0004']
     assert latest(tmp_path / 'ck') == 'epoch-0004'
     assert not any(t.name.startswith('checkpoint-writer') for t in threading.enumerate())

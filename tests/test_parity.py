@@ -177,7 +177,7 @@ def test_retry_after_a_fit_raised_during_a_background_save(tmp_path, monkeypatch
     X, y = make_data(n=96)
     with pytest.raises(RuntimeError, match='on purpose'):
         net.fit(X, y)
-    assert cp._saver.busy()  # the save of epoch 1 is still being written
+    assert cp.writer_.busy()  # the save of epoch 1 is still being written
     net.set_params(callbacks__raise__epoch=-1)
     net.fit(X, y)  # the notebook retry
     assert load.loaded_from_.endswith('epoch-0001')

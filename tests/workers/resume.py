@@ -113,10 +113,10 @@ def kill_inside_save(epoch):
     """SIGKILL the committer after the checkpoint files are written, before commit."""
     original = manifest.write
 
-    def commit_then_die(folder, sealed, durable):
+    def commit_then_die(folder, sealed, durable, **kwargs):
         if sealed['epoch'] == epoch:
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(folder, sealed, durable)
+        return original(folder, sealed, durable, **kwargs)
 
     manifest.write = commit_then_die
 

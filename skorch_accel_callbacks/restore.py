@@ -1,0 +1,261 @@
+"""Read a checkpoint once, into a record that the resume hooks apply.
+
+:func:`choose_checkpoint` finds the checkpoint to resume from, the same on
+every rank; :func:`read_checkpoint` checks it against the net (every check
+before anything is loaded), loads the model, optimizer and accelerator
+state with ``accelerator.load_state``, reads this package's own files, and
+returns a :class:`Restored`. On another number of processes
+(``on_world_size_change='reseed'``) the record holds random states derived
+for this rank (:func:`_reseed`). Nothing here changes the net beyond its
+accelerator's state: :class:`~skorch_accel_callbacks.AccelerateLoadInitState`
+applies the record, each part in the hook where skorch's loop allows it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from skorch_accel_callbacks import accelerate_io, epoch_position, manifest, sync, training_state
+from skorch_accel_callbacks.base import processes
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
+from skorch_accel_callbacks.readers import first_unloadable
+from skorch_accel_callbacks.storage import CheckpointStorage
+from skorch_accel_callbacks.wrapping import net_optimizers, own_registries
+
+__all__ = ['InsideEpoch', 'ResumeChecks', 'Restored', 'choose_checkpoint', 'read_checkpoint']
+
+
+@dataclass(frozen=True)
+class ResumeChecks:
+    """What a resume refuses (see ``AccelerateLoadInitState``)."""
+
+    #: refuse other training data
+    data: bool = True
+    #: refuse other hyper-parameters: True, False or the names allowed to differ
+    params: bool | tuple[str, ...] = True
+    #: derive new random states on another number of processes, instead of refusing
+    reseed: bool = False
+
+
+@dataclass(frozen=True)
+class InsideEpoch:
+    """Where inside its epoch a checkpoint was taken, for this rank."""
+
+    #: training batches of the epoch that this rank skips
+    batches: int
+    #: the random states the epoch began with, which draw its order again
+    start: epoch_position.EpochStart
+    #: the epoch's caches (scores of its training batches so far)
+    caches: dict
+    #: give the random states of the saved batch back at the first batch
+    #: (not when they were derived anew: the epoch's draws go on from its start)
+    rng_at_batch: bool = True
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A checkpoint as read for this rank, before it is applied."""
+
+    #: the checkpoint folder
+    path: str
+    #: its manifest
+    manifest: dict
+    history: Any
+    #: the callbacks' states, by callback name
+    callbacks: dict
+    #: this process's random states, as saved
+    rng: dict
+    #: the training loader's shuffling state (None on a rank that read none)
+    rank_state: dict | None
+    #: the optimizers' settings, as saved (or allowed to change)
+    hyperparameters: list
+    #: where inside an epoch it was taken, or None at an epoch's end
+    inside: InsideEpoch | None
+    #: optimizer steps taken when it was saved
+    step: int
+    #: the number of processes that wrote it, if another than now
+    reseeded_from: int | None = None
+
+    @property
+    def epochs_done(self) -> int:
+        """Complete epochs (the history's last row is the epoch under way, if any)."""
+        return len(self.history) - (1 if self.inside else 0)
+
+    @property
+    def stopped_early(self) -> bool:
+        """A callback stopped its training: resuming it trains nothing."""
+        return manifest.stopped_early(self.manifest)
+
+
+def choose_checkpoint(net: Any, storage: CheckpointStorage, which: str | os.PathLike) -> str | None:
+    """The checkpoint to resume from, the same on every rank, or None.
+
+    The committing process(es) look in ``storage``; rank 0's choice is
+    sent to every rank. Raises :class:`CheckpointError` when committers of
+    ``save_on_each_node`` would choose different ones.
+    """
+    committer = is_committer(net)
+    found = None
+    with sync.agree(net, f"finding a checkpoint in {storage.dirname}"):
+        if committer:
+            found = storage.find(which)
+    name = None if found is None else CheckpointFolder.name_of(found)
+    chosen = sync.broadcast(net, name)
+    with sync.agree(net, "choosing the checkpoint to resume from"):
+        if committer and name != chosen:
+            raise CheckpointError(
+                f"rank {sync.process_index(net)} would resume from {found}, but "
+                f"rank 0 from {chosen}: the nodes' checkpoint folders differ")
+    if chosen is None:
+        return None
+    if which in ('latest', 'best'):
+        return storage.path(chosen)
+    return os.fspath(which)
+
+
+def read_checkpoint(net: Any, path: str, checks: ResumeChecks, X: Any = None,
+                    y: Any = None) -> Restored:
+    """Check ``path`` against ``net`` and the data ``X``, ``y``, load its
+    accelerator state into the net's accelerator, and read the rest for
+    this rank; on every rank, raising on every rank if one fails.
+
+    Raises :class:`CheckpointError` naming what differs, or the file that
+    could not be loaded; :class:`CorruptCheckpointError` naming a damaged
+    file.
+    """
+    rank = sync.process_index(net)
+    with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
+        saved = manifest.read(path)
+        changed = manifest.check_world_size(net, saved, path, checks.reseed)
+        manifest.check_compatible(net, saved, path)
+        if checks.data:
+            manifest.check_same_data(saved, training_state.data_fingerprint(X, y), path)
+        changed_params = manifest.check_same_params(net, saved, path, checks.params)
+        # the number of training rows is checked when the first epoch begins
+        manifest.check_epoch_settings(net, saved, path)
+        # on another number of processes the new ranks' random states
+        # derive from rank 0's: the other saved ranks' files are not read
+        reads_own_rank = not changed or rank == 0
+        if reads_own_rank:
+            manifest.check_rank_files(path, saved, rank)
+        hyperparameters = _load_accelerator_state(net, path, changed_params)
+        rng = training_state.capture_rng()
+        history = _read_own(path, training_state.HISTORY_NAME, training_state.load_history)
+        callbacks = _read_own(
+            path, (training_state.CALLBACKS_NAME, training_state.CALLBACK_TENSORS_NAME),
+            training_state.load_callback_states)
+        rank_state = None
+        if reads_own_rank:
+            rank_state = _read_own(path, training_state.rank_state_name(rank),
+                                   lambda folder: training_state.load_rank_state(folder, rank))
+        inside = None
+        if manifest.batches_into_epoch(saved) and reads_own_rank:
+            inside = _read_position(path, rank, with_caches=not changed)
+    restored = Restored(path, saved, history, callbacks, rng, rank_state, hyperparameters,
+                        inside, _saved_step(net, saved, history))
+    return _reseed(net, restored) if changed else restored
+
+
+def _load_accelerator_state(net: Any, path: str, changed_params: Any) -> list:
+    """``accelerator.load_state(path)``; the optimizers' settings to restore
+    (the new values of the parameters allowed to change take effect)."""
+    fresh = training_state.optimizer_hyperparameters(net_optimizers(net))
+    try:
+        accelerate_io.load_state(net.accelerator, path)
+    except Exception as exc:
+        at_fault = first_unloadable(_model_and_optimizer_files(path))
+        raise CheckpointError(
+            f"{at_fault[0] if at_fault else path} could not be loaded: "
+            f"{type(exc).__name__}: {exc}") from exc
+    saved = training_state.optimizer_hyperparameters(net_optimizers(net))
+    training_state.keep_new_optimizer_settings(net, changed_params, fresh, saved)
+    return saved
+
+
+def _model_and_optimizer_files(folder: str) -> list[str]:
+    return [os.path.join(folder, name) for name in sorted(os.listdir(folder))
+            if name.endswith(('.bin', '.pkl', '.pt', '.safetensors'))]
+
+
+def _read_position(path: str, rank: int, with_caches: bool) -> InsideEpoch:
+    caches_name = training_state.epoch_caches_name(rank)
+    names = [epoch_position.position_name(rank)]
+    if with_caches:
+        names += [f'{caches_name}.json', f'{caches_name}.safetensors']
+
+    def load(folder: str) -> InsideEpoch:
+        batches, start = epoch_position.load_position(folder, rank)
+        caches = training_state.load_epoch_caches(folder, rank) if with_caches else {}
+        return InsideEpoch(batches, start, caches)
+
+    return _read_own(path, names, load)
+
+
+def _read_own(folder: str, names: str | list[str] | tuple[str, ...],
+              load: Callable[[str], Any]) -> Any:
+    """``load(folder)`` for this package's own files ``names``; an error names
+    the file (JSON and safetensors readers do not always say which)."""
+    try:
+        return load(folder)
+    except Exception as exc:  # pylint: disable=broad-except
+        names = (names,) if isinstance(names, str) else names
+        files = [os.path.join(folder, name) for name in names]
+        at_fault = first_unloadable(files) if len(files) > 1 else None
+        raise CorruptCheckpointError(
+            f"{at_fault[0] if at_fault else ' or '.join(files)} cannot be loaded: "
+            f"{type(exc).__name__}: {exc}") from exc
+
+
+def _saved_step(net: Any, saved: dict, history: Any) -> int:
+    position = saved.get('position')
+    if position is None:  # format 2 recorded no steps: count them
+        return training_state.optimizer_steps(
+            history, accelerate_io.accumulation_steps(net.accelerator))
+    return position['step']
+
+
+def _reseed(net: Any, restored: Restored) -> Restored:
+    """``restored`` for a run on another number of processes than wrote it:
+    this rank's random state, loader state and place in the epoch derived
+    from the saved rank 0's and the new number of processes, so that every
+    resume of it on that many processes draws the same numbers."""
+    world_size = sync.num_processes(net)
+    saved_size = restored.manifest['world_size']
+    rank_state, inside = restored.rank_state, restored.inside
+    origin, iteration, step, position = sync.broadcast(net, (
+        training_state.reseed_origin(restored.rng, rank_state),
+        rank_state['loader_iteration'],
+        accelerate_io.accumulation_step(net.accelerator),
+        None if inside is None else (inside.batches, inside.start.iteration),
+    ) if rank_state is not None else None)
+    accelerate_io.set_accumulation_step(net.accelerator, step)
+    rng = training_state.derived_rng(origin, world_size, sync.process_index(net))
+    rank_state = training_state.derived_rank_state(origin, world_size, iteration)
+    message = (
+        f"{restored.path} was written by {processes(saved_size)}, this run has "
+        f"{world_size}: the model, optimizer, schedulers, history and callbacks "
+        "are resumed exactly, but every rank's random state and data order are "
+        "derived anew (on_world_size_change='reseed') and a step now "
+        f"averages the batches of {world_size} process(es): the run goes on "
+        "statistically, not bitwise, as the uninterrupted one would have")
+    if position is not None:
+        batches, start_iteration = position
+        # as many rows of the epoch as the saved run had trained, in the
+        # new order: some rows of the epoch are trained twice, others not
+        skipped = batches * saved_size // world_size
+        message += (
+            f". It was taken inside an epoch, after {batches} batches on each of "
+            f"{processes(saved_size)}: each process skips {skipped} "
+            "batches of that epoch in the new order, and scores collected on the "
+            "epoch's training batches (EpochScoring on_train) cover the rest only")
+        start = epoch_position.EpochStart(rng, rank_state['generator'], start_iteration)
+        inside = InsideEpoch(skipped, start, {}, rng_at_batch=False)
+    if sync.is_main_process(net):
+        warnings.warn(message, UserWarning, stacklevel=4)
+    return replace(restored, rng=rng, rank_state=rank_state, inside=inside,
+                   reseeded_from=saved_size)

@@ -1,0 +1,64 @@
+"""Where the checkpoints of a folder live: the interface, and the storage of a path.
+
+The writers (:mod:`~skorch_accel_callbacks.writer`) and the callbacks use a
+storage through :class:`CheckpointStorage` only, so that another kind of
+storage (an object store) plugs in without a change to either. A storage
+holds named checkpoints; one is written into a partial place
+(:meth:`~CheckpointStorage.start`), becomes a checkpoint at once and
+completely when committed (:meth:`~CheckpointStorage.commit`), and is read
+back by name or by a pointer (``'latest'``, ``'best'``). Today's one kind
+is a local folder, :class:`~skorch_accel_callbacks.folder.CheckpointFolder`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol, runtime_checkable
+
+from skorch_accel_callbacks.folder import CheckpointFolder
+
+__all__ = ['CheckpointStorage', 'open_storage']
+
+
+@runtime_checkable
+class CheckpointStorage(Protocol):
+    """The checkpoints of one ``dirname``, as a writer and a resume use them."""
+
+    dirname: str
+
+    def claim(self, net: Any) -> None:
+        """Take the storage for this job's training, on every rank."""
+
+    def release(self) -> None:
+        """End this job's claim."""
+
+    def path(self, name: str) -> str:
+        """Where the committed checkpoint ``name`` is read from."""
+
+    def partial_path(self, name: str) -> str:
+        """Where every rank writes the files of checkpoint ``name``."""
+
+    def start(self, name: str) -> str:
+        """An empty partial place for checkpoint ``name`` (the committer)."""
+
+    def commit(self, name: str, content: dict, durable: bool, best: bool,
+               started: float | None = None) -> dict:
+        """Seal and commit checkpoint ``name``; return the manifest written."""
+
+    def retire(self, keep_last: int, keep_best: int | None = None,
+               keep: tuple[str | None, ...] | list[str | None] = ()) -> None:
+        """Remove the checkpoints a retention policy does not keep."""
+
+    def wait_for_removals(self) -> None:
+        """Wait until the retired checkpoints are gone."""
+
+    def committed(self) -> list[str]:
+        """Names of the committed checkpoints, oldest first."""
+
+    def find(self, which: str = 'latest') -> str | None:
+        """Path of the checkpoint ``which`` names, or None."""
+
+
+def open_storage(dirname: str | os.PathLike) -> CheckpointStorage:
+    """The storage of the checkpoints of ``dirname`` (a local folder)."""
+    return CheckpointFolder(dirname)

@@ -1,0 +1,292 @@
+"""How a checkpoint reaches its storage: one interface, two writers.
+
+The checkpoint callback decides when to save and hands a
+:class:`SaveRequest` to its writer. A writer has every rank write its files
+into the storage's partial place (:meth:`SyncWriter.stage`: the model,
+optimizer and random states through ``accelerator.save_state``, then one
+function per artefact of :mod:`~skorch_accel_callbacks.training_state`), and
+the committing process commit it (:meth:`SyncWriter.commit`, down to the
+storage's rename). :class:`SyncWriter` does both before it returns;
+:class:`BackgroundWriter` wraps one, as Lightning's ``AsyncCheckpointIO``
+wraps a ``CheckpointIO``: it returns once the large states are copied into
+host memory, writes and commits them on a one-worker executor, and raises a
+failure at the next :meth:`~BackgroundWriter.wait`. Every save ends in a
+:class:`SaveReport`.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from skorch_accel_callbacks import accelerate_io, epoch_position, manifest, sync, training_state
+from skorch_accel_callbacks.base import format_bytes
+from skorch_accel_callbacks.folder import is_committer
+from skorch_accel_callbacks.stager import HostStager, Staged
+from skorch_accel_callbacks.storage import CheckpointStorage
+from skorch_accel_callbacks.wrapping import own_registries
+
+__all__ = ['BackgroundWriter', 'CheckpointWriter', 'Retention', 'SaveReport', 'SaveRequest',
+           'SyncWriter']
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """What the checkpoint callback asks its writer to save of the net."""
+
+    #: the checkpoint's name, e.g. ``epoch-0003``
+    name: str
+    #: optimizer steps taken, over resumes
+    step: int
+    #: training batches of the epoch under way; 0 at an epoch's end
+    batches: int
+    #: the training loader of the epoch (its shuffling state and rows)
+    train_loader: Any
+    #: the random states the epoch under way began with (inside an epoch)
+    epoch_start: epoch_position.EpochStart | None = None
+    #: the fingerprint of the training data
+    data: dict | None = None
+    #: ``best.json`` points at it
+    best: bool = False
+    #: training ended with it (``max_epochs`` reached, or stopped early)
+    finished: bool = False
+    #: a callback stopped training: resuming it trains nothing
+    stopped_early: bool = False
+    #: checkpoints that retirement keeps besides its policy (the resumed one)
+    keep: tuple[str | None, ...] = ()
+    #: when the callback asked (``time.monotonic()``): training is blocked from then
+    requested_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which committed checkpoints a writer keeps after a commit."""
+
+    #: the newest checkpoints kept
+    keep_last: int
+    #: the newest best checkpoints kept besides, or None for the best one only
+    keep_best: int | None = None
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """A save, as the process that reports it knows it (the committing
+    process knows its size and times, the others only its path)."""
+
+    path: str
+    finished: bool = False
+    bytes: int | None = None
+    seconds: float | None = None
+    #: with a background writer: how long training waited
+    blocked_seconds: float | None = None
+
+    def message(self) -> str:
+        """What the callback tells its sink."""
+        text = f"Saved checkpoint {self.path}" + (" (finished)" if self.finished else '')
+        if self.bytes is not None:
+            text += f": {format_bytes(self.bytes)} in {self.seconds:.2f} s"
+            if self.blocked_seconds is not None:
+                text += f", training blocked {self.blocked_seconds:.2f} s"
+        return text
+
+
+class CheckpointWriter(Protocol):
+    """Saves the training state of a net into a storage.
+
+    Every process calls every method at the same point; a failure on any
+    rank raises on every rank.
+    """
+
+    storage: CheckpointStorage
+
+    def save(self, net: Any, request: SaveRequest) -> SaveReport | None:
+        """Save; the report, or None while the save is still being written."""
+
+    def wait(self, net: Any) -> SaveReport | None:
+        """Wait for the save being written, if any; its report."""
+
+    def busy(self) -> bool:
+        """Whether a save is being written on this process."""
+
+    def close(self) -> None:
+        """Wait for this process's writing without collectives; raise what failed."""
+
+
+class SyncWriter:
+    """Writes and commits a checkpoint before :meth:`save` returns.
+
+    Parameters
+    ----------
+    storage : CheckpointStorage
+      Where the checkpoints go.
+    retention : Retention
+      Which checkpoints are kept after each commit.
+    durable : bool
+      Flush every file before the commit.
+    safe_serialization : bool
+      Models in safetensors (``accelerator.save_state``'s argument).
+    """
+
+    def __init__(self, storage: CheckpointStorage, retention: Retention, durable: bool = True,
+                 safe_serialization: bool = True) -> None:
+        self.storage = storage
+        self.retention = retention
+        self.durable = durable
+        self.safe_serialization = safe_serialization
+
+    def save(self, net: Any, request: SaveRequest) -> SaveReport:
+        started = time.monotonic()
+        content = self.stage(net, request)
+        path = self.storage.path(request.name)
+        report = None
+        with sync.agree(net, f"committing checkpoint {path}"):
+            if content is not None:
+                report = self.commit(request, content, started)
+        return report or SaveReport(path, request.finished)
+
+    def wait(self, net: Any) -> None:
+        """Nothing is written after :meth:`save` returned."""
+        self.storage.wait_for_removals()
+
+    def busy(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.storage.wait_for_removals()
+
+    def stage(self, net: Any, request: SaveRequest,
+              write_state: Any = None) -> dict | None:
+        """Write every rank's files of ``request`` into the storage's partial
+        place; return the manifest's content on the committing process
+        (None on the others).
+
+        ``write_state(accelerator, folder, writer)`` writes what
+        ``accelerator.save_state`` writes (by default, it calls it).
+        """
+        committer = is_committer(net)
+        partial = self.storage.partial_path(request.name)
+        with sync.agree(net, f"preparing {partial}"):
+            if committer:
+                self.storage.start(request.name)
+        with sync.agree(net, f"writing checkpoint {partial}"), own_registries(net):
+            if write_state is None:
+                accelerate_io.save_state(net.accelerator, partial, self.safe_serialization)
+            else:
+                write_state(net.accelerator, partial, committer)
+            rank = sync.process_index(net)
+            training_state.save_rank_state(partial, rank, request.train_loader)
+            if request.batches:
+                epoch_position.save_position(partial, rank, request.epoch_start,
+                                             request.batches)
+                training_state.save_epoch_caches(partial, rank, net)
+            if not committer:
+                return None
+            training_state.save_history(partial, net)
+            training_state.save_callback_states(partial, net)
+            return manifest.build(
+                net, request.name, request.best, request.finished, request.stopped_early,
+                request.data, {'step': request.step, 'batches': request.batches},
+                request.train_loader)
+
+    def commit(self, request: SaveRequest, content: dict, started: float) -> SaveReport:
+        """Commit the staged checkpoint of ``request`` and retire old ones.
+
+        Runs on the committing process only; it touches no net and runs no
+        collective, so it runs in the background too.
+        """
+        written = self.storage.commit(request.name, content, durable=self.durable,
+                                      best=request.best, started=started)
+        self.storage.retire(self.retention.keep_last, self.retention.keep_best,
+                            keep=request.keep)
+        return SaveReport(self.storage.path(request.name), request.finished,
+                          written['bytes'], written['save_seconds'],
+                          written.get('blocked_seconds'))
+
+
+class BackgroundWriter:
+    """Writes the large states and commits in the background.
+
+    Training waits while the model and optimizer states are copied into host
+    buffers (:class:`~skorch_accel_callbacks.stager.HostStager`); one worker
+    thread of the committing process writes and commits them. At most one
+    save is in flight: the callback waits for it (:meth:`wait`) before the
+    next save and at the end of training, which raises on every rank if it
+    failed. A copy (pickle, deepcopy) has no save in flight and no buffers.
+
+    Parameters
+    ----------
+    writer : SyncWriter
+      The writer whose staging and commit run here, in two halves.
+    """
+
+    def __init__(self, writer: SyncWriter) -> None:
+        self.writer = writer
+        self.storage = writer.storage
+        self._stager = HostStager()
+        self._executor: ThreadPoolExecutor | None = None
+        # (path, future on the committing process) of the save in flight
+        self._in_flight: tuple[SaveReport, Future | None] | None = None
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _executor=None, _in_flight=None)
+
+    def save(self, net: Any, request: SaveRequest) -> None:
+        if self._in_flight is not None:
+            raise RuntimeError("the previous background save was not waited for")
+        started = time.monotonic()
+        staged: list[Staged | None] = []
+
+        def copy_state(accelerator: Any, folder: str, writer: bool) -> None:
+            staged.append(self._stager.stage(
+                accelerator, folder, self.writer.safe_serialization, writer))
+
+        content = self.writer.stage(net, request, copy_state)
+        future = None
+        # every other rank's files are complete: the others agreed in stage()
+        if content is not None:
+            content = dict(content, blocked_seconds=round(
+                time.monotonic() - request.requested_at, 3))
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix='checkpoint-writer')
+            future = self._executor.submit(
+                self._write_and_commit, request, content, staged[0], started)
+        self._in_flight = (SaveReport(self.storage.path(request.name), request.finished),
+                           future)
+
+    def _write_and_commit(self, request: SaveRequest, content: dict,
+                          staged: Staged | None, started: float) -> SaveReport:
+        if staged is not None:
+            staged.write(self.storage.partial_path(request.name))
+        return self.writer.commit(request, content, started)
+
+    def wait(self, net: Any) -> SaveReport | None:
+        report = None
+        if self._in_flight is not None:
+            report, future = self._in_flight
+            self._in_flight = None
+            with sync.agree(net, f"writing checkpoint {report.path} in the background"):
+                if future is not None:
+                    report = future.result()
+        # after the commit: it starts them
+        self.storage.wait_for_removals()
+        return report
+
+    def busy(self) -> bool:
+        return (self._in_flight is not None and self._in_flight[1] is not None
+                and not self._in_flight[1].done())
+
+    def close(self) -> None:
+        in_flight, self._in_flight = self._in_flight, None
+        try:
+            if in_flight is not None and in_flight[1] is not None:
+                in_flight[1].result()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            self._stager.free()
+            self.storage.wait_for_removals()
+
