@@ -10,9 +10,13 @@ contents as ``Accelerator.save_state``, so an accelerate upgrade that moves
 these internals fails one obvious test.
 """
 
+from __future__ import annotations
+
+import os
 import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accelerate import Accelerator
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
@@ -28,6 +32,10 @@ from accelerate.utils import (
     load,
     save,
 )
+
+if TYPE_CHECKING:
+    import torch
+    from torch.utils.data import DataLoader
 
 __all__ = [
     'accelerator_of_this_process',
@@ -70,22 +78,22 @@ _NOT_PLAIN = {
 
 # ---------------------------------------------------------------- registries
 
-def models(accelerator):
+def models(accelerator: Accelerator) -> list[torch.nn.Module]:
     """The bare models ``save_state`` saves, in the order of its files."""
     return accelerator._models
 
 
-def optimizers(accelerator):
+def optimizers(accelerator: Accelerator) -> list[torch.optim.Optimizer]:
     """The prepared optimizers, in the order of ``save_state``'s files."""
     return accelerator._optimizers
 
 
-def dataloaders(accelerator):
+def dataloaders(accelerator: Accelerator) -> list[DataLoader]:
     """The prepared data loaders, oldest first."""
     return accelerator._dataloaders
 
 
-def prune_registries(accelerator, keep):
+def prune_registries(accelerator: Accelerator, keep: Callable[[Any, set[int]], bool]) -> None:
     """Remove objects from the model, optimizer and scheduler registries.
 
     ``keep(obj, seen)`` says whether ``obj`` stays; ``seen`` is the set of
@@ -102,12 +110,16 @@ def prune_registries(accelerator, keep):
         registry[:] = kept
 
 
-def _inner(optimizer):
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, 'optimizer', optimizer)
 
 
 @contextmanager
-def registries_of(accelerator, own_models, own_optimizers):
+def registries_of(
+        accelerator: Accelerator,
+        own_models: Iterable[torch.nn.Module],
+        own_optimizers: Iterable[torch.optim.Optimizer],
+) -> Iterator[None]:
     """Inside the block, the accelerator's registries hold only these
     models and optimizers (in registry order) and the schedulers of these
     optimizers.
@@ -140,7 +152,7 @@ def registries_of(accelerator, own_models, own_optimizers):
 _HANDLERS = ('ddp_handler', 'scaler_handler', 'autocast_handler', 'init_handler')
 
 
-def accelerator_settings(accelerator):
+def accelerator_settings(accelerator: Accelerator) -> dict[str, Any]:
     """What an ``Accelerator`` was made with, less its processes: the
     arguments that make an equivalent one in another process."""
     handlers = [getattr(accelerator, name, None) for name in _HANDLERS]
@@ -157,7 +169,7 @@ def accelerator_settings(accelerator):
     }
 
 
-def accelerator_of_this_process(settings):
+def accelerator_of_this_process(settings: Mapping[str, Any]) -> Accelerator:
     """The ``Accelerator`` of an unpickled net: one of the process that
     unpickles it, never the pickled one's processes.
 
@@ -190,15 +202,15 @@ def accelerator_of_this_process(settings):
 
 
 
-def save_on_each_node(accelerator):
+def save_on_each_node(accelerator: Accelerator) -> bool:
     return bool(accelerator.project_configuration.save_on_each_node)
 
 
-def uses_automatic_naming(accelerator):
+def uses_automatic_naming(accelerator: Accelerator) -> bool:
     return bool(accelerator.project_configuration.automatic_checkpoint_naming)
 
 
-def check_plain_state(accelerator, what):
+def check_plain_state(accelerator: Accelerator, what: str) -> None:
     """Raise ``ValueError`` naming the back-end if it saves models with
     collectives of its own (FSDP, DeepSpeed, Megatron-LM, XLA).
 
@@ -238,22 +250,22 @@ def check_checkpointable(net: Any, what: str) -> None:
 
 # ---------------------------------------------------------------- files
 
-def rng_file(rank):
+def rng_file(rank: int) -> str:
     """accelerate's name for a rank's random states."""
     return f'{RNG_STATE_NAME}_{rank}.pkl'
 
 
-def model_file(index, safe_serialization):
+def model_file(index: int, safe_serialization: bool) -> str:
     """accelerate's name for the file of the ``index``-th model."""
     name = SAFE_WEIGHTS_NAME if safe_serialization else WEIGHTS_NAME
     return name if index == 0 else name.replace('.', f'_{index}.')
 
 
-def _optimizer_file(index):
+def _optimizer_file(index: int) -> str:
     return f'{OPTIMIZER_NAME}.bin' if index == 0 else f'{OPTIMIZER_NAME}_{index}.bin'
 
 
-def load_weights_only(file):
+def load_weights_only(file: str | os.PathLike) -> Any:
     """Load a file of ``save_state`` the way ``load_state`` does, without
     executing code (``torch.load(weights_only=True)``)."""
     return load(file)
@@ -261,41 +273,43 @@ def load_weights_only(file):
 
 # ---------------------------------------------------------------- save / load
 
-def save_state(accelerator, folder, safe_serialization):
+def save_state(
+        accelerator: Accelerator, folder: str | os.PathLike, safe_serialization: bool,
+) -> None:
     accelerator.save_state(folder, safe_serialization=safe_serialization)
 
 
-def load_state(accelerator, folder):
+def load_state(accelerator: Accelerator, folder: str | os.PathLike) -> None:
     accelerator.load_state(folder)
 
 
-def accumulation_step(accelerator):
+def accumulation_step(accelerator: Accelerator) -> int:
     """The gradient-accumulation step counter, which ``save_state`` writes
     into each rank's random-state file: a rank without that file (resuming
     on more processes) keeps its own count when the state is loaded."""
     return accelerator.step
 
 
-def set_accumulation_step(accelerator, step):
+def set_accumulation_step(accelerator: Accelerator, step: int) -> None:
     accelerator.step = step
 
 
-def accumulation_steps(accelerator):
+def accumulation_steps(accelerator: Accelerator) -> int:
     return accelerator.gradient_accumulation_steps
 
 
-def gradients_applied(accelerator):
+def gradients_applied(accelerator: Accelerator) -> bool:
     """Whether the batch just trained ended with an optimizer step (with
     gradient accumulation, only every n-th batch and the last one does)."""
     return accelerator.sync_gradients
 
 
-def base_loader(loader):
+def base_loader(loader: DataLoader) -> DataLoader:
     """The torch ``DataLoader`` that a loader prepared by accelerate iterates."""
     return getattr(loader, 'base_dataloader', loader)
 
 
-def skip_first_batches_once(loader, count):
+def skip_first_batches_once(loader: DataLoader, count: int) -> Callable[[], None]:
     """Make the next pass over ``loader`` leave out its first ``count``
     batches by index (accelerate's ``SkipBatchSampler``: a skipped batch is
     a list of indices, no row is loaded); return the function that puts the
@@ -310,13 +324,13 @@ def skip_first_batches_once(loader, count):
     original = base.batch_sampler
     object.__setattr__(base, 'batch_sampler', SkipBatchSampler(original, count))
 
-    def undo():
+    def undo() -> None:
         object.__setattr__(base, 'batch_sampler', original)
 
     return undo
 
 
-def leave_loader(loader):
+def leave_loader(loader: DataLoader | None) -> None:
     """Tell accelerate that the pass over ``loader`` under way ends here (as
     its last batch would): a pass left by an exception stays registered in
     accelerate's shared gradient state, as a weak reference that makes every
@@ -325,7 +339,7 @@ def leave_loader(loader):
         loader.end()
 
 
-def rows_of_data_in_last_batch(accelerator):
+def rows_of_data_in_last_batch(accelerator: Accelerator) -> int | None:
     """How many of the first rows of a batch gathered from every process
     are data, not the samples that accelerate repeated to fill up the last
     batch of a pass; None where all are. ``Accelerator.gather_for_metrics``'
@@ -337,12 +351,14 @@ def rows_of_data_in_last_batch(accelerator):
     return None
 
 
-def at_end_of_loader(loader):
+def at_end_of_loader(loader: DataLoader) -> bool:
     """Whether ``loader`` (prepared by accelerate) yielded its last batch."""
     return bool(getattr(loader, 'end_of_dataloader', False))
 
 
-def save_state_in_two(accelerator, folder, safe_serialization):
+def save_state_in_two(
+        accelerator: Accelerator, folder: str | os.PathLike, safe_serialization: bool,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Write what ``save_state`` writes except the model and optimizer files.
 
     Returns the model and optimizer state dicts (live tensors) for
@@ -367,7 +383,13 @@ def save_state_in_two(accelerator, folder, safe_serialization):
     return model_states, optimizer_states
 
 
-def write_large_state(folder, model_states, optimizer_states, each_node, safe_serialization):
+def write_large_state(
+        folder: str | os.PathLike,
+        model_states: Sequence[dict[str, Any]],
+        optimizer_states: Sequence[dict[str, Any]],
+        each_node: bool,
+        safe_serialization: bool,
+) -> None:
     """The model and optimizer files of ``save_state``, from state dicts.
 
     Runs on any thread: it touches no accelerator and runs no collective.

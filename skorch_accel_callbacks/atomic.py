@@ -12,6 +12,8 @@ checkpoint folder are written by accelerate
 (:mod:`~skorch_accel_callbacks.accelerate_io`).
 """
 
+from __future__ import annotations
+
 import errno
 import json
 import os
@@ -20,8 +22,10 @@ import shutil
 import threading
 import uuid
 import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 __all__ = [
     'DISCARD_MARK',
@@ -52,18 +56,18 @@ TEMP_MARK = '.tmp-'
 DISCARD_MARK = '.discard-'
 
 
-def unique_name(path, mark):
+def unique_name(path: str | os.PathLike, mark: str) -> str:
     """A hidden sibling of ``path`` that carries ``mark`` and a random suffix."""
     folder, name = os.path.split(os.path.normpath(os.fspath(path)))
     return os.path.join(folder, f".{name}{mark}{uuid.uuid4().hex[:12]}")
 
 
-def is_leftover(name):
+def is_leftover(name: str) -> bool:
     """Whether ``name`` is a temporary or half-removed file of a killed writer."""
     return DISCARD_MARK in name or TEMP_MARK in name
 
 
-def _umask_from_proc():
+def _umask_from_proc() -> int | None:
     """The process's umask from ``/proc/self/status`` (Linux 4.7+), or None."""
     try:
         with open('/proc/self/status', encoding='ascii') as status:
@@ -75,7 +79,7 @@ def _umask_from_proc():
     return None
 
 
-def _umask_from_probe(folder):
+def _umask_from_probe(folder: str) -> int:
     """The umask that a file created in ``folder`` gets now, by creating one."""
     probe = unique_name(os.path.join(folder or '.', 'umask'), TEMP_MARK)
     fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o777)
@@ -104,7 +108,7 @@ def plain_modes(folder: str) -> tuple[int, int]:
     return 0o666 & ~umask, 0o777 & ~umask
 
 
-def _chmod(path, mode):
+def _chmod(path: str, mode: int) -> None:
     try:
         os.chmod(path, mode)
     except OSError as exc:
@@ -127,11 +131,11 @@ def give_plain_modes(root: str) -> None:
                     _chmod(path, mode)
 
 
-def _give_plain_mode(path):
+def _give_plain_mode(path: str) -> None:
     _chmod(path, plain_modes(os.path.dirname(path))[0])
 
 
-def fsync_dir(path):
+def fsync_dir(path: str) -> None:
     """Flush a folder's entries (a rename inside it) to disk."""
     fd = os.open(path or '.', os.O_RDONLY)
     try:
@@ -143,7 +147,7 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def _fsync_file(path):
+def _fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -151,7 +155,7 @@ def _fsync_file(path):
         os.close(fd)
 
 
-def fsync_files(paths):
+def fsync_files(paths: Sequence[str]) -> None:
     """Flush files to disk, in parallel: one slow fsync (the model file)
     does not hold up the others, and the disk gets several requests at once."""
     if len(paths) < 2:
@@ -164,7 +168,7 @@ def fsync_files(paths):
 
 
 @contextmanager
-def atomic_path(path):
+def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     """Yield a temporary path next to ``path``; on success move it into place.
 
     The caller writes the complete file to the yielded path (with any writer
@@ -198,7 +202,7 @@ def atomic_path(path):
     fsync_dir(os.path.dirname(path))
 
 
-def write_json(path, obj, atomic=True):
+def write_json(path: str | os.PathLike, obj: Any, atomic: bool = True) -> None:
     """Write ``obj`` as JSON to ``path``, atomically unless told otherwise.
 
     ``atomic=False`` is for files inside a partial checkpoint folder, which
@@ -211,12 +215,12 @@ def write_json(path, obj, atomic=True):
         _dump_json(tmp, obj)
 
 
-def _dump_json(path, obj):
+def _dump_json(path: str | os.PathLike, obj: Any) -> None:
     with open(path, 'w', encoding='utf-8') as f:
         json.dump(obj, f, indent=1, sort_keys=True)
 
 
-def read_json(path):
+def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file; a torn or invalid file raises ``ValueError`` naming it."""
     try:
         with open(path, encoding='utf-8') as f:
@@ -238,18 +242,18 @@ class StagedFiles:
     see files of two different saves side by side.
     """
 
-    def __init__(self, journal):
+    def __init__(self, journal: str | os.PathLike) -> None:
         self.journal = os.fspath(journal)
         self._moves = []
         self._journaled = False
 
-    def temp_path(self, path):
+    def temp_path(self, path: str | os.PathLike) -> str:
         """The temporary path to write ``path``'s new content to."""
         tmp = unique_name(path, TEMP_MARK)
         self._moves.append((tmp, os.fspath(path)))
         return tmp
 
-    def commit(self):
+    def commit(self) -> None:
         for tmp, path in self._moves:
             if not os.path.exists(tmp):
                 raise FileNotFoundError(f"nothing was written for {path!r}")
@@ -266,7 +270,7 @@ class StagedFiles:
         _move_and_forget(self.journal, self._moves)
         self._moves = []
 
-    def abort(self):
+    def abort(self) -> None:
         """Remove the temporary files of a save that did not commit.
 
         Once the journal is written the files belong to it: a commit that
@@ -282,7 +286,7 @@ class StagedFiles:
         self._moves = []
 
 
-def finish_staged(journal):
+def finish_staged(journal: str | os.PathLike) -> list[str]:
     """Complete the moves of a :class:`StagedFiles` commit that a crash
     interrupted; return the files moved into place (none if no journal).
 
@@ -303,7 +307,7 @@ def finish_staged(journal):
     return [path for _, path in pending]
 
 
-def _move_and_forget(journal, moves):
+def _move_and_forget(journal: str, moves: Iterable[tuple[str, str]]) -> None:
     for tmp, path in moves:
         os.replace(tmp, path)
     for folder in sorted({os.path.dirname(path) for _, path in moves}):
@@ -313,7 +317,7 @@ def _move_and_forget(journal, moves):
     os.remove(journal)
 
 
-def remove_temp_files(folder, prefix=''):
+def remove_temp_files(folder: str, prefix: str = '') -> None:
     """Remove the temporary files that killed writers left in ``folder``,
     of the files whose names start with ``prefix``."""
     pattern = re.compile(
@@ -325,7 +329,7 @@ def remove_temp_files(folder, prefix=''):
             os.remove(os.path.join(folder, name))
 
 
-def remove(path):
+def remove(path: str | os.PathLike) -> None:
     """Remove a file or a whole folder right away."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
@@ -333,13 +337,13 @@ def remove(path):
         os.remove(path)
 
 
-def discard(path):
+def discard(path: str | os.PathLike) -> None:
     """Remove a folder (or file) so that no half of it is ever visible."""
     if os.path.lexists(path):
         remove(_mark_discarded(path))
 
 
-def discard_in_background(path):
+def discard_in_background(path: str | os.PathLike) -> threading.Thread | None:
     """Like :func:`discard`, but the files are removed by a thread.
 
     Only the rename happens before it returns; the started thread is
@@ -353,8 +357,8 @@ def discard_in_background(path):
     return _remove_in_background(_mark_discarded(path), path)
 
 
-def _remove_in_background(doomed, path):
-    def remove_doomed():
+def _remove_in_background(doomed: str, path: str | os.PathLike) -> threading.Thread:
+    def remove_doomed() -> None:
         try:
             remove(doomed)
         except FileNotFoundError:
@@ -369,13 +373,13 @@ def _remove_in_background(doomed, path):
     return thread
 
 
-def _mark_discarded(path):
+def _mark_discarded(path: str | os.PathLike) -> str:
     doomed = unique_name(path, DISCARD_MARK)
     os.replace(path, doomed)
     return doomed
 
 
-def replace_folder(partial, final):
+def replace_folder(partial: str | os.PathLike, final: str | os.PathLike) -> threading.Thread | None:
     """Move the complete folder ``partial`` to ``final`` in one step.
 
     A folder already at ``final`` (an epoch trained again after resuming

@@ -12,12 +12,20 @@
 - Messages go to ``sink`` on the main process only.
 """
 
+from __future__ import annotations
+
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from skorch.callbacks import PrintLog
 
 from skorch_accel_callbacks import sync
+
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+    from skorch.callbacks import Callback
 
 __all__ = ['FolderStateCallback', 'InitParamsOnly', 'Resumed', 'check_sink', 'find_resumed',
            'format_bytes', 'move_callback', 'processes', 'say']
@@ -48,7 +56,7 @@ class Resumed:
     last_epoch: int
 
 
-def find_resumed(net, dirname) -> Resumed | None:
+def find_resumed(net: NeuralNet, dirname: str | os.PathLike) -> Resumed | None:
     """The record of the resume of ``net`` from the folder ``dirname``, if
     any callback of the net resumed it."""
     wanted = os.path.realpath(dirname)
@@ -59,14 +67,14 @@ def find_resumed(net, dirname) -> Resumed | None:
     return None
 
 
-def check_sink(sink, owner):
+def check_sink(sink: Any, owner: str) -> None:
     """Raise ``ValueError`` naming ``owner`` if ``sink`` is not callable."""
     if not callable(sink):
         raise ValueError(
             f"{owner}: sink must be a callable such as print or noop, got {sink!r}")
 
 
-def say(net, sink, text):
+def say(net: NeuralNet, sink: Callable[[str], Any], text: str) -> None:
     """Send ``text`` to ``sink`` on the main process; ``print`` only when the
     net is verbose (as skorch's callbacks do)."""
     if sync.is_main_process(net) and (sink is not print or net.verbose):
@@ -78,7 +86,7 @@ def processes(count: int) -> str:
     return f"{count} process" + ('' if count == 1 else 'es')
 
 
-def format_bytes(size):
+def format_bytes(size: float) -> str:
     """``size`` bytes for a reader: ``'512 B'``, ``'30.1 KiB'``, ``'1.2 GiB'``."""
     value = float(size)
     for unit in ('B', 'KiB', 'MiB', 'GiB'):
@@ -91,7 +99,7 @@ def format_bytes(size):
 class InitParamsOnly:
     """Mixin: ``get_params`` lists public attributes only, never private state."""
 
-    def _get_param_names(self):
+    def _get_param_names(self) -> list[str]:
         return [key for key in self.__dict__
                 if not key.endswith('_') and not key.startswith('_')]
 
@@ -100,14 +108,14 @@ class FolderStateCallback(InitParamsOnly):
     """Mixin for a callback whose state is its checkpoint folder: resuming
     carries nothing for it in callbacks.json."""
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
 
-def move_callback(net, callback, where):
+def move_callback(net: NeuralNet, callback: Callback, where: str) -> None:
     """Move ``callback`` to the start (``'first'``) or the end (``'last'``,
     before PrintLog, so that its history column is printed) of
     ``net.callbacks_``.

@@ -46,147 +46,62 @@ __all__ = ['AccelerateCheckpoint']
 class AccelerateCheckpoint(FolderStateCallback, Callback):
     """Checkpoint the whole training state with ``accelerator.save_state``.
 
-    Saves everything a run needs to continue exactly where it stopped: the
-    model(s), optimizer(s), LR schedulers prepared by accelerate, grad scaler
-    and the random states of every rank (through ``accelerator.save_state``);
-    the skorch history, the state of the net's callbacks (EarlyStopping,
-    LRScheduler's scheduler, scoring, ...) and the shuffling state of the
-    training loader of every rank (in files of its own, JSON and safetensors,
-    never pickle). Use it with :class:`AccelerateLoadInitState` to resume.
-
-    How it differs from skorch's ``Checkpoint`` (the README and the module
-    docs refer here):
-
-    - It saves the whole training state, not only parameters: a resumed run
-      continues bit for bit as the uninterrupted one would have.
-    - Each checkpoint is a folder ``<dirname>/epoch-NNNN``. Every rank writes
-      into ``epoch-NNNN.partial``; when all are done, the committing process
-      writes a manifest (format version, world size, package versions, model
-      layout, every file with its size), renames the folder into place,
-      points ``latest.json`` (and ``best.json``) at it, and only then
-      removes old checkpoints. A crash at any moment leaves the previous
-      checkpoint intact and a ``.partial`` folder that resuming ignores.
-    - One job at a time uses a folder: from the start of training to its end
-      the committing process holds a lock on ``<dirname>/.lock``; a second
-      job on the same folder fails when training begins, naming the
-      holder's pid and host. The lock ends with the holder's process, also
-      when it is killed.
-    - The decision to save is taken on the main process and broadcast, so
-      all ranks agree even when their metrics differ. A save that fails
-      raises on every rank: a run that believes it is protected but is not
-      is the worst outcome.
-    - It runs after the net's other callbacks (it moves itself there when
-      training begins) so that it saves their end-of-epoch state.
-    - It also saves inside an epoch, at an optimizer step (a batch whose
-      gradients are applied): every ``every_n_steps`` steps, every
-      ``every_n_seconds`` seconds, and on the signals ``save_on_signal``
-      (SIGTERM by default), after which ``fit`` raises
-      :class:`~skorch_accel_callbacks.TrainingPreempted` on every rank. Such
-      a checkpoint, ``epoch-NNNN-step-SSSSSSSS`` (NNNN epochs done, at step
-      SSSSSSSS), also holds where the epoch is; a resume skips the batches
-      trained by index, without loading them, and goes on bit for bit.
-      Deciding costs no collective at a batch: steps are counted on every
-      rank, and time and signals are agreed on by a vote that every rank
-      counts one step later, without waiting.
-    - When training ends (``max_epochs`` reached, or stopped by a callback
-      such as EarlyStopping) an unsaved last epoch is saved, marked
-      finished: resuming a finished run trains nothing more.
-    - With ``ProjectConfiguration(save_on_each_node=True)`` the local main
-      process of every node commits its own copy; give each node its own
-      ``dirname`` (the filesystems are then not shared).
-    - Each save's message (to ``sink``) says its size and how long it took,
-      with ``async_save`` also how long training waited; the manifest
-      records when it was saved, its bytes and its duration.
-    - ``net.load_params(checkpoint=cp)`` loads the model(s) of the newest
-      complete checkpoint into any net, as with skorch's ``Checkpoint``
-      (:meth:`get_formatted_files`); ``python -m skorch_accel_callbacks``
-      lists, verifies and exports the checkpoints of a folder.
-    - One process and DistributedDataParallel are supported: with
-      accelerate's FSDP, DeepSpeed, Megatron-LM or XLA back-end, training
-      fails when it begins, naming the back-end.
+    Saves all a run needs to go on bit for bit (models, optimizers, random
+    states and data order of every rank, history, callbacks' state) into
+    ``<dirname>/epoch-NNNN``, committed once every rank wrote its part.
+    Resume with :class:`AccelerateLoadInitState`. See the README, section
+    'How the callbacks differ from skorch's'.
 
     Parameters
     ----------
     dirname : str (default='checkpoints')
-      Folder that holds the checkpoints.
+      Folder that holds the checkpoints; one running job at a time.
 
     monitor : str, callable or None (default=None)
-      Which epochs are best. ``None`` saves at the end of every epoch (see
-      ``every_n_epochs``). A string is a boolean column of the history, such
-      as ``'valid_loss_best'``; a callable takes the net and returns a bool.
-      Either is evaluated on the main process only. Without ``keep_best``
-      an epoch is saved only when it is best; either way the newest best
-      checkpoint is pointed at by ``best.json`` (``resume='best'``). Saves
-      inside epochs do not ask the monitor.
+      Which epochs are best: a boolean history column (``'valid_loss_best'``)
+      or a callable of the net, on the main process. ``None`` saves every
+      epoch; else, without ``keep_best``, only the best ones.
 
     every_n_epochs : int (default=1)
-      Save only at the end of every n-th epoch (counted from the start of
-      training, over resumes).
+      Save at the end of every n-th epoch, counted over resumes.
 
     keep_last : int (default=2)
-      How many of the most recent checkpoints to keep. The best checkpoint
-      (see ``keep_best``) and the one this run resumed from are kept in
-      addition.
+      How many of the newest checkpoints to keep, besides the best ones and
+      the one this run resumed from.
 
     every_n_steps : int or None (default=None)
-      Also save after every n-th optimizer step, counted from the start of
-      training over resumes. With ``gradient_accumulation_steps=4`` a step
-      is every 4th batch (and an epoch's last). A step due at an epoch's
-      last batch is saved at the epoch's end, with its validation scores.
-      Needs a map-style training data set (one that a resume can skip by
-      index); an ``IterableDataset`` raises ``ValueError`` when the first
-      epoch begins.
+      Also save after every n-th optimizer step, counted over resumes. Needs
+      a map-style training data set (not an ``IterableDataset``).
 
     every_n_seconds : float or None (default=None)
-      Also save at the first optimizer step when this many seconds passed
-      since the last save (measured on the main process). Same data-set
-      requirement as ``every_n_steps``.
+      Also save at the first optimizer step this many seconds after the last
+      save. Needs a map-style training data set.
 
     save_on_signal : tuple of str or signal.Signals (default=('SIGTERM',))
-      Signals that make every rank save at the next optimizer step and
-      stop: ``fit`` then raises
-      :class:`~skorch_accel_callbacks.TrainingPreempted`, so the job exits
-      with a failure that a scheduler can requeue; the checkpoint is not
-      marked finished. A signal that reaches one rank only is enough. The
-      handlers are set from the first epoch's start to the end of training,
-      in the main thread only, and the previous ones are put back afterwards
-      (and called, where they were functions); a second such signal gets
-      the previous handler's behaviour at once. Add ``'SIGUSR1'`` for SLURM's
-      ``--signal=USR1@90``; ``()`` catches no signal.
+      On these signals every rank saves at the next optimizer step, then
+      ``fit`` raises :class:`~skorch_accel_callbacks.TrainingPreempted`. Add
+      ``'SIGUSR1'`` for SLURM's ``--signal=USR1@90``; ``()`` catches none.
 
     keep_best : int or None (default=None)
-      With ``monitor``: ``None`` saves an epoch only when the monitor says
-      so (as skorch's ``Checkpoint``); an int saves every epoch (see
-      ``every_n_epochs``) for resuming, marks those the monitor approves
-      as best, and keeps the ``keep_best`` newest best ones besides the
-      ``keep_last`` newest: a crash after epochs that did not improve
-      loses none of them.
+      With ``monitor``: save every epoch for resuming, and keep the
+      ``keep_best`` newest best ones besides the ``keep_last`` newest.
 
     event_name : str or None (default='event_acp')
       History column that records whether a checkpoint was saved.
 
     sink : callable (default=noop)
-      Where messages about saved checkpoints go (on the main process only),
-      e.g. ``print``.
+      Where messages about saves go (main process only), e.g. ``print``.
 
     safe_serialization : bool (default=True)
       Save models with safetensors (``accelerator.save_state`` argument).
 
     durable : bool (default=True)
-      Flush every file of a checkpoint to disk (``fsync``) before it is
-      committed, so that a power loss or a crash of the machine (not only of
-      the process) cannot leave a committed checkpoint with missing data.
-      ``False`` leaves the writing to the operating system: faster, and
-      still safe against a killed process.
+      ``fsync`` every file before the commit: safe against a machine crash.
+      ``False`` is faster, and still safe against a killed process.
 
     async_save : bool (default=False)
-      Write checkpoints in the background. Training waits only while the
-      model and optimizer states are copied into host memory (buffers kept
-      for the next save, about the size of the checkpoint); a thread on the
-      committing process writes them and commits the folder as above, so a
-      crash during the write leaves the previous checkpoint as ``latest``.
-      At most one save is in flight: the next save, and the end of
-      training, wait for it, and raise on every rank if it failed.
+      Write checkpoints in a background thread; training waits only while
+      the states are copied to host memory. One save is in flight at a time.
 
     Attributes
     ----------
@@ -194,12 +109,10 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
       The folder of checkpoints: :meth:`committed`, :meth:`find` read it.
 
     last_saved_ : str or None
-      Name of the last checkpoint this callback saved (with ``async_save``,
-      possibly still being written).
+      Name of the last checkpoint saved (``async_save``: maybe being written).
 
     resumed_from_ : str or None
-      Name of the checkpoint the current training resumed from, set by
-      :class:`AccelerateLoadInitState`; it is never retired by this run.
+      Name of the checkpoint this training resumed from; never retired.
 
     global_step_ : int
       Optimizer steps taken since training began, over resumes.
@@ -209,26 +122,22 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
     Raises
     ------
-    ValueError
-      At ``initialize``: an argument of the wrong type or range.
     TypeError, ValueError
-      When training begins: a net without an accelerator, an accelerator
-      with ``automatic_checkpoint_naming`` or with the FSDP, DeepSpeed,
-      Megatron-LM or XLA back-end.
+      At ``initialize``: an argument of the wrong type or range. When
+      training begins: a net without an accelerator, or one with
+      ``automatic_checkpoint_naming`` or an FSDP, DeepSpeed, Megatron-LM or
+      XLA back-end. When the first epoch begins: ``every_n_steps`` or
+      ``every_n_seconds`` with an ``IterableDataset``.
     CheckpointError
       When training begins: the accelerator holds models that are not the
-      net's; ``save_on_each_node`` committers that share one folder.
+      net's; ``save_on_each_node`` committers share one folder.
     skorch_accel_callbacks.lock.FolderInUseError
       When training begins: another running job holds the folder.
-    ValueError
-      When the first epoch begins: ``every_n_steps`` or ``every_n_seconds``
-      with an ``IterableDataset``.
     OSError
-      A save failed (on the rank that failed; the others raise
+      A save failed (on that rank; the others raise
       :class:`~skorch_accel_callbacks.RankError`).
     TrainingPreempted
-      After the checkpoint taken on one of ``save_on_signal`` is committed,
-      on every rank.
+      On every rank, once the checkpoint at a ``save_on_signal`` is committed.
 
     Examples
     --------
@@ -240,8 +149,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     ... )
     >>> net.fit(X, y)  # killed? run the same command again to resume
 
-    Lose at most 500 steps to a crash and nothing to a preemption (SLURM's
-    early warning included):
+    Lose at most 500 steps to a crash, none to a preemption (SLURM's too):
 
     >>> cp = AccelerateCheckpoint(dirname='run1', every_n_steps=500,
     ...                           save_on_signal=('SIGTERM', 'SIGUSR1'))

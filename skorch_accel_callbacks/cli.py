@@ -12,10 +12,14 @@ not writable), 2 a usage error: a wrong argument (``OUT`` a file), no such
 folder or checkpoint (``best`` where no checkpoint is the best one).
 """
 
+from __future__ import annotations
+
 import argparse
 import os
 import sys
 import warnings
+from collections.abc import Collection, Sequence
+from typing import Any, TextIO
 
 from skorch_accel_callbacks import export as exporting, inspection
 from skorch_accel_callbacks.base import format_bytes
@@ -32,7 +36,7 @@ class UsageError(Exception):
     """A wrong argument, or no such folder or checkpoint (exit code 2)."""
 
 
-def _split(path, name):
+def _split(path: str, name: str | None) -> tuple[str, str | None]:
     """``(folder of checkpoints, name)``: a checkpoint folder given as DIR
     (``DIR/epoch-0003``, or any folder with a manifest) stands for its
     parent and its name."""
@@ -43,7 +47,7 @@ def _split(path, name):
     return path, name
 
 
-def _pointed(dirname, which):
+def _pointed(dirname: str, which: str) -> str:
     """The name ``latest.json`` or ``best.json`` of ``dirname`` gives; a
     :class:`UsageError` if there is none."""
     name = CheckpointFolder(dirname).pointed(which)
@@ -57,7 +61,7 @@ def _pointed(dirname, which):
     raise UsageError(f"no {which} checkpoint in {dirname}: there is no {file}{why}")
 
 
-def _check_folder(dirname):
+def _check_folder(dirname: str) -> None:
     if not os.path.exists(dirname):
         raise UsageError(f"no such folder: {dirname}")
     if not os.path.isdir(dirname):
@@ -66,13 +70,13 @@ def _check_folder(dirname):
 
 # ---------------------------------------------------------------- list
 
-def _table(rows):
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ['  '.join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
             .rstrip() for row in rows]
 
 
-def _took(row):
+def _took(row: dict[str, Any]) -> str:
     if row['save_seconds'] is None:
         return '-'
     text = f"{row['save_seconds']:.2f} s"
@@ -81,7 +85,7 @@ def _took(row):
     return text
 
 
-def _list(args, out):
+def _list(args: argparse.Namespace, out: TextIO) -> int:
     dirname = os.path.normpath(args.dir)
     _check_folder(dirname)
     if is_checkpoint_name(os.path.basename(dirname)):
@@ -135,7 +139,7 @@ def _list(args, out):
 
 # ---------------------------------------------------------------- verify
 
-def _pointer_problems(dirname, names):
+def _pointer_problems(dirname: str, names: Collection[str]) -> tuple[list[str], list[str]]:
     """(damaged, notes) about latest.json and best.json."""
     folder = CheckpointFolder(dirname)
     damaged, notes = [], []
@@ -157,7 +161,7 @@ def _pointer_problems(dirname, names):
     return damaged, notes
 
 
-def _verify(args, out):
+def _verify(args: argparse.Namespace, out: TextIO) -> int:
     dirname, name = _split(args.dir, args.name)
     _check_folder(dirname)
     folder = CheckpointFolder(dirname)
@@ -202,7 +206,7 @@ def _verify(args, out):
 
 # ---------------------------------------------------------------- export
 
-def _export(args, out):
+def _export(args: argparse.Namespace, out: TextIO) -> int:
     dirname, name = _split(args.dir, args.name)
     _check_folder(dirname)
     which = name or 'latest'
@@ -227,7 +231,7 @@ def _export(args, out):
 
 # ---------------------------------------------------------------- main
 
-def _parser(prog):
+def _parser(prog: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="List, verify and export the checkpoints of AccelerateCheckpoint. "
@@ -284,7 +288,7 @@ def _parser(prog):
     return parser
 
 
-def main(argv=None, prog=None):
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Run the command with ``argv`` (default: ``sys.argv[1:]``); return the
     exit code."""
     args = _parser(prog).parse_args(argv)

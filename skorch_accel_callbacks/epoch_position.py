@@ -17,7 +17,11 @@ A checkpoint taken after batch ``b`` of an epoch (``every_n_steps``,
 Nothing here is pickled.
 """
 
+from __future__ import annotations
+
 import json
+import os
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,10 +31,13 @@ from torch.utils.data import IterableDataset
 
 from skorch_accel_callbacks import accelerate_io, training_state
 
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
 __all__ = ['EpochStart', 'position_name', 'save_position', 'load_position', 'can_skip']
 
 
-def position_name(rank):
+def position_name(rank: int) -> str:
     return f'position_{rank}.safetensors'
 
 
@@ -38,19 +45,19 @@ class EpochStart:
     """The random states of this rank as an epoch began, before its loader
     drew the epoch's order."""
 
-    def __init__(self, rng, generator, iteration):
+    def __init__(self, rng: dict[str, Any], generator: torch.Tensor | None, iteration: int) -> None:
         self.rng = rng
         self.generator = generator
         self.iteration = iteration
 
     @classmethod
-    def capture(cls, loader):
+    def capture(cls, loader: DataLoader) -> EpochStart:
         generator = getattr(loader, 'synchronized_generator', None)
         return cls(training_state.capture_rng(),
                    None if generator is None else generator.get_state(),
                    int(getattr(loader, 'iteration', 0)))
 
-    def restore(self, loader):
+    def restore(self, loader: DataLoader) -> None:
         """Give this process and ``loader`` these states back."""
         training_state.restore_rng(self.rng)
         training_state.apply_rank_state(
@@ -58,7 +65,7 @@ class EpochStart:
                      **({} if self.generator is None else {'generator': self.generator})})
 
 
-def save_position(folder, rank, start, batches):
+def save_position(folder: str | os.PathLike, rank: int, start: EpochStart, batches: int) -> None:
     """Save where this rank is: ``batches`` trained in the epoch that began
     with ``start`` (an :class:`EpochStart`)."""
     python_version, python_state, python_gauss = start.rng['python']
@@ -82,7 +89,7 @@ def save_position(folder, rank, start, batches):
     save_file(tensors, f"{folder}/{position_name(rank)}", metadata=metadata)
 
 
-def load_position(folder, rank):
+def load_position(folder: str | os.PathLike, rank: int) -> tuple[int, EpochStart]:
     """``(batches, EpochStart)`` as :func:`save_position` saved them."""
     with safe_open(f"{folder}/{position_name(rank)}", framework='pt') as f:
         meta = f.metadata()
@@ -101,7 +108,7 @@ def load_position(folder, rank):
         return int(meta['batches']), EpochStart(rng, generator, int(meta['iteration']))
 
 
-def can_skip(loader):
+def can_skip(loader: DataLoader | None) -> bool:
     """Whether the batches of ``loader`` can be skipped by index: a map-style
     data set, read through a batch sampler."""
     if loader is None:

@@ -1,5 +1,9 @@
 """The exceptions a user of this package may want to catch."""
 
+from __future__ import annotations
+
+import signal
+
 __all__ = ['CheckpointError', 'CorruptCheckpointError']
 
 
@@ -31,7 +35,7 @@ class TrainingPreempted(Exception):
       an ``IterableDataset``, which a resume cannot skip into.
     """
 
-    def __init__(self, signal, checkpoint):
+    def __init__(self, signal: signal.Signals, checkpoint: str | None) -> None:
         super().__init__(
             f"training stopped on {signal.name}; "
             + (f"checkpoint {checkpoint} was saved: run the same command again to "
@@ -41,5 +45,5 @@ class TrainingPreempted(Exception):
         self.signal = signal
         self.checkpoint = checkpoint
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type, tuple[signal.Signals, str | None]]:
         return type(self), (self.signal, self.checkpoint)

@@ -12,9 +12,12 @@ from a file: safetensors files are read as such, other tensor files with
 ``torch.load(weights_only=True)``.
 """
 
+from __future__ import annotations
+
 import os
 import shutil
 import warnings
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,19 +31,19 @@ __all__ = ['checkpoint_files', 'export', 'exported_name', 'f_argument', 'find_ch
            'find_exportable']
 
 
-def f_argument(module_name):
+def f_argument(module_name: str) -> str:
     """The argument of skorch's ``load_params`` for a module: ``f_params``
     for ``module``, ``f_<name>`` for the others (``f_criterion``)."""
     return 'f_params' if module_name == 'module' else f'f_{module_name}'
 
 
-def exported_name(module_name):
+def exported_name(module_name: str) -> str:
     """The file :func:`export` writes for a module: skorch's default name
     (``params``, ``criterion``, ``<name>``) with ``.safetensors``."""
     return ('params' if module_name == 'module' else module_name) + '.safetensors'
 
 
-def find_checkpoint(source, which='latest'):
+def find_checkpoint(source: str | os.PathLike, which: str | os.PathLike = 'latest') -> str:
     """The path of one complete checkpoint.
 
     Parameters
@@ -95,7 +98,7 @@ def find_checkpoint(source, which='latest'):
     return folder.find(which)
 
 
-def checkpoint_files(path):
+def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
     """The files of checkpoint ``path`` as arguments of skorch's
     ``load_params``: ``{'f_params': <path>/model.safetensors, ...,
     'f_history': <path>/history.json}``.
@@ -110,7 +113,7 @@ def checkpoint_files(path):
     return files
 
 
-def _exportable_manifest(path):
+def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of checkpoint ``path`` if its model files and history
     are intact (listed, of their listed sizes): an incomplete checkpoint, of
     a missing or damaged optimizer or random-state file, cannot be resumed
@@ -157,7 +160,7 @@ def _exportable_manifest(path):
     return saved
 
 
-def find_exportable(source, which='latest'):
+def find_exportable(source: str | os.PathLike, which: str | os.PathLike = 'latest') -> str:
     """The path of the checkpoint :func:`export` exports: the one
     :func:`find_checkpoint` finds, except that a checkpoint whose model
     files and history are intact qualifies even if another of its files (an
@@ -170,7 +173,9 @@ def find_exportable(source, which='latest'):
     return _exported_checkpoint(source, which)[0]
 
 
-def _exported_checkpoint(source, which):
+def _exported_checkpoint(
+        source: str | os.PathLike, which: str | os.PathLike,
+) -> tuple[str, dict[str, Any]]:
     """``(path, manifest)`` of :func:`find_exportable`."""
     source = os.fspath(source)
     one = _is_one_checkpoint(source)
@@ -193,19 +198,19 @@ def _exported_checkpoint(source, which):
     return path, manifest.read(path)
 
 
-def _is_one_checkpoint(source):
+def _is_one_checkpoint(source: str | os.PathLike) -> bool:
     return (is_checkpoint_name(os.path.basename(os.path.normpath(source)))
             or os.path.isfile(os.path.join(source, manifest.MANIFEST_NAME)))
 
 
-def _named(folder, which):
+def _named(folder: CheckpointFolder, which: str | os.PathLike) -> str:
     """The folder that ``which`` (not ``'latest'``) names in ``folder``."""
     if which == 'best':
         return folder.path(folder.pointed('best'))
     return folder.path(which) if is_checkpoint_name(which) else os.fspath(which)
 
 
-def _load_tensors(file):
+def _load_tensors(file: str) -> dict[str, torch.Tensor]:
     """A state dict from a model file, without running code from it."""
     try:
         if file.endswith('.safetensors'):
@@ -221,7 +226,9 @@ def _load_tensors(file):
     return {key: value.detach().clone().contiguous() for key, value in state.items()}
 
 
-def export(source, out, which='latest'):
+def export(
+        source: str | os.PathLike, out: str | os.PathLike, which: str | os.PathLike = 'latest',
+) -> dict[str, str]:
     """Write the model(s) of a checkpoint into ``out`` as safetensors files
     that skorch's ``net.load_params`` reads, in any net: with or without
     accelerate, one process or many.

@@ -9,13 +9,20 @@ intact; what a killed job left (partial folders, temporary files, folders
 half removed) is removed by the next job that locks the folder.
 """
 
+from __future__ import annotations
+
 import os
 import re
 import warnings
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from skorch_accel_callbacks import accelerate_io, atomic, manifest, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.lock import FolderLock
+
+if TYPE_CHECKING:
+    from skorch import NeuralNet
 
 __all__ = ['CheckpointFolder', 'PARTIAL_SUFFIX', 'POINTERS', 'PROBE_PREFIX',
            'is_checkpoint_name', 'is_committer']
@@ -27,12 +34,12 @@ _NAME_RE = re.compile(r'^epoch-(\d+)(-step-\d+)?$')
 PROBE_PREFIX = '.node-probe-'
 
 
-def is_checkpoint_name(name):
+def is_checkpoint_name(name: str) -> bool:
     """Whether ``name`` is the name of a checkpoint folder (``epoch-NNNN``)."""
     return bool(_NAME_RE.match(name))
 
 
-def is_committer(net):
+def is_committer(net: NeuralNet) -> bool:
     """Whether this process commits checkpoint folders: the main process,
     or with ``save_on_each_node`` the main process of each node."""
     if accelerate_io.save_on_each_node(net.accelerator):
@@ -60,34 +67,34 @@ class CheckpointFolder:
 
     """
 
-    def __init__(self, dirname):
+    def __init__(self, dirname: str | os.PathLike) -> None:
         self.dirname = os.fspath(dirname)
         self._lock = FolderLock(self.dirname)
         self._claimed = False
         self._removals = []
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _claimed=False, _removals=[])
 
     # ------------------------------------------------------------ paths
 
-    def path(self, name):
+    def path(self, name: str) -> str:
         return os.path.join(self.dirname, name)
 
-    def partial_path(self, name):
+    def partial_path(self, name: str) -> str:
         return self.path(name) + PARTIAL_SUFFIX
 
     @staticmethod
-    def name_of(path):
+    def name_of(path: str | os.PathLike) -> str:
         """The checkpoint name of a checkpoint folder's path."""
         return os.path.basename(os.path.normpath(path))
 
-    def _pointer(self, which):
+    def _pointer(self, which: str) -> str:
         return self.path(f'{which}.json')
 
     # ------------------------------------------------------------ claiming
 
-    def claim(self, net):
+    def claim(self, net: NeuralNet) -> None:
         """Create and lock the folder for this job's training; every rank
         calls it, and it acts once until :meth:`release`.
 
@@ -114,13 +121,13 @@ class CheckpointFolder:
                 self._remove_leftovers()
         self._claimed = True
 
-    def release(self):
+    def release(self) -> None:
         """End this job's claim; the lock is released (the kernel also
         releases it when the process ends)."""
         self._claimed = False
         self._lock.release()
 
-    def _prepare(self):
+    def _prepare(self) -> None:
         if os.path.lexists(self.dirname) and not os.path.isdir(self.dirname):
             raise NotADirectoryError(
                 f"checkpoint folder {self.dirname} is a file, not a folder")
@@ -128,12 +135,12 @@ class CheckpointFolder:
         if not os.access(self.dirname, os.W_OK | os.X_OK):
             raise PermissionError(f"checkpoint folder {self.dirname} is not writable")
 
-    def _remove_leftovers(self):
+    def _remove_leftovers(self) -> None:
         for name in os.listdir(self.dirname):
             if atomic.is_leftover(name) or name.endswith(PARTIAL_SUFFIX):
                 atomic.remove(self.path(name))
 
-    def _check_not_shared(self, net, committer):
+    def _check_not_shared(self, net: NeuralNet, committer: bool) -> None:
         """With save_on_each_node, two nodes committing into one shared folder
         would race; each committer leaves a probe file and looks for others'."""
         rank = sync.process_index(net)
@@ -160,7 +167,7 @@ class CheckpointFolder:
 
     # ------------------------------------------------------------ reading
 
-    def committed(self):
+    def committed(self) -> list[str]:
         """Names of the committed checkpoint folders, oldest commit first."""
         if not os.path.isdir(self.dirname):
             return []
@@ -173,7 +180,7 @@ class CheckpointFolder:
                 found.append((stamp, name))
         return [name for _, name in sorted(found)]
 
-    def pointed(self, which):
+    def pointed(self, which: str) -> str | None:
         """The name ``latest.json`` or ``best.json`` points at, or None."""
         try:
             name = atomic.read_json(self._pointer(which)).get('name')
@@ -181,7 +188,7 @@ class CheckpointFolder:
             return None
         return name if isinstance(name, str) and _NAME_RE.match(name) else None
 
-    def find(self, which='latest'):
+    def find(self, which: str | os.PathLike = 'latest') -> str | None:
         """Path of the checkpoint to resume from, or None if there is none.
 
         ``which`` is ``'latest'``, ``'best'`` or the path of a checkpoint
@@ -231,14 +238,17 @@ class CheckpointFolder:
 
     # ------------------------------------------------------------ writing
 
-    def start(self, name):
+    def start(self, name: str) -> str:
         """An empty partial folder for checkpoint ``name``; its path."""
         partial = self.partial_path(name)
         atomic.discard(partial)
         os.makedirs(partial)
         return partial
 
-    def commit(self, name, sealed, durable, best, started=None):
+    def commit(
+            self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
+            started: float | None = None,
+    ) -> dict[str, Any]:
         """Give the files and folders in the partial folder of ``name`` the
         modes a plain ``open`` and ``mkdir`` give (:func:`atomic.plain_modes`),
         seal it with the manifest ``sealed``, rename it into place and point
@@ -261,7 +271,9 @@ class CheckpointFolder:
             atomic.write_json(self._pointer('best'), {'name': name})
         return written
 
-    def retire(self, keep_last, keep_best=None, keep=()):
+    def retire(
+            self, keep_last: int, keep_best: int | None = None, keep: Iterable[str] = (),
+    ) -> None:
         """Remove all but the ``keep_last`` newest checkpoints, the best one
         (or the ``keep_best`` newest of those marked best) and those named in
         ``keep`` (the one a job resumed from); the files go in the background."""
@@ -282,14 +294,14 @@ class CheckpointFolder:
                 if thread is not None:
                     self._removals.append(thread)
 
-    def _marked_best(self, name):
+    def _marked_best(self, name: str) -> bool:
         try:
             return bool(atomic.read_json(
                 os.path.join(self.path(name), manifest.MANIFEST_NAME)).get('best'))
         except (OSError, ValueError, AttributeError):
             return False  # not a complete checkpoint: nothing to keep
 
-    def wait_for_removals(self):
+    def wait_for_removals(self) -> None:
         """Wait until the retired checkpoints' files are removed."""
         for thread in self._removals:
             thread.join()

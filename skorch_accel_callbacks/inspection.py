@@ -7,10 +7,13 @@ a file: safetensors files are read as such, other tensor files with
 ``torch.load(weights_only=True)``, JSON as JSON.
 """
 
+from __future__ import annotations
+
 import fcntl
 import json
 import os
 from datetime import UTC, datetime
+from typing import Any
 
 from safetensors import safe_open
 
@@ -23,7 +26,7 @@ __all__ = ['Verdict', 'checkpoint_bytes', 'describe', 'leftovers', 'lock_state',
            'verify']
 
 
-def checkpoint_bytes(saved):
+def checkpoint_bytes(saved: dict[str, Any]) -> int | None:
     """The size of a checkpoint, as its save message says it: the total of
     the files its manifest ``saved`` lists (the manifest's ``bytes``), the
     manifest itself not counted; None if the manifest lists no sizes."""
@@ -35,7 +38,7 @@ def checkpoint_bytes(saved):
     return sum(files.values())
 
 
-def _score(path):
+def _score(path: str | os.PathLike) -> tuple[str, float] | None:
     """``(column, value)`` of the last complete epoch in a checkpoint's history:
     ``valid_loss``, else ``train_loss``; None if neither can be read."""
     try:
@@ -52,7 +55,7 @@ def _score(path):
     return None
 
 
-def _saved_at(path, saved):
+def _saved_at(path: str | os.PathLike, saved: Any) -> datetime | None:
     """When the checkpoint was committed (UTC): the manifest's ``saved_at``
     or, for a manifest written before it was recorded, its file's time."""
     stamp = saved.get('saved_at') if isinstance(saved, dict) else None
@@ -70,7 +73,7 @@ def _saved_at(path, saved):
     return datetime.fromtimestamp(mtime, UTC)
 
 
-def describe(dirname):
+def describe(dirname: str | os.PathLike) -> list[dict[str, Any]]:
     """One dict per checkpoint of ``dirname``, in the order they were
     committed (training order: by the manifest's ``saved_at``, else by its
     file's time, which a copy of the folder may change).
@@ -121,14 +124,14 @@ def describe(dirname):
     return sorted(rows, key=lambda row: (row['saved_at'] or never, row['name']))
 
 
-def pointers(dirname):
+def pointers(dirname: str | os.PathLike) -> dict[str, str | None]:
     """``{'latest': name or None, 'best': name or None}``: what the pointer
     files name (whether or not that checkpoint is there)."""
     folder = CheckpointFolder(dirname)
     return {which: folder.pointed(which) for which in POINTERS}
 
 
-def leftovers(dirname):
+def leftovers(dirname: str | os.PathLike) -> list[tuple[str, str]]:
     """``(name, what)`` of each entry of ``dirname`` that a killed or running
     job left: partial checkpoints, temporary and half-removed files, probe
     files. The next job that locks the folder removes them."""
@@ -144,7 +147,7 @@ def leftovers(dirname):
     return found
 
 
-def lock_state(dirname):
+def lock_state(dirname: str | os.PathLike) -> dict[str, Any]:
     """The folder's lock: ``{'exists', 'held', 'holder'}``.
 
     ``holder`` is the pid and host the lock file names (the last job that
@@ -196,7 +199,7 @@ class Verdict:
       (:func:`checkpoint_bytes`).
     """
 
-    def __init__(self, path):
+    def __init__(self, path: str | os.PathLike) -> None:
         self.path = path
         self.damaged = []
         self.notes = []
@@ -204,11 +207,11 @@ class Verdict:
         self.bytes = 0
 
     @property
-    def intact(self):
+    def intact(self) -> bool:
         return not self.damaged
 
 
-def _load(file):
+def _load(file: str) -> dict[str, list[int]] | None:
     """Read ``file`` completely, as its reader would, without running code
     from it; the tensors of a state dict ``{name: shape}``, else None."""
     if file.endswith('.safetensors'):
@@ -229,7 +232,7 @@ def _load(file):
 _LOADABLE = ('.safetensors', '.json', '.bin', '.pkl', '.pt', '.pth')
 
 
-def verify(path):
+def verify(path: str | os.PathLike) -> Verdict:
     """Check one checkpoint folder completely; return a :class:`Verdict`.
 
     The manifest must be a JSON object of a format this version reads,
@@ -314,7 +317,9 @@ def verify(path):
     return verdict
 
 
-def _layout_problem(layout, shapes):
+def _layout_problem(
+        layout: tuple[str, dict[str, Any] | None], shapes: dict[str, list[int]] | None,
+) -> str | None:
     """What differs between a model file's tensors and the manifest's layout."""
     name, expected = layout
     if shapes is None:

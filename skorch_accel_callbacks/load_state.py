@@ -39,54 +39,17 @@ WORLD_SIZE_CHANGES = ('raise', 'reseed')
 class AccelerateLoadInitState(FolderStateCallback, Callback):
     """Resume training from the checkpoints of an :class:`AccelerateCheckpoint`.
 
-    When training begins, every rank loads the checkpoint with
-    ``accelerator.load_state`` (models, optimizers, grad scaler, step
-    counter), and the net gets back its history. When the first epoch
-    begins (the training loader is prepared by then), each rank gets back its
-    random state and its loader's shuffling state, and the callbacks their
-    state; this callback moves itself before the net's other callbacks for
-    that. ``fit`` then trains only the epochs that are left to reach
-    ``max_epochs`` in total, and nothing at all if a callback had stopped
-    the run (``EarlyStopping``): when an epoch would begin with none left,
-    this callback ends the fit as skorch's callbacks do (a
-    ``KeyboardInterrupt`` that ``fit`` catches), before any other callback
-    sees that epoch. The net's parameters, ``max_epochs`` among them, are
-    never changed. A later ``partial_fit`` (or ``fit`` with
-    ``warm_start=True``) continues the training without loading again, and
-    trains as many epochs as skorch would.
-
-    A checkpoint taken inside an epoch (``every_n_steps``,
-    ``every_n_seconds``, a signal) continues that epoch: when it begins,
-    each rank gets back the random states the epoch began with, so that the
-    loader draws the same order, and the batches already trained are
-    skipped by index (no row of them is loaded); when its first batch
-    begins, the callbacks get back their state and each rank the random
-    states of the batch the checkpoint was taken at. A callback that acts
-    on every batch without ``state_dict()``/``load_state_dict()`` (and is
-    not one of skorch's whose state a checkpoint holds) is named in a
-    warning: only its fitted attributes come back.
-
-    Without a checkpoint, training starts fresh. A checkpoint from another
-    model (parameter names or shapes) or in a newer format raises
-    :class:`CheckpointError` naming what differs, before any training step;
-    a damaged one raises (or, for ``resume='latest'``, is skipped with a
-    warning) naming the file. So does one trained with other
-    hyper-parameters (see ``check_params``), and one taken inside an epoch
-    when what its position there depends on changed: the training loader's
-    batch size, gradient accumulation, shuffling or the train split (when
-    training begins) or the number of training rows (when the first epoch
-    begins, once the split is made; still before any training step). From
-    a checkpoint of an epoch's end, a new batch size resumes fine.
-
-    A checkpoint written by another number of processes raises too, unless
-    ``on_world_size_change='reseed'``: then the model, optimizers, LR
-    schedulers, grad scaler, history and callback states load exactly (under
-    DDP they are the same on every rank), and each rank's random state and
-    the loaders' shuffling state are derived from the saved rank 0's and the
-    new number of processes. Two resumes of a checkpoint on the same number
-    of processes are bit-identical to each other, but not to the
-    uninterrupted run: each step now trains on another number of batches,
-    drawn in another order. A warning says so.
+    When training begins, every rank loads the checkpoint ``resume`` names
+    (``accelerator.load_state``) and the net its history; when the first
+    epoch begins, the random states, data order and callbacks' state come
+    back. ``fit`` then trains only the epochs left to reach ``max_epochs``
+    (none once a callback such as ``EarlyStopping`` had stopped the run),
+    bit for bit as the uninterrupted run; a checkpoint taken inside an epoch
+    continues that epoch. The net's parameters are never changed. Without a
+    checkpoint, training starts fresh. A checkpoint this run cannot continue
+    exactly (another model, number of processes, data, hyper-parameters) is
+    refused before any training step. See the README, section 'How the
+    callbacks differ from skorch's'.
 
     Parameters
     ----------
@@ -94,37 +57,26 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
       The checkpoint callback whose folder to resume from.
 
     resume : str (default='latest')
-      ``'latest'`` (the newest complete checkpoint), ``'best'`` (the last one
-      saved because of the checkpoint's ``monitor``) or the path of a
-      checkpoint folder.
+      ``'latest'`` (the newest complete checkpoint), ``'best'`` (the newest
+      the checkpoint's ``monitor`` marked best) or a checkpoint folder's path.
 
     sink : callable (default=noop)
       Where to say what was resumed (main process only), e.g. ``print``.
 
     check_data : bool (default=True)
-      Refuse a checkpoint trained on other data than this ``fit``'s (its
-      length, shapes, dtypes or a sample of its rows differ): resuming it
-      would silently continue another training, e.g. another fold of a
-      cross-validation that shares the folder. ``False`` resumes anyway.
+      Refuse a checkpoint trained on other data than this ``fit``'s (e.g.
+      another fold in a shared folder); ``False`` resumes anyway.
 
     on_world_size_change : str (default='raise')
-      What to do with a checkpoint written by another number of processes:
-      ``'raise'`` a :class:`CheckpointError` (a bit-exact resume needs every
-      saved rank), or ``'reseed'``: resume it with random states derived
-      for the new ranks (see above), e.g. when a cluster gives back 4 GPUs
-      of the 8 a preempted job had.
+      A checkpoint written by another number of processes: ``'raise'`` a
+      :class:`CheckpointError`, or ``'reseed'``: resume it with random
+      states derived for the new ranks (not bit-exact; a warning says so).
 
     check_params : bool or tuple of str (default=True)
       Refuse a checkpoint trained with other values of the net's parameters
-      that change training (``get_params()`` without ``callbacks``,
-      ``max_epochs``, ``verbose``, ``warm_start``, ``accelerator``,
-      ``device``, ``batch_size``, the validation loader's and others that
-      decide only how long, how verbosely or how fast training runs),
-      naming each: in a hyper-parameter search every fit needs its own
-      folder. A tuple of names, e.g. ``('lr',)``, lets those differ, and
-      the new values take effect (the optimizers' settings of ``lr`` and
-      ``optimizer__*`` replace the checkpoint's); ``False`` lets any differ.
-      Checkpoints of versions before 0.3 recorded no parameters.
+      that change training (not ``max_epochs``, ``verbose``, ...), naming
+      each. A tuple of names, e.g. ``('lr',)``, lets those differ and take
+      effect; ``False`` lets any differ.
 
     Attributes
     ----------
@@ -138,21 +90,19 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     resumed_ : Resumed or None
       What the net was resumed from (path, name, optimizer steps, batches
       into its epoch, the epochs after which the resumed fit ends); the
-      checkpoint callback of the folder continues counting from it.
+      checkpoint callback of the folder counts on from it.
 
     Raises
     ------
     TypeError, ValueError
-      At ``initialize``: ``checkpoint`` is not an
-      :class:`AccelerateCheckpoint`, ``resume``, ``sink``, ``check_data``,
-      ``on_world_size_change`` or ``check_params`` of the wrong type or value.
-      When training begins: accelerate's FSDP, DeepSpeed, Megatron-LM or
-      XLA back-end (``ValueError`` naming it).
+      At ``initialize``: an argument of the wrong type or value. When
+      training begins: accelerate's FSDP, DeepSpeed, Megatron-LM or XLA
+      back-end (``ValueError`` naming it).
     CheckpointError
-      When training begins: the checkpoint cannot be resumed by this run
-      (another number of processes with ``on_world_size_change='raise'``,
-      another model, other data, other hyper-parameters, a newer format, a
-      change that moves the position inside an epoch), or no complete
+      When training begins (before any training step): the checkpoint
+      cannot be resumed by this run (number of processes, model, data,
+      hyper-parameters, a newer format, a change that moves the position
+      inside an epoch; the message names what differs), or no complete
       checkpoint is left. A changed number of training rows inside an epoch
       raises when the first epoch begins.
     CorruptCheckpointError

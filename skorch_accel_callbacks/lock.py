@@ -1,11 +1,14 @@
 """One job per folder (an exclusive ``flock`` on ``<folder>/.lock``), or per
 set of files: :class:`PrefixLock` on the files of one ``fn_prefix``."""
 
+from __future__ import annotations
+
 import fcntl
 import json
 import os
 import socket
 import threading
+from typing import Any, Self, TextIO
 
 __all__ = ['FolderInUseError', 'FolderLock', 'LOCK_NAME', 'PrefixLock']
 
@@ -21,7 +24,7 @@ class _Hold:
     that took it: the callbacks of one job share a folder's lock, a job
     fitted in another thread is refused."""
 
-    def __init__(self, lock_file, thread, remove):
+    def __init__(self, lock_file: TextIO, thread: threading.Thread, remove: bool) -> None:
         self.file = lock_file
         self.thread = thread
         # the file is removed on the last release only if every holder asks
@@ -79,7 +82,9 @@ class FolderLock:
 
     """
 
-    def __init__(self, folder, name=LOCK_NAME, remove_on_release=False):
+    def __init__(
+            self, folder: str | os.PathLike, name: str = LOCK_NAME, remove_on_release: bool = False,
+    ) -> None:
         self.folder = os.fspath(folder) or '.'
         self.path = os.path.join(self.folder, name)
         self.remove_on_release = remove_on_release
@@ -88,11 +93,11 @@ class FolderLock:
         self._file = None
 
     @property
-    def held(self):
+    def held(self) -> bool:
         """Whether this object holds the lock."""
         return self._file is not None
 
-    def acquire(self):
+    def acquire(self) -> Self:
         """Take the lock (once per object) or raise :class:`FolderInUseError`
         naming the holder: another process, or another thread of this one."""
         with _HELD_GUARD:
@@ -110,7 +115,7 @@ class FolderLock:
                 self._file = held.file
         return self
 
-    def _lock_file(self):
+    def _lock_file(self) -> TextIO:
         # A holder that removes the lock file on release (remove_on_release)
         # unlinks it while it still holds the flock, then closes it. Another
         # job may have opened the old file just before: its flock then
@@ -151,14 +156,14 @@ class FolderLock:
             f"lock file {self.path} was replaced {_ATTEMPTS} times while this job "
             "tried to lock it: other jobs keep taking and releasing it; try again")
 
-    def _refusal(self, holder):
+    def _refusal(self, holder: str) -> str:
         return (
             f"checkpoint folder {self.folder} is in use by another running job "
             f"({holder}, lock file {self.path}): two jobs saving into one "
             "folder would overwrite or retire each other's checkpoints; wait for "
             "it to end or give this job its own folder")
 
-    def release(self):
+    def release(self) -> None:
         """Release this hold; the last one in the process closes the file,
         which releases the flock (removing the file first with
         ``remove_on_release``)."""
@@ -180,7 +185,7 @@ class FolderLock:
                 finally:
                     held.file.close()
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _file=None, _key=None)
 
     # a lock dropped without release (a fit that raised, then forgotten)
@@ -206,11 +211,11 @@ class PrefixLock(FolderLock):
 
     """
 
-    def __init__(self, folder, prefix=''):
+    def __init__(self, folder: str | os.PathLike, prefix: str = '') -> None:
         super().__init__(folder, name=f'.{prefix}lock', remove_on_release=True)
         self.prefix = prefix
 
-    def _refusal(self, holder):
+    def _refusal(self, holder: str) -> str:
         return (
             f"checkpoint folder {self.folder} is in use by another running job "
             f"({holder}, lock file {self.path}) for the files of fn_prefix="
@@ -219,7 +224,7 @@ class PrefixLock(FolderLock):
             "or fn_prefix")
 
 
-def _is_at_path(lock_file, path):
+def _is_at_path(lock_file: TextIO, path: str) -> bool:
     """Whether ``lock_file`` (open) is the file that ``path`` names now."""
     try:
         named = os.stat(path)
@@ -229,7 +234,7 @@ def _is_at_path(lock_file, path):
     return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def _holder(lock_file):
+def _holder(lock_file: TextIO) -> str:
     """Who holds ``lock_file``, as its holder wrote it."""
     lock_file.seek(0)
     try:
@@ -245,7 +250,7 @@ def _holder(lock_file):
     return described
 
 
-def _thread_holder(held):
+def _thread_holder(held: _Hold) -> str:
     """Who holds ``held``: a thread of this process."""
     described = (f"pid {os.getpid()} on host {socket.gethostname()}, thread "
                  f"{held.thread.name!r} of this process")

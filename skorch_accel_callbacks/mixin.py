@@ -1,8 +1,12 @@
 """Fixes for skorch's ``AccelerateMixin`` (measured on skorch 1.4.0 + accelerate 1.15),
 and how a net with an accelerator is pickled (:func:`dump_net`)."""
 
+from __future__ import annotations
+
 import pickle
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, BinaryIO, Self
 
 import torch
 from accelerate import Accelerator
@@ -12,16 +16,20 @@ from skorch.hf import AccelerateMixin
 from skorch_accel_callbacks import accelerate_io, sync
 from skorch_accel_callbacks.wrapping import bare_modules, unwrapped
 
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+    from torch.utils.data import DataLoader
+
 __all__ = ['AccelerateFixesMixin', 'dump_net']
 
 class _ThisProcessAccelerator:
     """Stands for an ``Accelerator`` in a pickle (or deep copy): unpickled,
     it is :func:`accelerator_of_this_process` of the pickled one's settings."""
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator: Accelerator) -> None:
         self.settings = accelerate_io.accelerator_settings(accelerator)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[..., Accelerator], tuple[dict[str, Any]]]:
         return accelerate_io.accelerator_of_this_process, (self.settings,)
 
 
@@ -29,13 +37,13 @@ class _NetPickler(pickle.Pickler):
     """A pickler that pickles every ``Accelerator`` as
     :class:`_ThisProcessAccelerator`."""
 
-    def reducer_override(self, obj):
+    def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Accelerator):
             return _ThisProcessAccelerator(obj).__reduce__()
         return NotImplemented
 
 
-def dump_net(net, file):
+def dump_net(net: NeuralNet, file: BinaryIO) -> None:
     """Pickle ``net`` into ``file`` (open for binary writing) without its
     accelerator's processes.
 
@@ -51,7 +59,7 @@ def dump_net(net, file):
 
 
 @contextmanager
-def _bare_optimizers(net):
+def _bare_optimizers(net: NeuralNet) -> Iterator[None]:
     """Inside, the net's optimizers are the torch optimizers that accelerate's
     ``AcceleratedOptimizer`` wraps (which carry the process state)."""
     wrappers = {}
@@ -74,7 +82,7 @@ _TRAINING_ATTRIBUTES = frozenset(
     {'_wrapped_with_accelerator', '_accelerator_loaders', '_accelerator_registered'})
 
 
-def _has_trainable_parameters(module):
+def _has_trainable_parameters(module: torch.nn.Module) -> bool:
     return any(param.requires_grad for param in module.parameters())
 
 
@@ -136,11 +144,11 @@ class AccelerateFixesMixin:
 
     """
 
-    def initialize(self):
+    def initialize(self) -> Self:
         self._wrapped_with_accelerator = False
         return super().initialize()
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         with unwrapped(self), _bare_optimizers(self):
             state = super().__getstate__()
         # the loaders hold the data sets; the registry the accelerator's objects
@@ -150,7 +158,7 @@ class AccelerateFixesMixin:
             state['accelerator'] = _ThisProcessAccelerator(state['accelerator'])
         return state
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, Any]) -> None:
         device = state['device']
         accelerator = state.get('accelerator')
         if device is None and getattr(accelerator, 'device_placement', False):
@@ -162,16 +170,16 @@ class AccelerateFixesMixin:
         super().__setstate__(state)
         self.device = device
 
-    def _get_param_names(self):
+    def _get_param_names(self) -> list[str]:
         return [name for name in super()._get_param_names()
                 if name not in _TRAINING_ATTRIBUTES]
 
-    def evaluation_step(self, batch, training=False):
+    def evaluation_step(self, batch: Any, training: bool = False) -> Any:
         # AccelerateMixin's, with the gather of sync
         output = super(AccelerateMixin, self).evaluation_step(batch, training=training)
         return sync.gather_for_metrics(self, output)
 
-    def _initialize_accelerator(self):
+    def _initialize_accelerator(self) -> Self:
         if self._wrapped_with_accelerator:
             return self
         all_criteria = self._criteria
@@ -186,7 +194,7 @@ class AccelerateFixesMixin:
         self._prune_accelerator_registries()
         return self
 
-    def _place_or_keep_criterion(self, criterion):
+    def _place_or_keep_criterion(self, criterion: Any) -> bool:
         """Return whether ``criterion`` is to be prepared; if not, place it."""
         if not isinstance(criterion, torch.nn.Module):
             return False
@@ -197,20 +205,20 @@ class AccelerateFixesMixin:
             criterion.to(self.accelerator.device)
         return False
 
-    def _prepared_objects(self):
+    def _prepared_objects(self) -> list[Any]:
         objects = list(bare_modules(self).values())
         for name in self._optimizers:
             objects.append(getattr(self, name + '_', None))
         return objects
 
-    def _prune_accelerator_registries(self):
+    def _prune_accelerator_registries(self) -> None:
         """Drop this net's stale and duplicate entries from the registries."""
         current = {id(obj) for obj in self._prepared_objects()}
         previous = getattr(self, '_accelerator_registered', [])
         stale = {id(obj) for obj in previous} - current
         registered = []
 
-        def keep(obj, seen):
+        def keep(obj: Any, seen: set[int]) -> bool:
             if id(obj) in stale or id(obj) in seen:
                 return False
             if id(obj) in current:
@@ -220,7 +228,7 @@ class AccelerateFixesMixin:
         accelerate_io.prune_registries(self.accelerator, keep)
         self._accelerator_registered = registered
 
-    def get_iterator(self, dataset, training=False):
+    def get_iterator(self, dataset: Any, training: bool = False) -> DataLoader:
         iterator = super().get_iterator(dataset, training=training)
         loaders = self.__dict__.setdefault('_accelerator_loaders', {})
         previous = loaders.get(training)
@@ -231,7 +239,7 @@ class AccelerateFixesMixin:
         loaders[training] = iterator
         return iterator
 
-    def fit_loop(self, *args, **kwargs):
+    def fit_loop(self, *args: Any, **kwargs: Any) -> Self:
         try:
             return super().fit_loop(*args, **kwargs)
         except BaseException:
@@ -241,17 +249,17 @@ class AccelerateFixesMixin:
                 accelerate_io.leave_loader(loader)
             raise
 
-    def on_train_begin(self, net, X=None, y=None, **kwargs):
+    def on_train_begin(self, net: NeuralNet, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         if self.initialized_ and not self._wrapped_with_accelerator:
             self._initialize_accelerator()
         return super().on_train_begin(net, X=X, y=y, **kwargs)
 
-    def save_params(self, *args, **kwargs):
+    def save_params(self, *args: Any, **kwargs: Any) -> None:
         with sync.agree(self, 'save_params'):
             with unwrapped(self):
                 super().save_params(*args, **kwargs)
 
-    def load_params(self, *args, **kwargs):
+    def load_params(self, *args: Any, **kwargs: Any) -> None:
         with sync.agree(self, 'load_params'):
             if not self.initialized_:
                 self.initialize()

@@ -8,11 +8,17 @@ only notes the signal; the checkpoint callback saves at the next batch
 boundary, where every rank is in a consistent state.
 """
 
+from __future__ import annotations
+
 import signal
 import threading
 import time
 import warnings
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 from skorch_accel_callbacks import sync, triggers
 
@@ -30,7 +36,9 @@ _VOTE_SECONDS = 0.5
 _MAX_VOTE_STEPS = 1000
 
 
-def check_signals(signals, owner):
+def check_signals(
+        signals: str | signal.Signals | Sequence[str | signal.Signals], owner: str,
+) -> tuple[signal.Signals, ...]:
     """``signals`` (names such as ``'SIGTERM'`` or ``signal.Signals``) as a
     tuple of ``signal.Signals``; raise ``ValueError`` naming ``owner`` and
     the entry at fault if one is not a signal that can be caught."""
@@ -90,13 +98,16 @@ class SignalWatch:
       The first ``passed_on`` signal noted since installed.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.received = None
         self.interrupted = None
         self._previous = {}
         self._stop = ()
 
-    def install(self, owner, stop, passed_on=()):
+    def install(
+            self, owner: str, stop: Iterable[signal.Signals],
+            passed_on: Iterable[signal.Signals] = (),
+    ) -> None:
         """Set the handlers, after forgetting what an earlier installation
         noted; warn naming ``owner`` and do nothing outside the main thread."""
         global _installed
@@ -123,11 +134,11 @@ class SignalWatch:
                 self._previous[sig] = signal.signal(sig, self._pass_on)
 
     @property
-    def stop_signals(self):
+    def stop_signals(self) -> tuple[signal.Signals, ...]:
         """The ``stop`` signals of the installation under way (a tuple)."""
         return self._stop
 
-    def _note(self, signum, frame):
+    def _note(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
             # asked twice: a job that does not stop must still be stoppable
             handler = self._previous.get(signum)
@@ -143,12 +154,12 @@ class SignalWatch:
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 
-    def _pass_on(self, signum, frame):
+    def _pass_on(self, signum: int, frame: FrameType | None) -> None:
         if self.interrupted is None:
             self.interrupted = signal.Signals(signum)
         self._previous[signum](signum, frame)
 
-    def uninstall(self):
+    def uninstall(self) -> None:
         global _installed
         if _installed is self:
             _installed = None
@@ -157,7 +168,7 @@ class SignalWatch:
             # None: set by code outside Python, which cannot be put back
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         # handlers belong to this process and may not pickle
         return dict(self.__dict__, _previous={}, received=None, interrupted=None)
 

@@ -5,8 +5,12 @@ rarely says which file it was reading; after a load failed, the files are
 read again one by one, on that error path only, to name it.
 """
 
+from __future__ import annotations
+
 import functools
 import os
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -24,7 +28,7 @@ _READERS = {
 }
 
 
-def _kind_of(file):
+def _kind_of(file: str) -> str:
     if file.endswith('.safetensors'):
         return 'safetensors'
     if file.endswith('.json'):
@@ -32,13 +36,15 @@ def _kind_of(file):
     return 'torch'
 
 
-def load_without_code(file, kind=None):
+def load_without_code(file: str | os.PathLike, kind: str | None = None) -> Any:
     """Load ``file`` as ``kind`` (``'safetensors'``, ``'json'`` or
     ``'torch'``; by its suffix if None) without executing code."""
     return _READERS[kind or _kind_of(os.fspath(file))](file)
 
 
-def first_unloadable(files, kind=None):
+def first_unloadable(
+        files: Iterable[str | os.PathLike], kind: str | None = None,
+) -> tuple[str | os.PathLike, Exception] | None:
     """``(file, exception)`` of the first of ``files`` that does not load,
     or None if all of them do."""
     for file in files:

@@ -11,16 +11,24 @@ done with them (see :func:`_released`): a process that exits right after
 training then cannot abort at interpreter exit.
 """
 
+from __future__ import annotations
+
 import pickle
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from accelerate.utils import broadcast_object_list, gather_object, recursively_apply
 
 from skorch_accel_callbacks import accelerate_io
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from skorch import NeuralNet
 
 __all__ = [
     'RankError',
@@ -48,45 +56,45 @@ class RankError(RuntimeError):
     """
 
 
-def _accelerator(net):
+def _accelerator(net: NeuralNet) -> Accelerator | None:
     return getattr(net, 'accelerator', None)
 
 
-def num_processes(net):
+def num_processes(net: NeuralNet) -> int:
     """Number of processes that train ``net`` (1 without accelerate)."""
     accelerator = _accelerator(net)
     return 1 if accelerator is None else accelerator.num_processes
 
 
-def process_index(net):
+def process_index(net: NeuralNet) -> int:
     """Global rank of this process (0 without accelerate)."""
     accelerator = _accelerator(net)
     return 0 if accelerator is None else accelerator.process_index
 
 
-def is_distributed(net):
+def is_distributed(net: NeuralNet) -> bool:
     return num_processes(net) > 1
 
 
-def is_main_process(net):
+def is_main_process(net: NeuralNet) -> bool:
     """Whether this is the global main process (rank 0)."""
     accelerator = _accelerator(net)
     return True if accelerator is None else accelerator.is_main_process
 
 
-def is_local_main_process(net):
+def is_local_main_process(net: NeuralNet) -> bool:
     """Whether this is the main process of its node."""
     accelerator = _accelerator(net)
     return True if accelerator is None else accelerator.is_local_main_process
 
 
-def barrier(net):
+def barrier(net: NeuralNet) -> None:
     """Wait until every process reaches this point."""
     if is_distributed(net):
         _accelerator(net).wait_for_everyone()
 
 
-def broadcast(net, value):
+def broadcast(net: NeuralNet, value: Any) -> Any:
     """Return the main process's ``value`` on every process.
 
     ``value`` must be picklable and should be small: a decision, a path, an
@@ -99,7 +107,7 @@ def broadcast(net, value):
     return broadcast_object_list([value], from_process=0)[0]
 
 
-def gather(net, value):
+def gather(net: NeuralNet, value: Any) -> list[Any]:
     """Return the list of every process's ``value``, indexed by rank."""
     if not is_distributed(net):
         return [value]
@@ -108,7 +116,7 @@ def gather(net, value):
     return gather_object([value])
 
 
-def gather_for_metrics(net, data):
+def gather_for_metrics(net: NeuralNet, data: Any) -> Any:
     """``accelerator.gather_for_metrics(data)``: the outputs of a batch of
     evaluation on every process, concatenated along the first dimension,
     less the rows that accelerate repeated to fill up the last batch.
@@ -145,11 +153,11 @@ def gather_for_metrics(net, data):
 _RELEASE_TIMEOUT = 10.0
 
 
-def _on_gloo():
+def _on_gloo() -> bool:
     return dist.is_initialized() and dist.get_backend() == 'gloo'
 
 
-def _released(tensors):
+def _released(tensors: Sequence[torch.Tensor]) -> None:
     """Wait until gloo's worker threads hold none of ``tensors`` any more.
 
     A gloo collective's work, which holds its tensors, is freed by a worker
@@ -169,12 +177,12 @@ def _released(tensors):
         time.sleep(0.0002)
 
 
-def _to_bytes_tensor(value):
+def _to_bytes_tensor(value: Any) -> torch.Tensor:
     # a copy: a tensor on the pickle's own buffer frees it through Python
     return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).clone()
 
 
-def _gloo_gather(value):
+def _gloo_gather(value: Any) -> list[Any]:
     mine = _to_bytes_tensor(value)
     size = torch.tensor([mine.numel()], dtype=torch.long)
     sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
@@ -190,7 +198,7 @@ def _gloo_gather(value):
             for part, n in zip(parts, sizes, strict=True)]
 
 
-def _gloo_gather_tensor(tensor):
+def _gloo_gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
     # a copy that nothing else holds, so that its count of users tells when
     # gloo let go of it; a 0-d tensor is gathered as 1-d, as by accelerate
     mine = (tensor[None] if tensor.ndim == 0 else tensor).clone(
@@ -201,7 +209,7 @@ def _gloo_gather_tensor(tensor):
     return torch.cat(parts)
 
 
-def _gloo_broadcast(value):
+def _gloo_broadcast(value: Any) -> Any:
     data = _to_bytes_tensor(value) if dist.get_rank() == 0 else None
     size = torch.tensor([0 if data is None else data.numel()], dtype=torch.long)
     dist.broadcast(size, src=0)
@@ -225,7 +233,7 @@ class Vote:
     runs: :meth:`count` returns the flags posted. :meth:`close` when done.
     """
 
-    def __init__(self, net):
+    def __init__(self, net: NeuralNet) -> None:
         self._distributed = is_distributed(net)
         accelerator = _accelerator(net)
         self._gloo = _on_gloo()
@@ -236,7 +244,7 @@ class Vote:
         # counted votes' tensors that gloo may still hold (see _released)
         self._retired = []
 
-    def post(self, flags):
+    def post(self, flags: Iterable[int | bool]) -> None:
         """Send this process's ``flags`` (ints >= 0; booleans count as 0/1)."""
         flags = [int(flag) for flag in flags]
         if not self._distributed:
@@ -245,7 +253,7 @@ class Vote:
         tensor = torch.tensor(flags, dtype=torch.int32, device=self._device)
         self._pending = (tensor, dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True))
 
-    def count(self):
+    def count(self) -> list[int] | None:
         """The combined flags (the maximum of each over the processes) of the
         last vote posted, ``None`` if none is; that vote is then done."""
         pending, self._pending = self._pending, None
@@ -263,7 +271,7 @@ class Vote:
             self._retired.append(tensor)
         return result
 
-    def close(self):
+    def close(self) -> None:
         """Let go of the votes: wait until gloo let go of their tensors
         (before the interpreter may exit).
 
@@ -284,16 +292,16 @@ class Vote:
             _released(self._retired)
         self._retired = []
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         # a vote in flight belongs to this process's process group
         return dict(self.__dict__, _pending=None, _retired=[])
 
 
-def _describe(exc):
+def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def run_on_main(net, fn, what):
+def run_on_main(net: NeuralNet, fn: Callable[[], Any], what: str) -> Any:
     """Call ``fn()`` on the main process and return its result on every rank.
 
     If ``fn`` raises on the main process, the main process re-raises it and
@@ -316,7 +324,11 @@ def run_on_main(net, fn, what):
 
 
 @contextmanager
-def agree(net, what, ignore_if_all_raise=()):
+def agree(
+        net: NeuralNet,
+        what: str,
+        ignore_if_all_raise: type[Exception] | tuple[type[Exception], ...] = (),
+) -> Iterator[None]:
     """Run the block on every process; if it raises anywhere, raise everywhere.
 
     The failing process re-raises its own exception, with a note naming

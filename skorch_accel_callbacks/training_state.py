@@ -11,13 +11,17 @@ committed, and the commit flushes every file of the folder to disk: so they
 are written plainly, without a temporary name and a flush of their own each.
 """
 
+from __future__ import annotations
+
 import hashlib
 import math
+import os
 import random
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +41,10 @@ from skorch.history import History
 
 from skorch_accel_callbacks import accelerate_io
 from skorch_accel_callbacks.atomic import read_json, write_json
+
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+    from torch.utils.data import DataLoader
 
 __all__ = [
     'HISTORY_NAME',
@@ -77,7 +85,7 @@ CALLBACKS_NAME = 'callbacks.json'
 CALLBACK_TENSORS_NAME = 'callbacks.safetensors'
 
 
-def rank_state_name(rank):
+def rank_state_name(rank: int) -> str:
     return f'loader_state_{rank}.safetensors'
 
 
@@ -101,24 +109,24 @@ _OWN_STATE = '<state_dict>'
 
 # ---------------------------------------------------------------- history
 
-def epoch_completed(net):
+def epoch_completed(net: NeuralNet) -> bool:
     """Whether the last epoch of the history ran to its end (skorch records
     ``train_loss`` when an epoch's training batches are all done)."""
     return bool(net.history) and 'train_loss' in net.history[-1]
 
 
-def optimizer_steps(history, accumulation_steps):
+def optimizer_steps(history: Iterable[Mapping[str, Any]], accumulation_steps: int) -> int:
     """The optimizer steps of the complete epochs of ``history``, with a
     step every ``accumulation_steps`` batches and at each epoch's last."""
     return sum(math.ceil(row['train_batch_count'] / accumulation_steps)
                for row in history if 'train_batch_count' in row)
 
 
-def save_history(folder, net):
+def save_history(folder: str | os.PathLike, net: NeuralNet) -> None:
     net.history.to_file(f"{folder}/{HISTORY_NAME}")
 
 
-def load_history(folder):
+def load_history(folder: str | os.PathLike) -> History:
     return History.from_file(f"{folder}/{HISTORY_NAME}")
 
 
@@ -128,7 +136,7 @@ def load_history(folder):
 _SAMPLE_ROWS = 64
 
 
-def data_fingerprint(X, y=None):
+def data_fingerprint(X: Any, y: Any = None) -> dict[str, Any]:
     """A cheap fingerprint of the training data: lengths, shapes, dtypes and
     a hash of a few rows spread over it (not of all of it: it is computed
     at every ``fit``).
@@ -175,7 +183,7 @@ def describe_data(data: object) -> dict | None:
     return None
 
 
-def _describe(data):
+def _describe(data: Any) -> dict[str, Any] | None:
     if data is None:
         return None
     if isinstance(data, dict):
@@ -190,20 +198,20 @@ def _describe(data):
     return {'type': type(data).__qualname__}
 
 
-def _sample_rows(length):
+def _sample_rows(length: int) -> range | list[int]:
     if length <= _SAMPLE_ROWS:
         return range(length)
     return np.linspace(0, length - 1, _SAMPLE_ROWS).astype(int).tolist()
 
 
-def _digest(rows):
+def _digest(rows: Iterable[Any]) -> str:
     digest = hashlib.blake2b(digest_size=8)
     for row in rows:
         _feed(digest, row)
     return digest.hexdigest()
 
 
-def _feed(digest, obj):
+def _feed(digest: hashlib.blake2b, obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
         obj = obj.detach().cpu().numpy()
     if isinstance(obj, np.ndarray):
@@ -222,7 +230,7 @@ def _feed(digest, obj):
 
 # ---------------------------------------------------------------- RNG
 
-def capture_rng():
+def capture_rng() -> dict[str, Any]:
     """The global random states of this process (Python, numpy, torch, CUDA)."""
     state = {
         'python': random.getstate(),
@@ -234,7 +242,7 @@ def capture_rng():
     return state
 
 
-def restore_rng(state):
+def restore_rng(state: Mapping[str, Any]) -> None:
     random.setstate(state['python'])
     np.random.set_state(state['numpy'])
     torch.set_rng_state(state['torch'])
@@ -244,7 +252,7 @@ def restore_rng(state):
 
 # ---------------------------------------------------------------- reseeding
 
-def reseed_origin(rng, rank_state):
+def reseed_origin(rng: Mapping[str, Any], rank_state: Mapping[str, Any]) -> int:
     """A 64-bit number that stands for the random states a checkpoint's rank 0
     was saved with (its global generators and its loader's shuffling state):
     the origin from which another number of processes derives its own."""
@@ -256,12 +264,12 @@ def reseed_origin(rng, rank_state):
     return int.from_bytes(digest.digest(), 'little')
 
 
-def _derived_seed(origin, world_size, purpose):
+def _derived_seed(origin: int, world_size: int, purpose: str) -> int:
     digest = hashlib.blake2b(f"{origin}:{world_size}:{purpose}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), 'little')
 
 
-def derived_rng(origin, world_size, rank):
+def derived_rng(origin: int, world_size: int, rank: int) -> dict[str, Any]:
     """The global random states of ``rank`` in a run of ``world_size``
     processes resumed from a checkpoint of ``origin``, in the form
     :func:`capture_rng` returns: different on every rank, the same at every
@@ -280,7 +288,7 @@ def derived_rng(origin, world_size, rank):
     return state
 
 
-def derived_rank_state(origin, world_size, loader_iteration):
+def derived_rank_state(origin: int, world_size: int, loader_iteration: int) -> dict[str, Any]:
     """The loader state of every rank of such a run: the epoch counter goes
     on, and the shuffling generator, which accelerate keeps the same on all
     ranks, is derived from ``origin`` and ``world_size``."""
@@ -291,13 +299,20 @@ def derived_rank_state(origin, world_size, loader_iteration):
 
 # ---------------------------------------------------------------- optimizer
 
-def optimizer_hyperparameters(optimizers):
+def optimizer_hyperparameters(
+        optimizers: Iterable[torch.optim.Optimizer],
+) -> list[list[dict[str, Any]]]:
     """Each optimizer's param-group settings (lr, momentum, ...) without the params."""
     return [[{key: value for key, value in group.items() if key != 'params'}
              for group in optimizer.param_groups] for optimizer in optimizers]
 
 
-def keep_new_optimizer_settings(net, names, fresh, saved):
+def keep_new_optimizer_settings(
+        net: NeuralNet,
+        names: Collection[str],
+        fresh: Sequence[Sequence[dict[str, Any]]],
+        saved: Sequence[Sequence[dict[str, Any]]],
+) -> None:
     """Make the values that the net's parameters ``names`` give its
     optimizers now (``fresh``, as :func:`optimizer_hyperparameters` read
     them before the checkpoint was loaded) win over those of the checkpoint
@@ -314,7 +329,10 @@ def keep_new_optimizer_settings(net, names, fresh, saved):
             old.update({key: new[key] for key in taken})
 
 
-def restore_optimizer_hyperparameters(optimizers, saved):
+def restore_optimizer_hyperparameters(
+        optimizers: Iterable[torch.optim.Optimizer],
+        saved: Sequence[Sequence[Mapping[str, Any]]],
+) -> None:
     """Undo what was done to the loaded settings since, e.g. by skorch's
     LRScheduler, which steps a new scheduler (changing the lr) when it is
     created at the start of training."""
@@ -325,7 +343,7 @@ def restore_optimizer_hyperparameters(optimizers, saved):
 
 # ---------------------------------------------------------------- loader
 
-def find_train_loader(net, dataset_train):
+def find_train_loader(net: NeuralNet, dataset_train: Any) -> DataLoader | None:
     """The loader that accelerate prepared for ``dataset_train``, if any."""
     accelerator = getattr(net, 'accelerator', None)
     if accelerator is None or dataset_train is None:
@@ -336,7 +354,7 @@ def find_train_loader(net, dataset_train):
     return None
 
 
-def save_rank_state(folder, rank, loader):
+def save_rank_state(folder: str | os.PathLike, rank: int, loader: DataLoader | None) -> None:
     """Save the shuffling state of this rank's training loader.
 
     With more than one process accelerate gives the sampler a generator of
@@ -355,7 +373,7 @@ def save_rank_state(folder, rank, loader):
     save_file(tensors, f"{folder}/{rank_state_name(rank)}", metadata=metadata)
 
 
-def load_rank_state(folder, rank):
+def load_rank_state(folder: str | os.PathLike, rank: int) -> dict[str, Any]:
     path = f"{folder}/{rank_state_name(rank)}"
     with safe_open(path, framework='pt') as f:
         metadata = f.metadata() or {}
@@ -365,7 +383,7 @@ def load_rank_state(folder, rank):
     return state
 
 
-def apply_rank_state(loader, state):
+def apply_rank_state(loader: DataLoader | None, state: Mapping[str, Any]) -> None:
     if loader is None:
         return
     loader.iteration = state['loader_iteration']
@@ -379,10 +397,10 @@ def apply_rank_state(loader, state):
 class _Encoder:
     """JSON for scalars and containers; tensors go to a safetensors file."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.tensors = {}
 
-    def encode(self, value, key):
+    def encode(self, value: Any, key: str) -> Any:
         if value is None or isinstance(value, (bool, str)):
             return value
         if isinstance(value, (int, np.integer)):
@@ -406,7 +424,7 @@ class _Encoder:
         raise TypeError(type(value).__name__)
 
 
-def _decode(obj, tensors):
+def _decode(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if not isinstance(obj, dict):
         return obj
     (kind, value), = obj.items()
@@ -425,13 +443,13 @@ def _decode(obj, tensors):
     raise ValueError(f"unknown encoding {kind!r}")
 
 
-def _is_configuration(value):
+def _is_configuration(value: Any) -> bool:
     # classes and functions are set up by the user's code, not learned
     return isinstance(value, type) or (
         callable(value) and not hasattr(value, 'state_dict'))
 
 
-def _callback_state(callback):
+def _callback_state(callback: Callback) -> dict[str, dict[str, Any]]:
     """The attributes of a callback that a resumed run needs."""
     if hasattr(callback, 'state_dict') and hasattr(callback, 'load_state_dict'):
         return {_OWN_STATE: {'state_dict': callback.state_dict()}}
@@ -457,7 +475,9 @@ def _callback_state(callback):
     return state
 
 
-def save_callback_states(folder, net, skip=()):
+def save_callback_states(
+        folder: str | os.PathLike, net: NeuralNet, skip: Collection[Callback] = (),
+) -> None:
     """Save the state of every callback of ``net`` by name.
 
     A callback with ``state_dict()``/``load_state_dict()`` methods decides
@@ -488,7 +508,7 @@ def save_callback_states(folder, net, skip=()):
     save_file(encoder.tensors or {'_': torch.zeros(0)}, f"{folder}/{CALLBACK_TENSORS_NAME}")
 
 
-def load_callback_states(folder):
+def load_callback_states(folder: str | os.PathLike) -> dict[str, dict[str, dict[str, Any]]]:
     """Read what :func:`save_callback_states` wrote: name -> attr -> entry."""
     states = read_json(f"{folder}/{CALLBACKS_NAME}")
     tensors = load_file(f"{folder}/{CALLBACK_TENSORS_NAME}")
@@ -499,7 +519,9 @@ def load_callback_states(folder):
     }
 
 
-def apply_callback_states(net, states):
+def apply_callback_states(
+        net: NeuralNet, states: Mapping[str, Mapping[str, Mapping[str, Any]]],
+) -> None:
     """Give the net's callbacks the state they had when it was saved."""
     for name, callback in net.callbacks_:
         attrs = states.get(name)
@@ -524,11 +546,11 @@ def apply_callback_states(net, states):
 
 # ---------------------------------------------------------------- within an epoch
 
-def epoch_caches_name(rank):
+def epoch_caches_name(rank: int) -> str:
     return f'epoch_caches_{rank}'
 
 
-def save_epoch_caches(folder, rank, net):
+def save_epoch_caches(folder: str | os.PathLike, rank: int, net: NeuralNet) -> None:
     """Save this rank's scratch space of the epoch under way (the
     predictions EpochScoring collects on the training batches), which a
     checkpoint in the middle of an epoch needs: at the epoch's end they are
@@ -546,7 +568,7 @@ def save_epoch_caches(folder, rank, net):
     save_file(encoder.tensors or {'_': torch.zeros(0)}, f"{base}.safetensors")
 
 
-def load_epoch_caches(folder, rank):
+def load_epoch_caches(folder: str | os.PathLike, rank: int) -> dict[str, dict[str, Any]]:
     base = f"{folder}/{epoch_caches_name(rank)}"
     caches = read_json(f"{base}.json")
     tensors = load_file(f"{base}.safetensors")
@@ -554,10 +576,14 @@ def load_epoch_caches(folder, rank):
             for name, attrs in caches.items()}
 
 
-def apply_epoch_caches(net, caches, device=None):
+def apply_epoch_caches(
+        net: NeuralNet,
+        caches: Mapping[str, Mapping[str, Any]],
+        device: torch.device | str | None = None,
+) -> None:
     """Give the callbacks their scratch space of the epoch back; tensors go
     to ``device`` (where the net's predictions are)."""
-    def place(value):
+    def place(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and device is not None:
             return value.to(device)
         if isinstance(value, list):
@@ -576,7 +602,7 @@ _BATCH_STATE_KNOWN = (BatchScoring, EpochScoring, EpochTimer, LRScheduler, Passt
                       PrintLog, ProgressBar)
 
 
-def unknown_batch_state(net, own=()):
+def unknown_batch_state(net: NeuralNet, own: Iterable[type[Callback]] = ()) -> list[str]:
     """Names of the net's callbacks that act on every batch and whose state
     within an epoch no checkpoint is known to hold: not one of skorch's
     handled above nor ``own``, and without ``state_dict()`` (only their

@@ -6,13 +6,19 @@ and its answer sent to every rank
 histories can differ; the rest is the same on every rank.
 """
 
+from __future__ import annotations
+
 import warnings
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from skorch.callbacks import EarlyStopping
 from skorch.exceptions import SkorchException
 
 from skorch_accel_callbacks import sync
+
+if TYPE_CHECKING:
+    from skorch import NeuralNet
 
 __all__ = ['STOPPED_EARLY', 'EpochDecision', 'check_interval', 'check_monitor', 'epoch_decision',
            'epoch_due', 'monitor_says', 'step_due', 'stopped_by_callback', 'time_due']
@@ -21,14 +27,14 @@ __all__ = ['STOPPED_EARLY', 'EpochDecision', 'check_interval', 'check_monitor', 
 STOPPED_EARLY = 'stopped_early'
 
 
-def check_monitor(monitor, owner):
+def check_monitor(monitor: Any, owner: str) -> None:
     """Raise ``ValueError`` naming ``owner`` if ``monitor`` is not a monitor."""
     if not (monitor is None or isinstance(monitor, str) or callable(monitor)):
         raise ValueError(
             f"{owner}: monitor must be None, a history key or a callable, got {monitor!r}")
 
 
-def check_interval(value, name, owner, kind):
+def check_interval(value: Any, name: str, owner: str, kind: type) -> None:
     """Raise ``ValueError`` naming ``owner`` and ``name`` unless ``value`` is
     None or a positive number of type ``kind`` (``int`` or a real number)."""
     if value is None:
@@ -44,17 +50,17 @@ def check_interval(value, name, owner, kind):
         raise ValueError(f"{owner}: {name} must be None or {wanted}, got {value!r}")
 
 
-def step_due(step, every_n_steps):
+def step_due(step: int, every_n_steps: int | None) -> bool:
     """Whether optimizer step number ``step`` (counted from the start of
     training, over resumes) is one of every ``every_n_steps``."""
     return every_n_steps is not None and step % every_n_steps == 0
 
 
-def time_due(seconds_since_save, every_n_seconds):
+def time_due(seconds_since_save: float, every_n_seconds: float | None) -> bool:
     return every_n_seconds is not None and seconds_since_save >= every_n_seconds
 
 
-def epoch_due(net, every_n_epochs):
+def epoch_due(net: NeuralNet, every_n_epochs: int) -> bool:
     """Whether the epoch that just ended is one of every ``every_n_epochs``
     (counted from the start of training, over resumes)."""
     return len(net.history) % every_n_epochs == 0
@@ -67,7 +73,7 @@ class EpochDecision(NamedTuple):
     best: bool
 
 
-def epoch_decision(net: Any, every_n_epochs: int, monitor: Any, keep_best: int | None,
+def epoch_decision(net: NeuralNet, every_n_epochs: int, monitor: Any, keep_best: int | None,
                    owner: str) -> EpochDecision:
     """The decision at the end of the epoch just ended, the same on every
     rank: an epoch that is one of every ``every_n_epochs`` is saved if there
@@ -82,7 +88,9 @@ def epoch_decision(net: Any, every_n_epochs: int, monitor: Any, keep_best: int |
     return EpochDecision(best or keep_best is not None, best)
 
 
-def monitor_says(net, monitor, owner):
+def monitor_says(
+        net: NeuralNet, monitor: str | Callable[[NeuralNet], Any] | None, owner: str,
+) -> bool:
     """skorch's decision whether to save, from the last epoch of the history.
 
     ``None`` says yes; a callable is asked with the net; a string is a
@@ -114,7 +122,7 @@ def monitor_says(net, monitor, owner):
     return bool(last[monitor])
 
 
-def stopped_by_callback(net) -> bool:
+def stopped_by_callback(net: NeuralNet) -> bool:
     """Whether a callback decided to end training at the epoch just ended.
 
     skorch's callbacks stop training by raising ``KeyboardInterrupt``, which

@@ -8,11 +8,18 @@ the module to ``accelerator._models`` once more, so every later
 keeps the wrapper objects aside and puts them back instead.
 """
 
-from contextlib import contextmanager
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from skorch_accel_callbacks import accelerate_io
+
+if TYPE_CHECKING:
+    from skorch import NeuralNet
 
 __all__ = ['bare_modules', 'is_wrapped', 'net_optimizers', 'own_registries', 'unwrapped']
 
@@ -24,16 +31,16 @@ _FORWARD_ATTRS = ('forward', '_original_forward')
 _MISSING = object()
 
 
-def is_wrapped(net):
+def is_wrapped(net: NeuralNet) -> bool:
     """Whether the net's modules are currently prepared by accelerate."""
     return bool(getattr(net, '_wrapped_with_accelerator', False))
 
 
-def _module_names(net):
+def _module_names(net: NeuralNet) -> list[str]:
     return [name + '_' for name in list(net._modules) + list(net._criteria)]
 
 
-def bare_modules(net):
+def bare_modules(net: NeuralNet) -> dict[str, torch.nn.Module]:
     """Name -> the bare ``nn.Module`` of each module and criterion of ``net``.
 
     These are the objects that accelerate keeps in ``accelerator._models``,
@@ -46,13 +53,13 @@ def bare_modules(net):
     }
 
 
-def net_optimizers(net):
+def net_optimizers(net: NeuralNet) -> list[torch.optim.Optimizer]:
     """The optimizers of ``net`` (as prepared by accelerate, if they are)."""
     return [getattr(net, name + '_') for name in net._optimizers
             if getattr(net, name + '_', None) is not None]
 
 
-def own_registries(net):
+def own_registries(net: NeuralNet) -> AbstractContextManager[None]:
     """Context manager: inside, the accelerator's registries hold only the
     modules and optimizers of ``net`` (see
     :func:`skorch_accel_callbacks.accelerate_io.registries_of`)."""
@@ -61,7 +68,7 @@ def own_registries(net):
 
 
 @contextmanager
-def unwrapped(net):
+def unwrapped(net: NeuralNet) -> Iterator[NeuralNet]:
     """Context manager: inside, every module and criterion of ``net`` is plain.
 
     Inside the block ``net.module_`` (and every other module and criterion) is
