@@ -8,20 +8,18 @@ what they change is listed once, in :class:`ParamsCheckpoint`'s docstring.
 
 import os
 import pickle
-import re
-import string
-import uuid
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 from skorch.callbacks import Checkpoint, LoadInitState, TrainEndCheckpoint
 from skorch.exceptions import SkorchException
 from skorch.utils import _check_f_arguments, noop, open_file_like
 
-from skorch_accel_callbacks import atomic, sync, triggers
-from skorch_accel_callbacks.atomic import TEMP_MARK, atomic_path
+from skorch_accel_callbacks import params_files, sync, triggers
 from skorch_accel_callbacks.base import InitParamsOnly, check_sink, say
 from skorch_accel_callbacks.errors import CorruptCheckpointError
-from skorch_accel_callbacks.lock import FolderInUseError, PrefixLock
+from skorch_accel_callbacks.lock import PrefixLock
 from skorch_accel_callbacks.mixin import dump_net
 from skorch_accel_callbacks.readers import first_unloadable
 from skorch_accel_callbacks.wrapping import unwrapped
@@ -42,38 +40,6 @@ def _check_arguments(owner):
         raise TypeError(
             f"{type(owner).__name__}: event_name must be a str (the history "
             f"column) or None, got {event_name!r}")
-
-
-def _creation_error(folder):
-    """Return the ``OSError`` that creating a file in ``folder`` raises, or None.
-
-    An empty file is created and removed: ``os.access`` answers True for
-    root even where nothing can be created (sysfs, some network mounts).
-    """
-    probe = os.path.join(folder or '.', f".probe{TEMP_MARK}{uuid.uuid4().hex[:12]}")
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except OSError as exc:
-        return exc
-    os.close(fd)
-    os.remove(probe)
-    return None
-
-
-def _temp_name_pattern(name):
-    """A regex of the temporary names (:func:`atomic.unique_name`) of the
-    files that the name template ``name`` (``'params_{last_epoch[epoch]}.pt'``)
-    stands for."""
-    parts = []
-    try:
-        for literal, field, _, _ in string.Formatter().parse(name):
-            parts.append(re.escape(literal))
-            if field is not None:
-                parts.append('.*')
-    except ValueError:
-        # not a valid template (saving it fails and says so): the name as is
-        parts = [re.escape(name)]
-    return rf"(?:\.{''.join(parts)}{re.escape(TEMP_MARK)}[0-9a-f]{{12}})"
 
 
 _MISSING = object()
@@ -325,23 +291,10 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         self._check_folders()
         return self
 
-    def _check_folders(self):
+    def _check_folders(self) -> None:
         """Raise if a file of this checkpoint could not be created."""
-        checked = set()
-        for key, val in sorted(self._f_kwargs().items()):
-            if not isinstance(val, str):
-                continue
-            folder = os.path.dirname(os.path.join(self.dirname, self.fn_prefix + val))
-            # a folder named by a format specifier is only known when saving
-            if '{' in folder or folder in checked:
-                continue
-            checked.add(folder)
-            error = _creation_error(folder)
-            if error is not None:
-                raise OSError(
-                    error.errno, f"{type(self).__name__} cannot write "
-                    f"{key}={val!r}: {error.strerror} in folder",
-                    folder or '.') from error
+        params_files.check_folders(
+            type(self).__name__, self.dirname, self.fn_prefix, self._f_kwargs())
 
     # the StagedFiles of the save in progress, on every rank; None between saves
     _staged = None
@@ -370,11 +323,11 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         return dict(self.__dict__, _staged=None, _lock=None)
 
     @property
-    def journal_path(self):
+    def journal_path(self) -> str:
         """Where a save lists its file moves while it makes them."""
-        return os.path.join(self.dirname, f".{self.fn_prefix}commit.json")
+        return params_files.journal_path(self.dirname, self.fn_prefix)
 
-    def finish_interrupted_save(self, net):
+    def finish_interrupted_save(self, net: Any) -> None:
         """Complete the file moves of a save that a crash interrupted and
         remove the temporary files of killed saves; call it on every rank.
 
@@ -386,45 +339,13 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         yourself before ``net.load_params(checkpoint=cp)`` on files that a
         killed job may have left.
         """
-        def finish():
-            if not os.path.isdir(self.dirname or '.'):
-                return
-            try:
-                lock = PrefixLock(self.dirname, self.fn_prefix).acquire()
-            except FolderInUseError:
-                return
-            try:
-                finished = atomic.finish_staged(self.journal_path)
-                self._remove_temp_files()
-            except ValueError as exc:
-                raise CorruptCheckpointError(str(exc)) from exc
-            finally:
-                lock.release()
+        def finish() -> None:
+            finished = params_files.finish_interrupted_save(
+                self.dirname, self.fn_prefix, self._f_kwargs())
             if finished:
                 say(net, self.sink, f"Completed the interrupted save of {', '.join(finished)}.")
         sync.run_on_main(net, finish, f"{type(self).__name__}: completing an interrupted "
                                       f"save ({self.journal_path})")
-
-    def _remove_temp_files(self):
-        """Remove the temporary files that killed saves of this checkpoint's
-        files left; those of other files (another ``fn_prefix``, another
-        job's save in flight) are not touched."""
-        patterns = {}
-        for val in self._f_kwargs().values():
-            if not isinstance(val, str):
-                continue
-            folder, name = os.path.split(os.path.join(self.dirname, self.fn_prefix + val))
-            # a folder named by a format specifier is not known here
-            if '{' in folder:
-                continue
-            patterns.setdefault(folder, []).append(_temp_name_pattern(name))
-        for folder, names in patterns.items():
-            if not os.path.isdir(folder or '.'):
-                continue
-            pattern = re.compile('|'.join(names))
-            for entry in os.listdir(folder or '.'):
-                if pattern.fullmatch(entry):
-                    os.remove(os.path.join(folder, entry))
 
     def _lock_folder(self):
         # held until training ends (or this process ends: the kernel frees it)
@@ -519,13 +440,13 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             self.__class__.__name__, **self._f_kwargs())
         kwargs_module = {attr: val for attr, val in kwargs_module.items()
                          if _stateless(net, attr) is None}
-        self._staged = atomic.StagedFiles(self.journal_path)
+        self._staged = params_files.start_save(self.dirname, self.fn_prefix)
         try:
             with unwrapped(net):
                 self._write_files(net, kwargs_module, kwargs_other)
             self._agreed_save_step(
                 net, "the checkpoint's files", self.journal_path,
-                lambda: sync.is_main_process(net) and self._staged.commit())
+                lambda: params_files.commit(self._staged, sync.is_main_process(net)))
         except _SaveFailed:
             pass
         finally:
@@ -560,25 +481,14 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
                 dump_net(net, file)
         self._save_file(net, f, 'pickle', write, every_rank=False)
 
-    def _save_file(self, net, f, log_name, write, every_rank):
-        """Write ``f`` with ``write(target)``; only the main process writes.
-
-        On the main process a path is written to a temporary file, staged to
-        be moved into place with the save's other files (or, outside
-        :meth:`save_model`, moved at once); the other ranks call ``write``
-        with the final path when ``every_rank`` (their ``save_params``
-        writes nothing but takes part in its collectives).
-        """
-        def save():
-            main = sync.is_main_process(net)
-            if main and isinstance(f, (str, os.PathLike)):
-                if self._staged is not None:
-                    write(self._staged.temp_path(f))
-                else:
-                    with atomic_path(f) as tmp:
-                        write(tmp)
-            elif main or every_rank:
-                write(f)
+    def _save_file(self, net: Any, f: Any, log_name: str, write: Callable[[Any], object],
+                   every_rank: bool) -> None:
+        """Write ``f`` with ``write(target)`` as one agreed step: on the main
+        process only, staged with the save's other files inside
+        :meth:`save_model` (:func:`~skorch_accel_callbacks.params_files.write_file`)."""
+        def save() -> None:
+            params_files.write_file(
+                f, write, self._staged, main=sync.is_main_process(net), every_rank=every_rank)
         self._agreed_save_step(net, log_name, f, save)
 
     def _agreed_save_step(self, net, log_name, f, step):
