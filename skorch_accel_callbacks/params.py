@@ -300,8 +300,6 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     _staged = None
     # PrefixLock on this checkpoint's files while training, on the main process
     _lock = None
-    # the name in messages: TrainEndParamsCheckpoint for its checkpoint_
-    _owner = None
 
     def stateless_files(self, net):
         """The ``f_*`` arguments (name -> value) whose objects in ``net`` have
@@ -361,12 +359,21 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             self._lock = None
 
     # pylint: disable=arguments-differ
-    def on_train_begin(self, net, X=None, y=None, **kwargs):
+    def on_train_begin(self, net: Any, X: Any = None, y: Any = None, owner: str | None = None,
+                       **kwargs: Any) -> None:
+        """Lock this checkpoint's files, complete an interrupted save and
+        check what will be saved.
+
+        ``owner`` is the class name that the warnings about files not saved
+        (:meth:`stateless_files`) begin with, this class's by default:
+        :class:`TrainEndParamsCheckpoint` passes its own for its
+        ``checkpoint_``.
+        """
         sync.run_on_main(net, self._lock_folder,
                          f"{type(self).__name__}: locking the files of fn_prefix="
                          f"{self.fn_prefix!r} in folder {self.dirname or '.'}")
         try:
-            self._warn_stateless(net)
+            self._warn_stateless(net, owner or type(self).__name__)
             self.finish_interrupted_save(net)
             if self.f_pickle:
                 sync.run_on_main(
@@ -377,8 +384,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             self.release_folder()
             raise
 
-    def _warn_stateless(self, net):
-        owner = self._owner or type(self).__name__
+    def _warn_stateless(self, net: Any, owner: str) -> None:
         for key, val in self.stateless_files(net).items():
             attr = _state_attr(key)
             message = (
@@ -612,13 +618,12 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
             on_error=self.on_error,
             **self._f_kwargs()
         )
-        self.checkpoint_._owner = type(self).__name__
         self.checkpoint_.initialize()
         return self
 
     # pylint: disable=arguments-differ
     def on_train_begin(self, net, X=None, y=None, **kwargs):
-        self.checkpoint_.on_train_begin(net, X=X, y=y, **kwargs)
+        self.checkpoint_.on_train_begin(net, X=X, y=y, owner=type(self).__name__, **kwargs)
 
     def on_train_end(self, net, **kwargs):
         try:

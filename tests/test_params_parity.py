@@ -217,6 +217,48 @@ def test_criterion_without_state_is_skipped_as_skorch_does(tmp_path, ours, their
     np.testing.assert_allclose(by_hand.predict_proba(X), net.predict_proba(X), atol=1e-6)
 
 
+class SavesThroughParamsCheckpoint(Callback):
+    """A user's callback that saves at the end of training through a
+    ParamsCheckpoint, as TrainEndParamsCheckpoint does."""
+
+    def __init__(self, dirname):
+        self.dirname = dirname
+
+    def initialize(self):
+        self.checkpoint_ = ParamsCheckpoint(
+            monitor=None, dirname=self.dirname, event_name=None).initialize()
+        return self
+
+    def on_train_begin(self, net, X=None, y=None, **kwargs):
+        self.checkpoint_.on_train_begin(net, X=X, y=y, owner=type(self).__name__, **kwargs)
+
+    def on_train_end(self, net, **kwargs):
+        try:
+            self.checkpoint_.save_model(net)
+        finally:
+            self.checkpoint_.release_folder()
+
+
+def test_owner_of_a_params_checkpoint_names_itself_in_its_warnings(tmp_path):
+    """The owner's name is passed to ``on_train_begin``, not set as a private
+    attribute of the inner checkpoint: TrainEndParamsCheckpoint's
+    checkpoint_ has the attributes of a ParamsCheckpoint of the same
+    arguments, and a user's callback gets its own name in the warning."""
+    te = TrainEndParamsCheckpoint(dirname=str(tmp_path / 'te')).initialize()
+    alike = ParamsCheckpoint(monitor=None, fn_prefix='train_end_', dirname=str(tmp_path / 'te'),
+                             event_name=None).initialize()
+    assert vars(te.checkpoint_).keys() == vars(alike).keys()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        plain_net([SavesThroughParamsCheckpoint(str(tmp_path / 'own'))],
+                  criterion=plain_criterion, max_epochs=1).fit(*make_data(n=64))
+    skipped = [str(w.message) for w in caught if 'f_criterion' in str(w.message)]
+    assert len(skipped) == 1, skipped
+    assert skipped[0].startswith(
+        "SavesThroughParamsCheckpoint: f_criterion='criterion.pt' is not saved")
+    assert sorted(os.listdir(tmp_path / 'own')) == ['history.json', 'optimizer.pt', 'params.pt']
+
+
 def test_load_best_with_a_criterion_without_state(tmp_path):
     X, y = make_data()
     cp = ParamsCheckpoint(monitor='train_loss_best', dirname=str(tmp_path), load_best=True)
