@@ -37,7 +37,7 @@ def _check_arguments(owner):
     check_sink(owner.sink, type(owner).__name__)
     event_name = getattr(owner, 'event_name', None)
     if event_name is not None and not isinstance(event_name, str):
-        raise TypeError(
+        raise ValueError(
             f"{type(owner).__name__}: event_name must be a str (the history "
             f"column) or None, got {event_name!r}")
 
@@ -142,7 +142,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
       interrupted and removes the temporary files killed saves left.
     - ``initialize`` raises if a folder to write into cannot be created or
       written, if ``sink`` is not callable (``ValueError``) or if
-      ``event_name`` is neither a str nor None (``TypeError``);
+      ``event_name`` is neither a str nor None (``ValueError``);
       ``on_train_begin`` raises if ``f_pickle`` is set and the net cannot
       be pickled (checked by pickling it, without keeping the bytes).
     - A file whose object has no state (no ``state_dict``: not a torch
@@ -220,9 +220,12 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
 
     Raises
     ------
-    ValueError, TypeError
+    ValueError
       At ``initialize``: ``on_error``, ``sink`` or ``event_name`` of the
       wrong kind.
+    TypeError
+      At ``initialize``: an argument that is not one (as in skorch:
+      ``foobar=...``, did you mean ``f_foobar``?).
     OSError
       At ``initialize``: a folder to write into cannot be created or
       written. With ``on_error='raise'``, a failed save (on the rank that

@@ -319,7 +319,7 @@ def test_net_pickled_in_two_processes_is_usable_in_one(run_workers, tmp_path):
      r"TrainEndParamsCheckpoint: sink must be a callable"),
     (TrainEndParamsCheckpoint(sink='print'), ValueError,
      r"TrainEndParamsCheckpoint: sink must be a callable .*got 'print'"),
-    (ParamsCheckpoint(event_name=123), TypeError,
+    (ParamsCheckpoint(event_name=123), ValueError,
      r"ParamsCheckpoint: event_name must be a str \(the history column\) or None, got 123"),
     (LoadInitParams('runs/params.pt'), TypeError,
      r"LoadInitParams: checkpoint must be a skorch Checkpoint or TrainEndCheckpoint "
