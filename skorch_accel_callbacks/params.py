@@ -3,7 +3,9 @@
 :class:`ParamsCheckpoint`, :class:`TrainEndParamsCheckpoint` and
 :class:`LoadInitParams` subclass skorch's ``Checkpoint``,
 ``TrainEndCheckpoint`` and ``LoadInitState`` and take the same arguments;
-what they change is listed once, in :class:`ParamsCheckpoint`'s docstring.
+what they change is listed once, in the README, "How the callbacks differ
+from skorch's". The files of a save are handled in
+:mod:`~skorch_accel_callbacks.params_files`.
 """
 
 import os
@@ -100,61 +102,13 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     A drop-in for :class:`skorch.callbacks.Checkpoint`: same arguments,
     defaults, file name format specifiers (``{last_epoch[epoch]}``,
     ``{last_batch[...]}``, ``{net}``), ``f_<module>`` for custom modules and
-    the ``event_name`` history column; ``net.load_params(checkpoint=cp)``
-    accepts it. It differs from skorch's ``Checkpoint`` as follows, with one
-    process or many:
-
-    - ``monitor`` is evaluated on the main process only and its answer is
-      sent to every rank, so every rank records the same ``event_name``
-      value and all ranks save together even when their own histories
-      disagree (skorch's scores are computed per rank). Every rank has to
-      take part in a save: ``save_params`` of skorch's ``AccelerateMixin``
-      starts with a barrier.
-    - Only the main process writes, every file (params, optimizer,
-      criterion, history, pickle). The files of a save are written under
-      temporary names in their own folders and moved into place together:
-      a journal (``<dirname>/.<fn_prefix>commit.json``) lists the moves
-      while they happen, and the next training (or :class:`LoadInitParams`)
-      completes them if a crash interrupted them. A crash during a save thus
-      leaves the previous checkpoint whole, never the params of one epoch
-      beside the optimizer of another. No rank returns from a save before
-      the files are complete on disk.
-    - Modules are saved and loaded unwrapped
-      (:func:`~skorch_accel_callbacks.unwrapped`): the files have no
-      ``module.`` prefix, load into wrapped and unwrapped nets and into a
-      net without accelerate, and the accelerator's registries do not grow.
-      This holds for skorch's stock ``AccelerateMixin`` too.
-    - A failed save is not silent. As in skorch the message (naming the
-      file) goes to ``sink`` and training goes on, but a ``UserWarning`` is
-      also issued on every rank; with ``on_error='raise'`` the error is
-      raised on every rank instead (the rank that failed raises its own
-      exception, with a note naming the file; the others raise
-      :class:`~skorch_accel_callbacks.RankError`). Either way none of the
-      save's files replaces the previous checkpoint's.
-    - While training, the job holds a lock on the files it writes:
-      ``<dirname>/.<fn_prefix>lock`` (:class:`~skorch_accel_callbacks.lock.PrefixLock`).
-      A second job started on the same files (same ``dirname`` and
-      ``fn_prefix``) is refused when its training begins, naming the
-      holder; jobs with different ``fn_prefix`` share a folder. The lock
-      file is removed when training ends; a killed job leaves no stale lock
-      (its lock file stays, unlocked, until the next job of that prefix).
-    - When training begins, the main process completes a save that a crash
-      interrupted and removes the temporary files killed saves left.
-    - ``initialize`` raises if a folder to write into cannot be created or
-      written, if ``sink`` is not callable (``ValueError``) or if
-      ``event_name`` is neither a str nor None (``ValueError``);
-      ``on_train_begin`` raises if ``f_pickle`` is set and the net cannot
-      be pickled (checked by pickling it, without keeping the bytes).
-    - A file whose object has no state (no ``state_dict``: not a torch
-      Module or Optimizer, e.g. a criterion that is a plain function, the
-      usual way round DDP's refusal of parameterless criteria) is skipped,
-      with one warning when training begins; the other files are saved
-      together. skorch's ``Checkpoint`` fails to save it in every epoch
-      (a message to ``sink``) and saves the others; ours would otherwise
-      have saved nothing. It is not loaded either
-      (:meth:`get_formatted_files`).
-    - Messages go to ``sink`` on the main process only.
-    - ``load_best=True`` loads the best checkpoint on every rank.
+    the ``event_name`` history column, plus ``on_error``;
+    ``net.load_params(checkpoint=cp)`` accepts it. Use it in every process:
+    the main process decides whether to save and writes every file, and the
+    files of a save replace the previous checkpoint's together, so a crash
+    leaves the previous checkpoint whole. While training, the job holds a
+    lock on its files (``<dirname>/.<fn_prefix>lock``). See the README,
+    "How the callbacks differ from skorch's".
 
     Parameters
     ----------
@@ -534,14 +488,9 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
     """Save the model at the end of training; correct in every process.
 
     A drop-in for :class:`skorch.callbacks.TrainEndCheckpoint` (default
-    ``fn_prefix='train_end_'``) that saves through a
-    :class:`ParamsCheckpoint`, stored as ``checkpoint_``: only the main
-    process writes, files are moved into place atomically and saved
-    unwrapped, every rank waits until they are complete, a failed save
-    warns or (``on_error='raise'``) raises on every rank, ``f_pickle``
-    on a net that cannot be pickled raises when training begins, and a file
-    whose object has no state (a criterion that is a plain function) is
-    skipped with one warning when training begins.
+    ``fn_prefix='train_end_'``, plus ``on_error``) that saves through a
+    :class:`ParamsCheckpoint`, stored as ``checkpoint_``, and so saves as
+    that one does. See the README, "How the callbacks differ from skorch's".
 
     Parameters
     ----------
@@ -640,16 +589,11 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
 class LoadInitParams(InitParamsOnly, LoadInitState):
     """Load a checkpoint into the net when training begins, on every rank.
 
-    A drop-in for :class:`skorch.callbacks.LoadInitState`. Every rank loads
-    the same files into the unwrapped modules, so the parameters load into
-    a wrapped net without a ``module.`` prefix mismatch and without
-    preparing the modules again. As with skorch, nothing is loaded when the
-    checkpoint's files do not exist yet; but when some ranks find the files
-    and others do not, or loading fails on any rank, every rank raises
-    instead of some training on alone. With a :class:`ParamsCheckpoint` (or
-    :class:`TrainEndParamsCheckpoint`), it first completes a save that a
-    crash interrupted (unless another running job holds the folder), so the
-    files loaded all come from one save.
+    A drop-in for :class:`skorch.callbacks.LoadInitState`: as with skorch,
+    nothing is loaded when the checkpoint's files do not exist yet. Every
+    rank loads the same files; if only some ranks find them, or loading
+    fails on any rank, every rank raises. See the README, "How the
+    callbacks differ from skorch's".
 
     Parameters
     ----------
@@ -659,9 +603,6 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
 
     use_safetensors : bool (default=False)
       Whether the files were saved with ``safetensors``.
-
-    ``initialize`` raises ``TypeError`` if ``checkpoint`` is not a skorch
-    ``Checkpoint`` or ``TrainEndCheckpoint`` (a path, for instance).
 
     Attributes
     ----------
