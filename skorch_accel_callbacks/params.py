@@ -11,8 +11,8 @@ from skorch's". The files of a save are handled in
 import os
 import pickle
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import IO, Any, Self, TypeAlias
 
 from skorch.callbacks import Checkpoint, LoadInitState, TrainEndCheckpoint
 from skorch.exceptions import SkorchException
@@ -30,8 +30,11 @@ __all__ = ['LoadInitParams', 'ParamsCheckpoint', 'TrainEndParamsCheckpoint']
 
 ON_ERROR_CHOICES = ('warn', 'raise')
 
+# what skorch's f_* arguments take
+File: TypeAlias = str | os.PathLike | IO[Any] | None
 
-def _check_arguments(owner):
+
+def _check_arguments(owner: Any) -> None:
     if owner.on_error not in ON_ERROR_CHOICES:
         raise ValueError(
             f"{type(owner).__name__}: on_error must be one of "
@@ -47,7 +50,7 @@ def _check_arguments(owner):
 _MISSING = object()
 
 
-def _state_attr(f_key):
+def _state_attr(f_key: str) -> str | None:
     """The attribute of the net whose ``state_dict`` the file ``f_key`` holds
     (``'f_params'`` -> ``'module_'``), None for the history and the pickle."""
     if f_key in ('f_history', 'f_pickle'):
@@ -55,7 +58,7 @@ def _state_attr(f_key):
     return 'module_' if f_key == 'f_params' else f_key[2:] + '_'
 
 
-def _stateless(net, attr):
+def _stateless(net: Any, attr: str | None) -> Any:
     """The object ``net.<attr>`` if it has no state to save (no ``state_dict``:
     not a torch Module or Optimizer, e.g. a criterion that is a plain
     function), else None."""
@@ -65,7 +68,7 @@ def _stateless(net, attr):
     return obj
 
 
-def _describe_object(obj):
+def _describe_object(obj: Any) -> str:
     name = getattr(obj, '__qualname__', None)
     kind = type(obj).__name__
     return f"{name}, a {kind}" if name else f"a {kind}"
@@ -78,11 +81,11 @@ class _SaveFailed(Exception):
 class _NullWriter:
     """A file-like sink for ``pickle.dump`` that keeps nothing."""
 
-    def write(self, data):
+    def write(self, data: bytes) -> int:
         return len(data)
 
 
-def _load_everywhere(net, what, **kwargs):
+def _load_everywhere(net: Any, what: str, **kwargs: Any) -> None:
     """``net.load_params(**kwargs)`` on every rank, into the unwrapped modules.
 
     Every rank has to call it: skorch's ``AccelerateMixin.load_params`` starts
@@ -213,21 +216,21 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
 
     def __init__(
             self,
-            monitor='valid_loss_best',
-            f_params='params.pt',
-            f_optimizer='optimizer.pt',
-            f_criterion='criterion.pt',
-            f_history='history.json',
-            f_pickle=None,
-            fn_prefix='',
-            dirname='',
-            event_name='event_cp',
-            sink=noop,
-            load_best=False,
-            use_safetensors=False,
-            on_error='warn',
-            **kwargs
-    ):
+            monitor: str | Callable[[Any], bool] | None = 'valid_loss_best',
+            f_params: File = 'params.pt',
+            f_optimizer: File = 'optimizer.pt',
+            f_criterion: File = 'criterion.pt',
+            f_history: File = 'history.json',
+            f_pickle: File = None,
+            fn_prefix: str = '',
+            dirname: str = '',
+            event_name: str | None = 'event_cp',
+            sink: Callable[[str], object] = noop,
+            load_best: bool = False,
+            use_safetensors: bool = False,
+            on_error: str = 'warn',
+            **kwargs: File
+    ) -> None:
         self.on_error = on_error
         super().__init__(
             monitor=monitor, f_params=f_params, f_optimizer=f_optimizer,
@@ -236,7 +239,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             sink=sink, load_best=load_best, use_safetensors=use_safetensors,
             **kwargs)
 
-    def initialize(self):
+    def initialize(self) -> Self:
         _check_arguments(self)
         self.release_folder()
         try:
@@ -258,20 +261,20 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     # PrefixLock on this checkpoint's files while training, on the main process
     _lock = None
 
-    def stateless_files(self, net):
+    def stateless_files(self, net: Any) -> dict[str, File]:
         """The ``f_*`` arguments (name -> value) whose objects in ``net`` have
         no state to save (no ``state_dict``): neither saved nor loaded."""
         return {key: val for key, val in sorted(self._f_kwargs().items())
                 if val is not None and _stateless(net, _state_attr(key)) is not None}
 
-    def get_formatted_files(self, net):
+    def get_formatted_files(self, net: Any) -> dict[str, File]:
         """skorch's formatted file names, less those of :meth:`stateless_files`:
         the files that ``net.load_params(checkpoint=self)`` loads."""
         files = super().get_formatted_files(net)
         skipped = self.stateless_files(net)
         return {key: val for key, val in files.items() if key not in skipped}
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         # a net pickled for f_pickle during a save must not carry that save,
         # nor the lock its training holds: a lock belongs to its process, and
         # a copy that believed it held one would train on without taking it
@@ -302,12 +305,12 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         sync.run_on_main(net, finish, f"{type(self).__name__}: completing an interrupted "
                                       f"save ({self.journal_path})")
 
-    def _lock_folder(self):
+    def _lock_folder(self) -> None:
         # held until training ends (or this process ends: the kernel frees it)
         if self._lock is None:
             self._lock = PrefixLock(self.dirname, self.fn_prefix).acquire()
 
-    def release_folder(self):
+    def release_folder(self) -> None:
         """Release the lock of this checkpoint's files that training holds,
         removing its lock file (the kernel also releases it when the process
         ends)."""
@@ -351,7 +354,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             say(net, self.sink, message)
             warnings.warn(message, UserWarning, stacklevel=3)
 
-    def _check_picklable(self, net):
+    def _check_picklable(self, net: Any) -> None:
         with unwrapped(net):
             try:
                 dump_net(net, _NullWriter())
@@ -362,7 +365,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
                     f"{exc}); set f_pickle=None or make the net picklable"
                 ) from exc
 
-    def on_epoch_end(self, net, **kwargs):
+    def on_epoch_end(self, net: Any, **kwargs: Any) -> None:
         do_checkpoint = sync.run_on_main(
             net, lambda: bool(self._monitor_says(net)),
             f"{type(self).__name__}: deciding whether to checkpoint")
@@ -372,7 +375,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             self.save_model(net)
             say(net, self.sink, f"A checkpoint was triggered in epoch {len(net.history) + 1}.")
 
-    def _monitor_says(self, net):
+    def _monitor_says(self, net: Any) -> Any:
         """skorch's decision whether to checkpoint, from this rank's history."""
         if self.monitor is not None and not callable(self.monitor):
             try:
@@ -387,7 +390,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
                     f"{sorted(net.history[-1])})") from None
         return triggers.monitor_says(net, self.monitor, type(self).__name__)
 
-    def save_model(self, net):
+    def save_model(self, net: Any) -> None:
         """Save the model; call it on every process.
 
         Saves what the ``f_*`` arguments name: module parameters, optimizer
@@ -416,7 +419,8 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             self._staged.abort()
             self._staged = None
 
-    def _write_files(self, net, kwargs_module, kwargs_other):
+    def _write_files(self, net: Any, kwargs_module: dict[str, File],
+                     kwargs_other: dict[str, File]) -> None:
         for key, val in kwargs_module.items():
             if val is None:
                 continue
@@ -431,20 +435,20 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         if f_pickle:
             self._save_pickle(self._format_target(net, f_pickle, -1), net)
 
-    def _save_params(self, f, net, f_name, log_name):
+    def _save_params(self, f: File, net: Any, f_name: str, log_name: str) -> None:
         # every rank calls save_params: skorch's AccelerateMixin and
         # AccelerateFixesMixin run collectives in it, and write on main only
-        def write(target):
+        def write(target: File) -> None:
             net.save_params(**{f_name: target, 'use_safetensors': self.use_safetensors})
         self._save_file(net, f, log_name, write, every_rank=True)
 
-    def _save_pickle(self, f, net):
-        def write(target):
+    def _save_pickle(self, f: File, net: Any) -> None:
+        def write(target: File) -> None:
             with open_file_like(target, 'wb') as file:
                 dump_net(net, file)
         self._save_file(net, f, 'pickle', write, every_rank=False)
 
-    def _save_file(self, net: Any, f: Any, log_name: str, write: Callable[[Any], object],
+    def _save_file(self, net: Any, f: File, log_name: str, write: Callable[[File], object],
                    every_rank: bool) -> None:
         """Write ``f`` with ``write(target)`` as one agreed step: on the main
         process only, staged with the save's other files inside
@@ -454,7 +458,8 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
                 f, write, self._staged, main=sync.is_main_process(net), every_rank=every_rank)
         self._agreed_save_step(net, log_name, f, save)
 
-    def _agreed_save_step(self, net, log_name, f, step):
+    def _agreed_save_step(self, net: Any, log_name: str, f: File,
+                          step: Callable[[], object]) -> None:
         """Run ``step()`` on every rank as one agreed block: any failure is
         known to every rank, and no rank leaves before the main process is
         done. A failure raises (``on_error='raise'``) or warns; inside
@@ -473,7 +478,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
                 # the rest of the save would only be thrown away
                 raise _SaveFailed() from exc
 
-    def on_train_end(self, net, **kwargs):
+    def on_train_end(self, net: Any, **kwargs: Any) -> None:
         try:
             if self.load_best and self.monitor is not None:
                 say(net, self.sink, "Loading best checkpoint after training.")
@@ -538,25 +543,25 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
 
     def __init__(
             self,
-            f_params='params.pt',
-            f_optimizer='optimizer.pt',
-            f_criterion='criterion.pt',
-            f_history='history.json',
-            f_pickle=None,
-            fn_prefix='train_end_',
-            dirname='',
-            use_safetensors=False,
-            sink=noop,
-            on_error='warn',
-            **kwargs
-    ):
+            f_params: File = 'params.pt',
+            f_optimizer: File = 'optimizer.pt',
+            f_criterion: File = 'criterion.pt',
+            f_history: File = 'history.json',
+            f_pickle: File = None,
+            fn_prefix: str = 'train_end_',
+            dirname: str = '',
+            use_safetensors: bool = False,
+            sink: Callable[[str], object] = noop,
+            on_error: str = 'warn',
+            **kwargs: File
+    ) -> None:
         self.on_error = on_error
         super().__init__(
             f_params=f_params, f_optimizer=f_optimizer, f_criterion=f_criterion,
             f_history=f_history, f_pickle=f_pickle, fn_prefix=fn_prefix,
             dirname=dirname, use_safetensors=use_safetensors, sink=sink, **kwargs)
 
-    def initialize(self):
+    def initialize(self) -> Self:
         _check_arguments(self)
         if hasattr(self, 'checkpoint_'):
             self.checkpoint_.release_folder()
@@ -574,10 +579,10 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
         return self
 
     # pylint: disable=arguments-differ
-    def on_train_begin(self, net, X=None, y=None, **kwargs):
+    def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         self.checkpoint_.on_train_begin(net, X=X, y=y, owner=type(self).__name__, **kwargs)
 
-    def on_train_end(self, net, **kwargs):
+    def on_train_end(self, net: Any, **kwargs: Any) -> Self:
         try:
             self.checkpoint_.save_model(net)
             say(net, self.sink, "Final checkpoint triggered")
@@ -632,7 +637,7 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
 
     """
 
-    def initialize(self):
+    def initialize(self) -> Self:
         if not isinstance(self.checkpoint, (Checkpoint, TrainEndCheckpoint)):
             raise TypeError(
                 f"{type(self).__name__}: checkpoint must be a skorch Checkpoint or "
@@ -642,7 +647,7 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
         return super().initialize()
 
     # pylint: disable=arguments-differ
-    def on_train_begin(self, net, X=None, y=None, **kwargs):
+    def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         if self.did_load_:
             return
         self.did_load_ = True
@@ -666,14 +671,15 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
                     raise
                 raise error from exc
 
-    def _naming_the_file(self, net, checkpoint, exc):
+    def _naming_the_file(self, net: Any, checkpoint: Checkpoint,
+                         exc: Exception) -> Exception:
         """The error of a failed load, as one that names the file at fault.
 
         skorch's errors (torch's weights-only unpickler, JSON, safetensors)
         do not say which file they were reading; each file is read again,
         on this error path only, to find it.
         """
-        def files():
+        def files() -> Iterator[tuple[str, File]]:
             # the history first: the names of the others may depend on it
             if checkpoint.f_history is not None:
                 yield 'f_history', checkpoint.f_history_
