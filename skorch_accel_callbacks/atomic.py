@@ -317,16 +317,21 @@ def _move_and_forget(journal: str, moves: Iterable[tuple[str, str]]) -> None:
     os.remove(journal)
 
 
-def remove_temp_files(folder: str, prefix: str = '') -> None:
-    """Remove the temporary files that killed writers left in ``folder``,
-    of the files whose names start with ``prefix``."""
-    pattern = re.compile(
-        rf'\.{re.escape(prefix)}.*{re.escape(TEMP_MARK)}[0-9a-f]{{12}}')
-    if not os.path.isdir(folder or '.'):
+def remove_temp_files(folder: str, names: Iterable[str]) -> None:
+    """Remove the temporary files (:func:`unique_name` with :data:`TEMP_MARK`)
+    that killed writers of the files ``names`` left in ``folder``.
+
+    ``names`` are regular expressions of final names; the temporary files of
+    other files (another job's, whose save may be in flight) are left alone.
+    """
+    names = list(names)
+    if not names or not os.path.isdir(folder or '.'):
         return
-    for name in os.listdir(folder or '.'):
-        if pattern.fullmatch(name):
-            os.remove(os.path.join(folder, name))
+    pattern = re.compile(
+        rf"\.(?:{'|'.join(names)}){re.escape(TEMP_MARK)}[0-9a-f]{{12}}")
+    for entry in os.listdir(folder or '.'):
+        if pattern.fullmatch(entry):
+            os.remove(os.path.join(folder, entry))
 
 
 def remove(path: str | os.PathLike) -> None:

@@ -3,25 +3,25 @@
 :class:`ParamsCheckpoint`, :class:`TrainEndParamsCheckpoint` and
 :class:`LoadInitParams` subclass skorch's ``Checkpoint``,
 ``TrainEndCheckpoint`` and ``LoadInitState`` and take the same arguments;
-what they change is listed once, in :class:`ParamsCheckpoint`'s docstring.
+what they change is listed once, in the README, "How the callbacks differ
+from skorch's". The files of a save are handled in
+:mod:`~skorch_accel_callbacks.params_files`.
 """
 
 import os
 import pickle
-import re
-import string
-import uuid
 import warnings
+from collections.abc import Callable, Iterator
+from typing import IO, Any, Self, TypeAlias
 
 from skorch.callbacks import Checkpoint, LoadInitState, TrainEndCheckpoint
 from skorch.exceptions import SkorchException
 from skorch.utils import _check_f_arguments, noop, open_file_like
 
-from skorch_accel_callbacks import atomic, sync, triggers
-from skorch_accel_callbacks.atomic import TEMP_MARK, atomic_path
+from skorch_accel_callbacks import params_files, sync, triggers
 from skorch_accel_callbacks.base import InitParamsOnly, check_sink, say
 from skorch_accel_callbacks.errors import CorruptCheckpointError
-from skorch_accel_callbacks.lock import FolderInUseError, PrefixLock
+from skorch_accel_callbacks.lock import PrefixLock
 from skorch_accel_callbacks.mixin import dump_net
 from skorch_accel_callbacks.readers import first_unloadable
 from skorch_accel_callbacks.wrapping import unwrapped
@@ -30,8 +30,11 @@ __all__ = ['LoadInitParams', 'ParamsCheckpoint', 'TrainEndParamsCheckpoint']
 
 ON_ERROR_CHOICES = ('warn', 'raise')
 
+# what skorch's f_* arguments take
+File: TypeAlias = str | os.PathLike | IO[Any] | None
 
-def _check_arguments(owner):
+
+def _check_arguments(owner: Any) -> None:
     if owner.on_error not in ON_ERROR_CHOICES:
         raise ValueError(
             f"{type(owner).__name__}: on_error must be one of "
@@ -39,47 +42,15 @@ def _check_arguments(owner):
     check_sink(owner.sink, type(owner).__name__)
     event_name = getattr(owner, 'event_name', None)
     if event_name is not None and not isinstance(event_name, str):
-        raise TypeError(
+        raise ValueError(
             f"{type(owner).__name__}: event_name must be a str (the history "
             f"column) or None, got {event_name!r}")
-
-
-def _creation_error(folder):
-    """Return the ``OSError`` that creating a file in ``folder`` raises, or None.
-
-    An empty file is created and removed: ``os.access`` answers True for
-    root even where nothing can be created (sysfs, some network mounts).
-    """
-    probe = os.path.join(folder or '.', f".probe{TEMP_MARK}{uuid.uuid4().hex[:12]}")
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except OSError as exc:
-        return exc
-    os.close(fd)
-    os.remove(probe)
-    return None
-
-
-def _temp_name_pattern(name):
-    """A regex of the temporary names (:func:`atomic.unique_name`) of the
-    files that the name template ``name`` (``'params_{last_epoch[epoch]}.pt'``)
-    stands for."""
-    parts = []
-    try:
-        for literal, field, _, _ in string.Formatter().parse(name):
-            parts.append(re.escape(literal))
-            if field is not None:
-                parts.append('.*')
-    except ValueError:
-        # not a valid template (saving it fails and says so): the name as is
-        parts = [re.escape(name)]
-    return rf"(?:\.{''.join(parts)}{re.escape(TEMP_MARK)}[0-9a-f]{{12}})"
 
 
 _MISSING = object()
 
 
-def _state_attr(f_key):
+def _state_attr(f_key: str) -> str | None:
     """The attribute of the net whose ``state_dict`` the file ``f_key`` holds
     (``'f_params'`` -> ``'module_'``), None for the history and the pickle."""
     if f_key in ('f_history', 'f_pickle'):
@@ -87,7 +58,7 @@ def _state_attr(f_key):
     return 'module_' if f_key == 'f_params' else f_key[2:] + '_'
 
 
-def _stateless(net, attr):
+def _stateless(net: Any, attr: str | None) -> Any:
     """The object ``net.<attr>`` if it has no state to save (no ``state_dict``:
     not a torch Module or Optimizer, e.g. a criterion that is a plain
     function), else None."""
@@ -97,7 +68,7 @@ def _stateless(net, attr):
     return obj
 
 
-def _describe_object(obj):
+def _describe_object(obj: Any) -> str:
     name = getattr(obj, '__qualname__', None)
     kind = type(obj).__name__
     return f"{name}, a {kind}" if name else f"a {kind}"
@@ -110,11 +81,11 @@ class _SaveFailed(Exception):
 class _NullWriter:
     """A file-like sink for ``pickle.dump`` that keeps nothing."""
 
-    def write(self, data):
+    def write(self, data: bytes) -> int:
         return len(data)
 
 
-def _load_everywhere(net, what, **kwargs):
+def _load_everywhere(net: Any, what: str, **kwargs: Any) -> None:
     """``net.load_params(**kwargs)`` on every rank, into the unwrapped modules.
 
     Every rank has to call it: skorch's ``AccelerateMixin.load_params`` starts
@@ -134,61 +105,13 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     A drop-in for :class:`skorch.callbacks.Checkpoint`: same arguments,
     defaults, file name format specifiers (``{last_epoch[epoch]}``,
     ``{last_batch[...]}``, ``{net}``), ``f_<module>`` for custom modules and
-    the ``event_name`` history column; ``net.load_params(checkpoint=cp)``
-    accepts it. It differs from skorch's ``Checkpoint`` as follows, with one
-    process or many:
-
-    - ``monitor`` is evaluated on the main process only and its answer is
-      sent to every rank, so every rank records the same ``event_name``
-      value and all ranks save together even when their own histories
-      disagree (skorch's scores are computed per rank). Every rank has to
-      take part in a save: ``save_params`` of skorch's ``AccelerateMixin``
-      starts with a barrier.
-    - Only the main process writes, every file (params, optimizer,
-      criterion, history, pickle). The files of a save are written under
-      temporary names in their own folders and moved into place together:
-      a journal (``<dirname>/.<fn_prefix>commit.json``) lists the moves
-      while they happen, and the next training (or :class:`LoadInitParams`)
-      completes them if a crash interrupted them. A crash during a save thus
-      leaves the previous checkpoint whole, never the params of one epoch
-      beside the optimizer of another. No rank returns from a save before
-      the files are complete on disk.
-    - Modules are saved and loaded unwrapped
-      (:func:`~skorch_accel_callbacks.unwrapped`): the files have no
-      ``module.`` prefix, load into wrapped and unwrapped nets and into a
-      net without accelerate, and the accelerator's registries do not grow.
-      This holds for skorch's stock ``AccelerateMixin`` too.
-    - A failed save is not silent. As in skorch the message (naming the
-      file) goes to ``sink`` and training goes on, but a ``UserWarning`` is
-      also issued on every rank; with ``on_error='raise'`` the error is
-      raised on every rank instead (the rank that failed raises its own
-      exception, with a note naming the file; the others raise
-      :class:`~skorch_accel_callbacks.RankError`). Either way none of the
-      save's files replaces the previous checkpoint's.
-    - While training, the job holds a lock on the files it writes:
-      ``<dirname>/.<fn_prefix>lock`` (:class:`~skorch_accel_callbacks.lock.PrefixLock`).
-      A second job started on the same files (same ``dirname`` and
-      ``fn_prefix``) is refused when its training begins, naming the
-      holder; jobs with different ``fn_prefix`` share a folder. The lock
-      file is removed when training ends; a killed job leaves no stale lock
-      (its lock file stays, unlocked, until the next job of that prefix).
-    - When training begins, the main process completes a save that a crash
-      interrupted and removes the temporary files killed saves left.
-    - ``initialize`` raises if a folder to write into cannot be created or
-      written, if ``sink`` is not callable (``ValueError``) or if
-      ``event_name`` is neither a str nor None (``TypeError``);
-      ``on_train_begin`` raises if ``f_pickle`` is set and the net cannot
-      be pickled (checked by pickling it, without keeping the bytes).
-    - A file whose object has no state (no ``state_dict``: not a torch
-      Module or Optimizer, e.g. a criterion that is a plain function, the
-      usual way round DDP's refusal of parameterless criteria) is skipped,
-      with one warning when training begins; the other files are saved
-      together. skorch's ``Checkpoint`` fails to save it in every epoch
-      (a message to ``sink``) and saves the others; ours would otherwise
-      have saved nothing. It is not loaded either
-      (:meth:`get_formatted_files`).
-    - Messages go to ``sink`` on the main process only.
-    - ``load_best=True`` loads the best checkpoint on every rank.
+    the ``event_name`` history column, plus ``on_error``;
+    ``net.load_params(checkpoint=cp)`` accepts it. Use it in every process:
+    the main process decides whether to save and writes every file, and the
+    files of a save replace the previous checkpoint's together, so a crash
+    leaves the previous checkpoint whole. While training, the job holds a
+    lock on its files (``<dirname>/.<fn_prefix>lock``). See the README,
+    "How the callbacks differ from skorch's".
 
     Parameters
     ----------
@@ -254,9 +177,12 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
 
     Raises
     ------
-    ValueError, TypeError
+    ValueError
       At ``initialize``: ``on_error``, ``sink`` or ``event_name`` of the
       wrong kind.
+    TypeError
+      At ``initialize``: an argument that is not one (as in skorch:
+      ``foobar=...``, did you mean ``f_foobar``?).
     OSError
       At ``initialize``: a folder to write into cannot be created or
       written. With ``on_error='raise'``, a failed save (on the rank that
@@ -290,21 +216,21 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
 
     def __init__(
             self,
-            monitor='valid_loss_best',
-            f_params='params.pt',
-            f_optimizer='optimizer.pt',
-            f_criterion='criterion.pt',
-            f_history='history.json',
-            f_pickle=None,
-            fn_prefix='',
-            dirname='',
-            event_name='event_cp',
-            sink=noop,
-            load_best=False,
-            use_safetensors=False,
-            on_error='warn',
-            **kwargs
-    ):
+            monitor: str | Callable[[Any], bool] | None = 'valid_loss_best',
+            f_params: File = 'params.pt',
+            f_optimizer: File = 'optimizer.pt',
+            f_criterion: File = 'criterion.pt',
+            f_history: File = 'history.json',
+            f_pickle: File = None,
+            fn_prefix: str = '',
+            dirname: str = '',
+            event_name: str | None = 'event_cp',
+            sink: Callable[[str], object] = noop,
+            load_best: bool = False,
+            use_safetensors: bool = False,
+            on_error: str = 'warn',
+            **kwargs: File
+    ) -> None:
         self.on_error = on_error
         super().__init__(
             monitor=monitor, f_params=f_params, f_optimizer=f_optimizer,
@@ -313,7 +239,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             sink=sink, load_best=load_best, use_safetensors=use_safetensors,
             **kwargs)
 
-    def initialize(self):
+    def initialize(self) -> Self:
         _check_arguments(self)
         self.release_folder()
         try:
@@ -325,56 +251,41 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         self._check_folders()
         return self
 
-    def _check_folders(self):
+    def _check_folders(self) -> None:
         """Raise if a file of this checkpoint could not be created."""
-        checked = set()
-        for key, val in sorted(self._f_kwargs().items()):
-            if not isinstance(val, str):
-                continue
-            folder = os.path.dirname(os.path.join(self.dirname, self.fn_prefix + val))
-            # a folder named by a format specifier is only known when saving
-            if '{' in folder or folder in checked:
-                continue
-            checked.add(folder)
-            error = _creation_error(folder)
-            if error is not None:
-                raise OSError(
-                    error.errno, f"{type(self).__name__} cannot write "
-                    f"{key}={val!r}: {error.strerror} in folder",
-                    folder or '.') from error
+        params_files.check_folders(
+            type(self).__name__, self.dirname, self.fn_prefix, self._f_kwargs())
 
     # the StagedFiles of the save in progress, on every rank; None between saves
     _staged = None
     # PrefixLock on this checkpoint's files while training, on the main process
     _lock = None
-    # the name in messages: TrainEndParamsCheckpoint for its checkpoint_
-    _owner = None
 
-    def stateless_files(self, net):
+    def stateless_files(self, net: Any) -> dict[str, File]:
         """The ``f_*`` arguments (name -> value) whose objects in ``net`` have
         no state to save (no ``state_dict``): neither saved nor loaded."""
         return {key: val for key, val in sorted(self._f_kwargs().items())
                 if val is not None and _stateless(net, _state_attr(key)) is not None}
 
-    def get_formatted_files(self, net):
+    def get_formatted_files(self, net: Any) -> dict[str, File]:
         """skorch's formatted file names, less those of :meth:`stateless_files`:
         the files that ``net.load_params(checkpoint=self)`` loads."""
         files = super().get_formatted_files(net)
         skipped = self.stateless_files(net)
         return {key: val for key, val in files.items() if key not in skipped}
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         # a net pickled for f_pickle during a save must not carry that save,
         # nor the lock its training holds: a lock belongs to its process, and
         # a copy that believed it held one would train on without taking it
         return dict(self.__dict__, _staged=None, _lock=None)
 
     @property
-    def journal_path(self):
+    def journal_path(self) -> str:
         """Where a save lists its file moves while it makes them."""
-        return os.path.join(self.dirname, f".{self.fn_prefix}commit.json")
+        return params_files.journal_path(self.dirname, self.fn_prefix)
 
-    def finish_interrupted_save(self, net):
+    def finish_interrupted_save(self, net: Any) -> None:
         """Complete the file moves of a save that a crash interrupted and
         remove the temporary files of killed saves; call it on every rank.
 
@@ -386,52 +297,20 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         yourself before ``net.load_params(checkpoint=cp)`` on files that a
         killed job may have left.
         """
-        def finish():
-            if not os.path.isdir(self.dirname or '.'):
-                return
-            try:
-                lock = PrefixLock(self.dirname, self.fn_prefix).acquire()
-            except FolderInUseError:
-                return
-            try:
-                finished = atomic.finish_staged(self.journal_path)
-                self._remove_temp_files()
-            except ValueError as exc:
-                raise CorruptCheckpointError(str(exc)) from exc
-            finally:
-                lock.release()
+        def finish() -> None:
+            finished = params_files.finish_interrupted_save(
+                self.dirname, self.fn_prefix, self._f_kwargs())
             if finished:
                 say(net, self.sink, f"Completed the interrupted save of {', '.join(finished)}.")
         sync.run_on_main(net, finish, f"{type(self).__name__}: completing an interrupted "
                                       f"save ({self.journal_path})")
 
-    def _remove_temp_files(self):
-        """Remove the temporary files that killed saves of this checkpoint's
-        files left; those of other files (another ``fn_prefix``, another
-        job's save in flight) are not touched."""
-        patterns = {}
-        for val in self._f_kwargs().values():
-            if not isinstance(val, str):
-                continue
-            folder, name = os.path.split(os.path.join(self.dirname, self.fn_prefix + val))
-            # a folder named by a format specifier is not known here
-            if '{' in folder:
-                continue
-            patterns.setdefault(folder, []).append(_temp_name_pattern(name))
-        for folder, names in patterns.items():
-            if not os.path.isdir(folder or '.'):
-                continue
-            pattern = re.compile('|'.join(names))
-            for entry in os.listdir(folder or '.'):
-                if pattern.fullmatch(entry):
-                    os.remove(os.path.join(folder, entry))
-
-    def _lock_folder(self):
+    def _lock_folder(self) -> None:
         # held until training ends (or this process ends: the kernel frees it)
         if self._lock is None:
             self._lock = PrefixLock(self.dirname, self.fn_prefix).acquire()
 
-    def release_folder(self):
+    def release_folder(self) -> None:
         """Release the lock of this checkpoint's files that training holds,
         removing its lock file (the kernel also releases it when the process
         ends)."""
@@ -440,12 +319,21 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             self._lock = None
 
     # pylint: disable=arguments-differ
-    def on_train_begin(self, net, X=None, y=None, **kwargs):
+    def on_train_begin(self, net: Any, X: Any = None, y: Any = None, owner: str | None = None,
+                       **kwargs: Any) -> None:
+        """Lock this checkpoint's files, complete an interrupted save and
+        check what will be saved.
+
+        ``owner`` is the class name that the warnings about files not saved
+        (:meth:`stateless_files`) begin with, this class's by default:
+        :class:`TrainEndParamsCheckpoint` passes its own for its
+        ``checkpoint_``.
+        """
         sync.run_on_main(net, self._lock_folder,
                          f"{type(self).__name__}: locking the files of fn_prefix="
                          f"{self.fn_prefix!r} in folder {self.dirname or '.'}")
         try:
-            self._warn_stateless(net)
+            self._warn_stateless(net, owner or type(self).__name__)
             self.finish_interrupted_save(net)
             if self.f_pickle:
                 sync.run_on_main(
@@ -456,8 +344,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             self.release_folder()
             raise
 
-    def _warn_stateless(self, net):
-        owner = self._owner or type(self).__name__
+    def _warn_stateless(self, net: Any, owner: str) -> None:
         for key, val in self.stateless_files(net).items():
             attr = _state_attr(key)
             message = (
@@ -467,7 +354,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             say(net, self.sink, message)
             warnings.warn(message, UserWarning, stacklevel=3)
 
-    def _check_picklable(self, net):
+    def _check_picklable(self, net: Any) -> None:
         with unwrapped(net):
             try:
                 dump_net(net, _NullWriter())
@@ -478,7 +365,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
                     f"{exc}); set f_pickle=None or make the net picklable"
                 ) from exc
 
-    def on_epoch_end(self, net, **kwargs):
+    def on_epoch_end(self, net: Any, **kwargs: Any) -> None:
         do_checkpoint = sync.run_on_main(
             net, lambda: bool(self._monitor_says(net)),
             f"{type(self).__name__}: deciding whether to checkpoint")
@@ -488,7 +375,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             self.save_model(net)
             say(net, self.sink, f"A checkpoint was triggered in epoch {len(net.history) + 1}.")
 
-    def _monitor_says(self, net):
+    def _monitor_says(self, net: Any) -> Any:
         """skorch's decision whether to checkpoint, from this rank's history."""
         if self.monitor is not None and not callable(self.monitor):
             try:
@@ -503,7 +390,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
                     f"{sorted(net.history[-1])})") from None
         return triggers.monitor_says(net, self.monitor, type(self).__name__)
 
-    def save_model(self, net):
+    def save_model(self, net: Any) -> None:
         """Save the model; call it on every process.
 
         Saves what the ``f_*`` arguments name: module parameters, optimizer
@@ -519,20 +406,21 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             self.__class__.__name__, **self._f_kwargs())
         kwargs_module = {attr: val for attr, val in kwargs_module.items()
                          if _stateless(net, attr) is None}
-        self._staged = atomic.StagedFiles(self.journal_path)
+        self._staged = params_files.start_save(self.dirname, self.fn_prefix)
         try:
             with unwrapped(net):
                 self._write_files(net, kwargs_module, kwargs_other)
             self._agreed_save_step(
                 net, "the checkpoint's files", self.journal_path,
-                lambda: sync.is_main_process(net) and self._staged.commit())
+                lambda: params_files.commit(self._staged, sync.is_main_process(net)))
         except _SaveFailed:
             pass
         finally:
             self._staged.abort()
             self._staged = None
 
-    def _write_files(self, net, kwargs_module, kwargs_other):
+    def _write_files(self, net: Any, kwargs_module: dict[str, File],
+                     kwargs_other: dict[str, File]) -> None:
         for key, val in kwargs_module.items():
             if val is None:
                 continue
@@ -547,41 +435,31 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         if f_pickle:
             self._save_pickle(self._format_target(net, f_pickle, -1), net)
 
-    def _save_params(self, f, net, f_name, log_name):
+    def _save_params(self, f: File, net: Any, f_name: str, log_name: str) -> None:
         # every rank calls save_params: skorch's AccelerateMixin and
         # AccelerateFixesMixin run collectives in it, and write on main only
-        def write(target):
+        def write(target: File) -> None:
             net.save_params(**{f_name: target, 'use_safetensors': self.use_safetensors})
         self._save_file(net, f, log_name, write, every_rank=True)
 
-    def _save_pickle(self, f, net):
-        def write(target):
+    def _save_pickle(self, f: File, net: Any) -> None:
+        def write(target: File) -> None:
             with open_file_like(target, 'wb') as file:
                 dump_net(net, file)
         self._save_file(net, f, 'pickle', write, every_rank=False)
 
-    def _save_file(self, net, f, log_name, write, every_rank):
-        """Write ``f`` with ``write(target)``; only the main process writes.
-
-        On the main process a path is written to a temporary file, staged to
-        be moved into place with the save's other files (or, outside
-        :meth:`save_model`, moved at once); the other ranks call ``write``
-        with the final path when ``every_rank`` (their ``save_params``
-        writes nothing but takes part in its collectives).
-        """
-        def save():
-            main = sync.is_main_process(net)
-            if main and isinstance(f, (str, os.PathLike)):
-                if self._staged is not None:
-                    write(self._staged.temp_path(f))
-                else:
-                    with atomic_path(f) as tmp:
-                        write(tmp)
-            elif main or every_rank:
-                write(f)
+    def _save_file(self, net: Any, f: File, log_name: str, write: Callable[[File], object],
+                   every_rank: bool) -> None:
+        """Write ``f`` with ``write(target)`` as one agreed step: on the main
+        process only, staged with the save's other files inside
+        :meth:`save_model` (:func:`~skorch_accel_callbacks.params_files.write_file`)."""
+        def save() -> None:
+            params_files.write_file(
+                f, write, self._staged, main=sync.is_main_process(net), every_rank=every_rank)
         self._agreed_save_step(net, log_name, f, save)
 
-    def _agreed_save_step(self, net, log_name, f, step):
+    def _agreed_save_step(self, net: Any, log_name: str, f: File,
+                          step: Callable[[], object]) -> None:
         """Run ``step()`` on every rank as one agreed block: any failure is
         known to every rank, and no rank leaves before the main process is
         done. A failure raises (``on_error='raise'``) or warns; inside
@@ -600,7 +478,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
                 # the rest of the save would only be thrown away
                 raise _SaveFailed() from exc
 
-    def on_train_end(self, net, **kwargs):
+    def on_train_end(self, net: Any, **kwargs: Any) -> None:
         try:
             if self.load_best and self.monitor is not None:
                 say(net, self.sink, "Loading best checkpoint after training.")
@@ -615,14 +493,9 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
     """Save the model at the end of training; correct in every process.
 
     A drop-in for :class:`skorch.callbacks.TrainEndCheckpoint` (default
-    ``fn_prefix='train_end_'``) that saves through a
-    :class:`ParamsCheckpoint`, stored as ``checkpoint_``: only the main
-    process writes, files are moved into place atomically and saved
-    unwrapped, every rank waits until they are complete, a failed save
-    warns or (``on_error='raise'``) raises on every rank, ``f_pickle``
-    on a net that cannot be pickled raises when training begins, and a file
-    whose object has no state (a criterion that is a plain function) is
-    skipped with one warning when training begins.
+    ``fn_prefix='train_end_'``, plus ``on_error``) that saves through a
+    :class:`ParamsCheckpoint`, stored as ``checkpoint_``, and so saves as
+    that one does. See the README, "How the callbacks differ from skorch's".
 
     Parameters
     ----------
@@ -670,25 +543,25 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
 
     def __init__(
             self,
-            f_params='params.pt',
-            f_optimizer='optimizer.pt',
-            f_criterion='criterion.pt',
-            f_history='history.json',
-            f_pickle=None,
-            fn_prefix='train_end_',
-            dirname='',
-            use_safetensors=False,
-            sink=noop,
-            on_error='warn',
-            **kwargs
-    ):
+            f_params: File = 'params.pt',
+            f_optimizer: File = 'optimizer.pt',
+            f_criterion: File = 'criterion.pt',
+            f_history: File = 'history.json',
+            f_pickle: File = None,
+            fn_prefix: str = 'train_end_',
+            dirname: str = '',
+            use_safetensors: bool = False,
+            sink: Callable[[str], object] = noop,
+            on_error: str = 'warn',
+            **kwargs: File
+    ) -> None:
         self.on_error = on_error
         super().__init__(
             f_params=f_params, f_optimizer=f_optimizer, f_criterion=f_criterion,
             f_history=f_history, f_pickle=f_pickle, fn_prefix=fn_prefix,
             dirname=dirname, use_safetensors=use_safetensors, sink=sink, **kwargs)
 
-    def initialize(self):
+    def initialize(self) -> Self:
         _check_arguments(self)
         if hasattr(self, 'checkpoint_'):
             self.checkpoint_.release_folder()
@@ -702,15 +575,14 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
             on_error=self.on_error,
             **self._f_kwargs()
         )
-        self.checkpoint_._owner = type(self).__name__
         self.checkpoint_.initialize()
         return self
 
     # pylint: disable=arguments-differ
-    def on_train_begin(self, net, X=None, y=None, **kwargs):
-        self.checkpoint_.on_train_begin(net, X=X, y=y, **kwargs)
+    def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
+        self.checkpoint_.on_train_begin(net, X=X, y=y, owner=type(self).__name__, **kwargs)
 
-    def on_train_end(self, net, **kwargs):
+    def on_train_end(self, net: Any, **kwargs: Any) -> Self:
         try:
             self.checkpoint_.save_model(net)
             say(net, self.sink, "Final checkpoint triggered")
@@ -722,16 +594,11 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
 class LoadInitParams(InitParamsOnly, LoadInitState):
     """Load a checkpoint into the net when training begins, on every rank.
 
-    A drop-in for :class:`skorch.callbacks.LoadInitState`. Every rank loads
-    the same files into the unwrapped modules, so the parameters load into
-    a wrapped net without a ``module.`` prefix mismatch and without
-    preparing the modules again. As with skorch, nothing is loaded when the
-    checkpoint's files do not exist yet; but when some ranks find the files
-    and others do not, or loading fails on any rank, every rank raises
-    instead of some training on alone. With a :class:`ParamsCheckpoint` (or
-    :class:`TrainEndParamsCheckpoint`), it first completes a save that a
-    crash interrupted (unless another running job holds the folder), so the
-    files loaded all come from one save.
+    A drop-in for :class:`skorch.callbacks.LoadInitState`: as with skorch,
+    nothing is loaded when the checkpoint's files do not exist yet. Every
+    rank loads the same files; if only some ranks find them, or loading
+    fails on any rank, every rank raises. See the README, "How the
+    callbacks differ from skorch's".
 
     Parameters
     ----------
@@ -741,9 +608,6 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
 
     use_safetensors : bool (default=False)
       Whether the files were saved with ``safetensors``.
-
-    ``initialize`` raises ``TypeError`` if ``checkpoint`` is not a skorch
-    ``Checkpoint`` or ``TrainEndCheckpoint`` (a path, for instance).
 
     Attributes
     ----------
@@ -773,7 +637,7 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
 
     """
 
-    def initialize(self):
+    def initialize(self) -> Self:
         if not isinstance(self.checkpoint, (Checkpoint, TrainEndCheckpoint)):
             raise TypeError(
                 f"{type(self).__name__}: checkpoint must be a skorch Checkpoint or "
@@ -783,7 +647,7 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
         return super().initialize()
 
     # pylint: disable=arguments-differ
-    def on_train_begin(self, net, X=None, y=None, **kwargs):
+    def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         if self.did_load_:
             return
         self.did_load_ = True
@@ -807,14 +671,15 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
                     raise
                 raise error from exc
 
-    def _naming_the_file(self, net, checkpoint, exc):
+    def _naming_the_file(self, net: Any, checkpoint: Checkpoint,
+                         exc: Exception) -> Exception:
         """The error of a failed load, as one that names the file at fault.
 
         skorch's errors (torch's weights-only unpickler, JSON, safetensors)
         do not say which file they were reading; each file is read again,
         on this error path only, to find it.
         """
-        def files():
+        def files() -> Iterator[tuple[str, File]]:
             # the history first: the names of the others may depend on it
             if checkpoint.f_history is not None:
                 yield 'f_history', checkpoint.f_history_

@@ -19,7 +19,9 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, NoReturn
 
 import numpy as np
 import pytest
@@ -45,7 +47,7 @@ DEADLINE_S = 180
 FILES = ['criterion.pt', 'history.json', 'optimizer.pt', 'params.pt']
 
 
-def plain_net(callbacks, **kwargs):
+def plain_net(callbacks: list, **kwargs: Any) -> NeuralNetClassifier:
     params = dict(module=MLP, max_epochs=2, lr=0.1, callbacks=callbacks,
                   train_split=None, verbose=0)
     params.update(kwargs)
@@ -55,7 +57,7 @@ def plain_net(callbacks, **kwargs):
 # ---------------------------------------------------------------- the lock
 
 
-def start_holder(cwd, prefix, markers):
+def start_holder(cwd: Path, prefix: str, markers: Path) -> subprocess.Popen:
     """A job in its own process, in ``cwd`` with ParamsCheckpoint's default
     ``dirname=''``, holding the lock of its ``prefix`` files after epoch 1."""
     env = {key: value for key, value in os.environ.items()
@@ -75,7 +77,7 @@ def start_holder(cwd, prefix, markers):
 
 
 def test_jobs_of_other_prefixes_share_a_folder_and_leave_no_lock_file(
-        tmp_path, monkeypatch):
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """skorch's run (dirname='', fn_prefix='') and one with another prefix run
     beside a job in the same working directory; the same prefix is refused;
     no lock file is left in the working directory."""
@@ -116,7 +118,7 @@ def test_jobs_of_other_prefixes_share_a_folder_and_leave_no_lock_file(
         prefix + name for prefix in ('', 'a_', 'b_') for name in FILES)
 
 
-def _contend(folder, inside, until):
+def _contend(folder: str, inside: str, until: float) -> NoReturn:
     """In a forked child: take and release the lock of one prefix as often as
     possible; exit 3 if another holder was inside at the same time."""
     from skorch_accel_callbacks.lock import PrefixLock
@@ -139,7 +141,7 @@ def _contend(folder, inside, until):
     os._exit(0 if rounds else 4)
 
 
-def test_lock_removed_on_release_still_excludes(tmp_path):
+def test_lock_removed_on_release_still_excludes(tmp_path: Path) -> None:
     """Holders that remove the lock file on release, in a race with others
     that opened it just before: never two holders at once (a flock on a file
     that was unlinked would make a second one)."""
@@ -159,7 +161,7 @@ def test_lock_removed_on_release_still_excludes(tmp_path):
     assert not (tmp_path / '.x_lock').exists()
 
 
-def held_by_another_process(path):
+def held_by_another_process(path: str) -> bool:
     """Whether a job in another process would be refused the lock at ``path``."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover (the child)
@@ -181,7 +183,8 @@ def held_by_another_process(path):
     (ParamsCheckpoint, Checkpoint, {'monitor': 'train_loss_best'}),
     (TrainEndParamsCheckpoint, TrainEndCheckpoint, {}),
 ], ids=['ParamsCheckpoint', 'TrainEndParamsCheckpoint'])
-def test_criterion_without_state_is_skipped_as_skorch_does(tmp_path, ours, theirs, kwargs):
+def test_criterion_without_state_is_skipped_as_skorch_does(
+        tmp_path: Path, ours: type, theirs: type, kwargs: dict[str, Any]) -> None:
     """A criterion that is a plain function (f_criterion left at its
     default): params, optimizer and history are saved, as skorch's
     Checkpoint does, with one warning; and they load."""
@@ -217,7 +220,49 @@ def test_criterion_without_state_is_skipped_as_skorch_does(tmp_path, ours, their
     np.testing.assert_allclose(by_hand.predict_proba(X), net.predict_proba(X), atol=1e-6)
 
 
-def test_load_best_with_a_criterion_without_state(tmp_path):
+class SavesThroughParamsCheckpoint(Callback):
+    """A user's callback that saves at the end of training through a
+    ParamsCheckpoint, as TrainEndParamsCheckpoint does."""
+
+    def __init__(self, dirname: str) -> None:
+        self.dirname = dirname
+
+    def initialize(self) -> 'SavesThroughParamsCheckpoint':
+        self.checkpoint_ = ParamsCheckpoint(
+            monitor=None, dirname=self.dirname, event_name=None).initialize()
+        return self
+
+    def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
+        self.checkpoint_.on_train_begin(net, X=X, y=y, owner=type(self).__name__, **kwargs)
+
+    def on_train_end(self, net: Any, **kwargs: Any) -> None:
+        try:
+            self.checkpoint_.save_model(net)
+        finally:
+            self.checkpoint_.release_folder()
+
+
+def test_owner_of_a_params_checkpoint_names_itself_in_its_warnings(tmp_path: Path) -> None:
+    """The owner's name is passed to ``on_train_begin``, not set as a private
+    attribute of the inner checkpoint: TrainEndParamsCheckpoint's
+    checkpoint_ has the attributes of a ParamsCheckpoint of the same
+    arguments, and a user's callback gets its own name in the warning."""
+    te = TrainEndParamsCheckpoint(dirname=str(tmp_path / 'te')).initialize()
+    alike = ParamsCheckpoint(monitor=None, fn_prefix='train_end_', dirname=str(tmp_path / 'te'),
+                             event_name=None).initialize()
+    assert vars(te.checkpoint_).keys() == vars(alike).keys()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        plain_net([SavesThroughParamsCheckpoint(str(tmp_path / 'own'))],
+                  criterion=plain_criterion, max_epochs=1).fit(*make_data(n=64))
+    skipped = [str(w.message) for w in caught if 'f_criterion' in str(w.message)]
+    assert len(skipped) == 1, skipped
+    assert skipped[0].startswith(
+        "SavesThroughParamsCheckpoint: f_criterion='criterion.pt' is not saved")
+    assert sorted(os.listdir(tmp_path / 'own')) == ['history.json', 'optimizer.pt', 'params.pt']
+
+
+def test_load_best_with_a_criterion_without_state(tmp_path: Path) -> None:
     X, y = make_data()
     cp = ParamsCheckpoint(monitor='train_loss_best', dirname=str(tmp_path), load_best=True)
     net = plain_net([cp], criterion=plain_criterion, max_epochs=3)
@@ -232,7 +277,8 @@ def test_load_best_with_a_criterion_without_state(tmp_path):
 # ---------------------------------------------------------------- pickling
 
 
-def test_net_pickled_in_two_processes_is_usable_in_one(run_workers, tmp_path):
+def test_net_pickled_in_two_processes_is_usable_in_one(
+        run_workers: Any, tmp_path: Path) -> None:
     """Pickled in a job of 2 processes (by ParamsCheckpoint's f_pickle, and
     by hand while wrapped in DDP), unpickled in a process that runs no job:
     the net has an accelerator of this process and predicts X[:20] as the
@@ -277,14 +323,16 @@ def test_net_pickled_in_two_processes_is_usable_in_one(run_workers, tmp_path):
      r"TrainEndParamsCheckpoint: sink must be a callable"),
     (TrainEndParamsCheckpoint(sink='print'), ValueError,
      r"TrainEndParamsCheckpoint: sink must be a callable .*got 'print'"),
-    (ParamsCheckpoint(event_name=123), TypeError,
+    (ParamsCheckpoint(event_name=123), ValueError,
      r"ParamsCheckpoint: event_name must be a str \(the history column\) or None, got 123"),
     (LoadInitParams('runs/params.pt'), TypeError,
      r"LoadInitParams: checkpoint must be a skorch Checkpoint or TrainEndCheckpoint "
      r".*got 'runs/params.pt' of type str"),
 ], ids=['sink-None', 'sink-str', 'te-sink-None', 'te-sink-str', 'event_name-int',
         'load-str'])
-def test_bad_arguments_raise_at_initialize(tmp_path, monkeypatch, callback, error, match):
+def test_bad_arguments_raise_at_initialize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           callback: Callback, error: type,
+                                           match: str) -> None:
     monkeypatch.chdir(tmp_path)
     net = plain_net([callback])
     with pytest.raises(error, match=match):
@@ -299,19 +347,19 @@ class LockProbe(Callback):
     """At every epoch's end: whether a job in another process would be
     refused the lock of each of ``paths``."""
 
-    def __init__(self, paths):
+    def __init__(self, paths: list[str]) -> None:
         self.paths = paths
 
-    def initialize(self):
+    def initialize(self) -> 'LockProbe':
         self.held_ = []
         return self
 
-    def on_epoch_end(self, net, **kwargs):
+    def on_epoch_end(self, net: Any, **kwargs: Any) -> None:
         self.held_.append([held_by_another_process(path) for path in self.paths])
 
 
 @pytest.fixture
-def fitted(tmp_path):
+def fitted(tmp_path: Path) -> SimpleNamespace:
     """A net of this package's mixin with all three params callbacks, fitted
     in this process alone."""
     X, y = make_data(n=128)
@@ -325,7 +373,7 @@ def fitted(tmp_path):
     return SimpleNamespace(net=net, X=X, y=y, locks=locks, folder=tmp_path)
 
 
-def test_copies_of_a_fitted_net_predict_and_train_on(fitted):
+def test_copies_of_a_fitted_net_predict_and_train_on(fitted: SimpleNamespace) -> None:
     """pickle, deepcopy, and the net that f_pickle pickled while training
     (its callbacks then held their locks): each predicts as the net, and
     trains on with the locks of its checkpoint files held again."""
@@ -345,7 +393,7 @@ def test_copies_of_a_fitted_net_predict_and_train_on(fitted):
         assert not [path for path in fitted.locks if os.path.exists(path)], name
 
 
-def test_clone_of_a_fitted_net_fits_also_in_cross_validate(fitted):
+def test_clone_of_a_fitted_net_fits_also_in_cross_validate(fitted: SimpleNamespace) -> None:
     X, y = fitted.X, fitted.y
     cloned = clone(fitted.net)
     assert not getattr(cloned, 'initialized_', False)
@@ -356,7 +404,7 @@ def test_clone_of_a_fitted_net_fits_also_in_cross_validate(fitted):
     assert len(scores['test_score']) == 2
 
 
-def test_get_params_lists_init_arguments_only(fitted):
+def test_get_params_lists_init_arguments_only(fitted: SimpleNamespace) -> None:
     copied = pickle.loads(pickle.dumps(fitted.net))
     for net in (fitted.net, copied):
         for name in ('cp', 'te', 'load'):
@@ -379,7 +427,7 @@ _SKORCH_LOAD = skorch_tests.TestLoadInitState
 
 
 @pytest.fixture
-def in_tmp_path(tmp_path, monkeypatch):
+def in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # skorch's tests write their checkpoints into the working folder
     monkeypatch.chdir(tmp_path)
 
@@ -431,7 +479,7 @@ class TestLoadInitParamsAsSkorchLoadInitState:
     test_load_initial_state_custom_scoring = _SKORCH_LOAD.test_load_initial_state_custom_scoring
 
 
-def test_wrong_kwarg_name_message_is_skorchs_with_our_class_name():
+def test_wrong_kwarg_name_message_is_skorchs_with_our_class_name() -> None:
     # skorch's own test expects its class name in the text, which skorch
     # formats from the class (as for any subclass of its TrainEndCheckpoint)
     for cls in (ParamsCheckpoint, TrainEndParamsCheckpoint):
@@ -440,7 +488,7 @@ def test_wrong_kwarg_name_message_is_skorchs_with_our_class_name():
             cls(foobar='foobar.pt').initialize()
 
 
-def test_missing_monitor_column_adds_our_context_after_skorchs_text():
+def test_missing_monitor_column_adds_our_context_after_skorchs_text() -> None:
     net = plain_net([ParamsCheckpoint()])
     with pytest.raises(SkorchException) as raised:
         net.fit(*make_data(n=64))
@@ -451,7 +499,7 @@ def test_missing_monitor_column_adds_our_context_after_skorchs_text():
         "'epoch', ")
 
 
-def test_monitor_of_a_wrong_type_raises_as_in_skorch():
+def test_monitor_of_a_wrong_type_raises_as_in_skorch() -> None:
     for cp in (ParamsCheckpoint(monitor=3), Checkpoint(monitor=3)):
         with pytest.raises(TypeError, match="History access with given types not supported"):
             plain_net([cp]).fit(*make_data(n=64))

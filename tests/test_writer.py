@@ -9,9 +9,8 @@ import threading
 
 import pytest
 import torch
-from common import make_accelerator, make_data, make_net
-from testutil import read_json
 
+from common import make_accelerator, make_data, make_net
 from skorch_accel_callbacks import accelerate_io, manifest, restore, training_state
 from skorch_accel_callbacks.folder import CheckpointFolder
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
@@ -22,6 +21,7 @@ from skorch_accel_callbacks.writer import (
     SaveRequest,
     SyncWriter,
 )
+from testutil import read_json
 
 
 @pytest.fixture

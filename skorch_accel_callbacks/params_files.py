@@ -1,0 +1,168 @@
+"""The files of a :class:`~skorch_accel_callbacks.ParamsCheckpoint` save.
+
+A save writes each file (params, optimizer, history, pickle, ...) under a
+temporary name next to its final one and moves all of them into place
+together, through :class:`~skorch_accel_callbacks.atomic.StagedFiles` and
+its journal (``<dirname>/.<fn_prefix>commit.json``). Before a checkpoint's
+files are read or written again, the moves that a crash interrupted are
+completed and the temporary files of killed saves of those files are
+removed; a save in flight of another job (same folder, other ``fn_prefix``,
+or the holder of the lock) is left alone.
+
+The file names are skorch's: ``dirname``, ``fn_prefix`` and the ``f_*``
+arguments (name -> value, a value of ``str`` may be a format template such as
+``'params_{last_epoch[epoch]}.pt'``).
+"""
+
+import os
+import re
+import string
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from skorch_accel_callbacks import atomic
+from skorch_accel_callbacks.atomic import TEMP_MARK, atomic_path
+from skorch_accel_callbacks.errors import CorruptCheckpointError
+from skorch_accel_callbacks.lock import FolderInUseError, PrefixLock
+
+__all__ = [
+    'check_folders',
+    'commit',
+    'finish_interrupted_save',
+    'journal_path',
+    'remove_temp_files',
+    'start_save',
+    'write_file',
+]
+
+
+def journal_path(dirname: str, fn_prefix: str) -> str:
+    """Where a save lists its file moves while it makes them."""
+    return os.path.join(dirname, f".{fn_prefix}commit.json")
+
+
+def _creation_error(folder: str) -> OSError | None:
+    """Return the ``OSError`` that creating a file in ``folder`` raises, or None.
+
+    An empty file is created and removed: ``os.access`` answers True for
+    root even where nothing can be created (sysfs, some network mounts).
+    """
+    probe = atomic.unique_name(os.path.join(folder or '.', 'probe'), TEMP_MARK)
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError as exc:
+        return exc
+    os.close(fd)
+    os.remove(probe)
+    return None
+
+
+def check_folders(owner: str, dirname: str, fn_prefix: str,
+                  f_kwargs: Mapping[str, Any]) -> None:
+    """Raise ``OSError`` naming the ``f_*`` argument and ``owner`` if a file
+    of the checkpoint could not be created in its folder."""
+    checked = set()
+    for key, val in sorted(f_kwargs.items()):
+        if not isinstance(val, str):
+            continue
+        folder = os.path.dirname(os.path.join(dirname, fn_prefix + val))
+        # a folder named by a format specifier is only known when saving
+        if '{' in folder or folder in checked:
+            continue
+        checked.add(folder)
+        error = _creation_error(folder)
+        if error is not None:
+            raise OSError(
+                error.errno, f"{owner} cannot write "
+                f"{key}={val!r}: {error.strerror} in folder",
+                folder or '.') from error
+
+
+def _name_pattern(name: str) -> str:
+    """A regex of the file names that the name template ``name``
+    (``'params_{last_epoch[epoch]}.pt'``) stands for."""
+    parts = []
+    try:
+        for literal, field, _, _ in string.Formatter().parse(name):
+            parts.append(re.escape(literal))
+            if field is not None:
+                parts.append('.*')
+    except ValueError:
+        # not a valid template (saving it fails and says so): the name as is
+        parts = [re.escape(name)]
+    return ''.join(parts)
+
+
+def remove_temp_files(dirname: str, fn_prefix: str, f_kwargs: Mapping[str, Any]) -> None:
+    """Remove the temporary files that killed saves of the checkpoint's
+    files left; those of other files (another ``fn_prefix``, another
+    job's save in flight) are not touched."""
+    patterns: dict[str, list[str]] = {}
+    for val in f_kwargs.values():
+        if not isinstance(val, str):
+            continue
+        folder, name = os.path.split(os.path.join(dirname, fn_prefix + val))
+        # a folder named by a format specifier is not known here
+        if '{' in folder:
+            continue
+        patterns.setdefault(folder, []).append(_name_pattern(name))
+    for folder, names in patterns.items():
+        atomic.remove_temp_files(folder, names)
+
+
+def finish_interrupted_save(dirname: str, fn_prefix: str,
+                            f_kwargs: Mapping[str, Any]) -> list[str]:
+    """Complete the file moves of a save that a crash interrupted and remove
+    the temporary files of killed saves; return the files moved into place.
+
+    Nothing is done (and nothing returned) while another running job holds
+    the lock of the checkpoint's files: the save in flight is that job's.
+    A journal that cannot be read raises
+    :class:`~skorch_accel_callbacks.CorruptCheckpointError` naming it.
+    """
+    if not os.path.isdir(dirname or '.'):
+        return []
+    try:
+        lock = PrefixLock(dirname, fn_prefix).acquire()
+    except FolderInUseError:
+        return []
+    try:
+        finished = atomic.finish_staged(journal_path(dirname, fn_prefix))
+        remove_temp_files(dirname, fn_prefix, f_kwargs)
+    except ValueError as exc:
+        raise CorruptCheckpointError(str(exc)) from exc
+    finally:
+        lock.release()
+    return finished
+
+
+def start_save(dirname: str, fn_prefix: str) -> atomic.StagedFiles:
+    """The staged files of a new save, journaled in :func:`journal_path`."""
+    return atomic.StagedFiles(journal_path(dirname, fn_prefix))
+
+
+def write_file(f: Any, write: Callable[[Any], object], staged: atomic.StagedFiles | None,
+               main: bool, every_rank: bool) -> None:
+    """Write ``f`` with ``write(target)``; only the main process writes.
+
+    On the main process (``main``) a path is written to a temporary file,
+    staged to be moved into place with the save's other files (or, without
+    ``staged``, moved at once); the other ranks call ``write`` with the
+    final path when ``every_rank`` (a ``save_params`` that writes nothing
+    but takes part in its collectives).
+    """
+    if main and isinstance(f, (str, os.PathLike)):
+        if staged is not None:
+            write(staged.temp_path(f))
+        else:
+            with atomic_path(f) as tmp:
+                write(tmp)
+    elif main or every_rank:
+        write(f)
+
+
+def commit(staged: atomic.StagedFiles, main: bool) -> None:
+    """Move the files of a save into place, on the main process: the only
+    one that wrote them."""
+    if main:
+        staged.commit()
