@@ -4,15 +4,17 @@ import os
 import signal
 import time
 import warnings
+from typing import Any
 
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
 from skorch_accel_callbacks import (
     accelerate_io,
+    compat,
     epoch_position,
     export,
-    manifest,
+    format,
     sync,
     training_state,
     triggers,
@@ -621,14 +623,14 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                "inside the epoch of an IterableDataset"))
         raise TrainingPreempted(received, path)
 
-    def checkpoint_name(self, net):
+    def checkpoint_name(self, net: Any) -> str:
         """The folder name of a checkpoint of the net as it is now:
         ``epoch-NNNN`` after ``NNNN`` epochs, ``epoch-NNNN-step-SSSSSSSS``
         at optimizer step ``SSSSSSSS`` of the epoch after (names sort in
         training order)."""
         if not net.history or training_state.epoch_completed(net):
-            return f"epoch-{len(net.history):04d}"
-        return f"epoch-{len(net.history) - 1:04d}-step-{self.global_step_:08d}"
+            return format.checkpoint_name(len(net.history))
+        return format.checkpoint_name(len(net.history) - 1, self.global_step_)
 
     def is_committer(self, net):
         """Whether this process commits checkpoint folders (one per folder)."""
@@ -651,7 +653,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             accelerator,
             'AccelerateCheckpoint' + ('(async_save=True)' if self.async_save else ''))
         with own_registries(net):
-            manifest.model_layout(net)
+            compat.model_layout(net)
 
     # ------------------------------------------------------------ reading
 
@@ -676,7 +678,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     def f_history(self):
         """The history's file in a checkpoint; skorch's ``load_params``
         reads the history of a checkpoint when this is not None."""
-        return training_state.HISTORY_NAME
+        return format.HISTORY_NAME
 
     @property
     def f_history_(self):
@@ -778,14 +780,13 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
                 training_state.save_callback_states(partial, net)
                 position = {'step': self.global_step_,
                             'batches': self._batches if inside_epoch else 0}
-                sealed = manifest.build(net, name, best, finished, stopped_early, self._data,
-                                        position, self._train_loader)
-                # called by manifest.write once every file is flushed
-                sealed['save_seconds'] = lambda: round(time.monotonic() - started, 3)
+                sealed = compat.build_manifest(net, name, best, finished, stopped_early,
+                                               self._data, position, self._train_loader)
         written = {}
 
-        def commit():
-            written.update(folder.commit(name, sealed, durable=self.durable, best=best))
+        def commit() -> None:
+            written.update(folder.commit(name, sealed, durable=self.durable, best=best,
+                                         started=started))
             folder.retire(self.keep_last, self.keep_best, keep=[self.resumed_from_])
 
         def message():

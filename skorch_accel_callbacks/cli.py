@@ -16,12 +16,18 @@ import argparse
 import os
 import sys
 import warnings
+from typing import IO
 
 from skorch_accel_callbacks import export as exporting, inspection
 from skorch_accel_callbacks.base import format_bytes
 from skorch_accel_callbacks.errors import CheckpointError
-from skorch_accel_callbacks.folder import POINTERS, CheckpointFolder, is_checkpoint_name
-from skorch_accel_callbacks.manifest import MANIFEST_NAME
+from skorch_accel_callbacks.folder import CheckpointFolder
+from skorch_accel_callbacks.format import (
+    MANIFEST_NAME,
+    POINTERS,
+    is_checkpoint_name,
+    pointer_name,
+)
 
 __all__ = ['main']
 
@@ -32,7 +38,7 @@ class UsageError(Exception):
     """A wrong argument, or no such folder or checkpoint (exit code 2)."""
 
 
-def _split(path, name):
+def _split(path: str, name: str | None) -> tuple[str, str | None]:
     """``(folder of checkpoints, name)``: a checkpoint folder given as DIR
     (``DIR/epoch-0003``, or any folder with a manifest) stands for its
     parent and its name."""
@@ -43,13 +49,13 @@ def _split(path, name):
     return path, name
 
 
-def _pointed(dirname, which):
+def _pointed(dirname: str, which: str) -> str:
     """The name ``latest.json`` or ``best.json`` of ``dirname`` gives; a
     :class:`UsageError` if there is none."""
     name = CheckpointFolder(dirname).pointed(which)
     if name is not None:
         return name
-    file = os.path.join(dirname, f'{which}.json')
+    file = os.path.join(dirname, pointer_name(which))
     if os.path.exists(file):
         raise UsageError(f"no {which} checkpoint in {dirname}: {file} names no checkpoint")
     why = (": only checkpoints saved because of `monitor` are best ones" if which == 'best'
@@ -81,7 +87,7 @@ def _took(row):
     return text
 
 
-def _list(args, out):
+def _list(args: argparse.Namespace, out: IO[str]) -> int:
     dirname = os.path.normpath(args.dir)
     _check_folder(dirname)
     if is_checkpoint_name(os.path.basename(dirname)):
@@ -115,7 +121,7 @@ def _list(args, out):
               file=out)
     pointed = inspection.pointers(dirname)
     print('pointers: ' + '; '.join(
-        f"{which}.json -> {pointed[which] or 'none'}" for which in POINTERS), file=out)
+        f"{pointer_name(which)} -> {pointed[which] or 'none'}" for which in POINTERS), file=out)
     left = inspection.leftovers(dirname)
     print('left over:' + ('' if left else ' nothing'), file=out)
     for name, what in left:
@@ -135,12 +141,12 @@ def _list(args, out):
 
 # ---------------------------------------------------------------- verify
 
-def _pointer_problems(dirname, names):
+def _pointer_problems(dirname: str, names: list[str]) -> tuple[list[str], list[str]]:
     """(damaged, notes) about latest.json and best.json."""
     folder = CheckpointFolder(dirname)
     damaged, notes = [], []
     for which in POINTERS:
-        file = os.path.join(dirname, f'{which}.json')
+        file = os.path.join(dirname, pointer_name(which))
         if not os.path.exists(file):
             continue
         name = folder.pointed(which)
@@ -157,7 +163,7 @@ def _pointer_problems(dirname, names):
     return damaged, notes
 
 
-def _verify(args, out):
+def _verify(args: argparse.Namespace, out: IO[str]) -> int:
     dirname, name = _split(args.dir, args.name)
     _check_folder(dirname)
     folder = CheckpointFolder(dirname)

@@ -1,7 +1,7 @@
 """A folder of checkpoints: what is in it, and every change made to it.
 
 A checkpoint is a sub-folder ``epoch-NNNN`` holding a manifest
-(:mod:`~skorch_accel_callbacks.manifest`). It is written as
+(:mod:`~skorch_accel_callbacks.format`). It is written as
 ``epoch-NNNN.partial`` and committed by a rename once complete, then
 ``latest.json`` (and ``best.json``) point at it, and only then are older
 checkpoints retired. A crash at any moment leaves the previous checkpoints
@@ -10,29 +10,18 @@ half removed) is removed by the next job that locks the folder.
 """
 
 import os
-import re
 import warnings
+from collections.abc import Iterable
+from typing import Any
 
-from skorch_accel_callbacks import accelerate_io, atomic, manifest, sync
+from skorch_accel_callbacks import accelerate_io, atomic, format, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.lock import FolderLock
 
-__all__ = ['CheckpointFolder', 'PARTIAL_SUFFIX', 'POINTERS', 'PROBE_PREFIX',
-           'is_checkpoint_name', 'is_committer']
-
-PARTIAL_SUFFIX = '.partial'
-POINTERS = ('latest', 'best')
-_NAME_RE = re.compile(r'^epoch-(\d+)(-step-\d+)?$')
-# files of the check that save_on_each_node committers do not share a folder
-PROBE_PREFIX = '.node-probe-'
+__all__ = ['CheckpointFolder', 'is_committer']
 
 
-def is_checkpoint_name(name):
-    """Whether ``name`` is the name of a checkpoint folder (``epoch-NNNN``)."""
-    return bool(_NAME_RE.match(name))
-
-
-def is_committer(net):
+def is_committer(net: Any) -> bool:
     """Whether this process commits checkpoint folders: the main process,
     or with ``save_on_each_node`` the main process of each node."""
     if accelerate_io.save_on_each_node(net.accelerator):
@@ -60,34 +49,34 @@ class CheckpointFolder:
 
     """
 
-    def __init__(self, dirname):
+    def __init__(self, dirname: str | os.PathLike[str]) -> None:
         self.dirname = os.fspath(dirname)
         self._lock = FolderLock(self.dirname)
         self._claimed = False
         self._removals = []
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _claimed=False, _removals=[])
 
     # ------------------------------------------------------------ paths
 
-    def path(self, name):
+    def path(self, name: str) -> str:
         return os.path.join(self.dirname, name)
 
-    def partial_path(self, name):
-        return self.path(name) + PARTIAL_SUFFIX
+    def partial_path(self, name: str) -> str:
+        return self.path(name) + format.PARTIAL_SUFFIX
 
     @staticmethod
-    def name_of(path):
+    def name_of(path: str | os.PathLike[str]) -> str:
         """The checkpoint name of a checkpoint folder's path."""
         return os.path.basename(os.path.normpath(path))
 
-    def _pointer(self, which):
-        return self.path(f'{which}.json')
+    def _pointer(self, which: str) -> str:
+        return self.path(format.pointer_name(which))
 
     # ------------------------------------------------------------ claiming
 
-    def claim(self, net):
+    def claim(self, net: Any) -> None:
         """Create and lock the folder for this job's training; every rank
         calls it, and it acts once until :meth:`release`.
 
@@ -114,13 +103,13 @@ class CheckpointFolder:
                 self._remove_leftovers()
         self._claimed = True
 
-    def release(self):
+    def release(self) -> None:
         """End this job's claim; the lock is released (the kernel also
         releases it when the process ends)."""
         self._claimed = False
         self._lock.release()
 
-    def _prepare(self):
+    def _prepare(self) -> None:
         if os.path.lexists(self.dirname) and not os.path.isdir(self.dirname):
             raise NotADirectoryError(
                 f"checkpoint folder {self.dirname} is a file, not a folder")
@@ -128,24 +117,24 @@ class CheckpointFolder:
         if not os.access(self.dirname, os.W_OK | os.X_OK):
             raise PermissionError(f"checkpoint folder {self.dirname} is not writable")
 
-    def _remove_leftovers(self):
+    def _remove_leftovers(self) -> None:
         for name in os.listdir(self.dirname):
-            if atomic.is_leftover(name) or name.endswith(PARTIAL_SUFFIX):
+            if atomic.is_leftover(name) or name.endswith(format.PARTIAL_SUFFIX):
                 atomic.remove(self.path(name))
 
-    def _check_not_shared(self, net, committer):
+    def _check_not_shared(self, net: Any, committer: bool) -> None:
         """With save_on_each_node, two nodes committing into one shared folder
         would race; each committer leaves a probe file and looks for others'."""
         rank = sync.process_index(net)
-        probe = self.path(f'{PROBE_PREFIX}{rank}')
+        probe = self.path(format.probe_name(rank))
         with sync.agree(net, f"probing checkpoint folder {self.dirname}"):
             if committer:
                 atomic.write_json(probe, {'rank': rank})
         others = []
         if committer:
             others = sorted(
-                int(name[len(PROBE_PREFIX):]) for name in os.listdir(self.dirname)
-                if name.startswith(PROBE_PREFIX) and name != os.path.basename(probe))
+                int(name[len(format.PROBE_PREFIX):]) for name in os.listdir(self.dirname)
+                if name.startswith(format.PROBE_PREFIX) and name != os.path.basename(probe))
         seen = sync.gather(net, others)
         with sync.agree(net, f"removing probe files in {self.dirname}"):
             if committer:
@@ -160,28 +149,28 @@ class CheckpointFolder:
 
     # ------------------------------------------------------------ reading
 
-    def committed(self):
+    def committed(self) -> list[str]:
         """Names of the committed checkpoint folders, oldest commit first."""
         if not os.path.isdir(self.dirname):
             return []
         found = []
         for name in os.listdir(self.dirname):
             path = self.path(name)
-            if _NAME_RE.match(name) and os.path.isdir(path):
-                sealed = os.path.join(path, manifest.MANIFEST_NAME)
+            if format.is_checkpoint_name(name) and os.path.isdir(path):
+                sealed = os.path.join(path, format.MANIFEST_NAME)
                 stamp = os.path.getmtime(sealed) if os.path.exists(sealed) else 0.0
                 found.append((stamp, name))
         return [name for _, name in sorted(found)]
 
-    def pointed(self, which):
+    def pointed(self, which: str) -> str | None:
         """The name ``latest.json`` or ``best.json`` points at, or None."""
         try:
             name = atomic.read_json(self._pointer(which)).get('name')
         except (OSError, ValueError, AttributeError):
             return None
-        return name if isinstance(name, str) and _NAME_RE.match(name) else None
+        return name if isinstance(name, str) and format.is_checkpoint_name(name) else None
 
-    def find(self, which='latest'):
+    def find(self, which: str | os.PathLike[str] = 'latest') -> str | None:
         """Path of the checkpoint to resume from, or None if there is none.
 
         ``which`` is ``'latest'``, ``'best'`` or the path of a checkpoint
@@ -197,8 +186,8 @@ class CheckpointFolder:
           A checkpoint is of a newer format; there is no best checkpoint
           although there are checkpoints; none of the checkpoints is complete.
         """
-        if which not in POINTERS:
-            manifest.read(which)
+        if which not in format.POINTERS:
+            format.read(which)
             return os.fspath(which)
         names = self.committed()
         if which == 'best':
@@ -209,7 +198,7 @@ class CheckpointFolder:
                         f"no best checkpoint in {self.dirname}: only checkpoints saved "
                         "because of `monitor` are best ones")
                 return None
-            manifest.read(self.path(best))
+            format.read(self.path(best))
             return self.path(best)
         latest = self.pointed('latest')
         candidates = ([latest] if latest else []) + [
@@ -217,7 +206,7 @@ class CheckpointFolder:
         problems = []
         for name in candidates:
             try:
-                manifest.read(self.path(name))
+                format.read(self.path(name))
             except CorruptCheckpointError as exc:
                 warnings.warn(f"skipping checkpoint {self.path(name)}: {exc}", UserWarning)
                 problems.append(str(exc))
@@ -231,19 +220,22 @@ class CheckpointFolder:
 
     # ------------------------------------------------------------ writing
 
-    def start(self, name):
+    def start(self, name: str) -> str:
         """An empty partial folder for checkpoint ``name``; its path."""
         partial = self.partial_path(name)
         atomic.discard(partial)
         os.makedirs(partial)
         return partial
 
-    def commit(self, name, sealed, durable, best):
+    def commit(self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
+               started: float | None = None) -> dict[str, Any]:
         """Give the files and folders in the partial folder of ``name`` the
         modes a plain ``open`` and ``mkdir`` give (:func:`atomic.plain_modes`),
         seal it with the manifest ``sealed``, rename it into place and point
         ``latest.json`` (and ``best.json`` if ``best``) at it; return the
-        manifest written.
+        manifest written. ``started``: when the save began
+        (:func:`time.monotonic`), for the manifest's ``save_seconds``
+        (:func:`~skorch_accel_callbacks.format.write`).
 
         Runs on the committing process, in the background with
         ``async_save``: it touches no net and runs no collective.
@@ -252,7 +244,7 @@ class CheckpointFolder:
         # before the manifest flushes them: their writers (safetensors)
         # may have made them private
         atomic.give_plain_modes(partial)
-        written = manifest.write(partial, sealed, durable=durable)
+        written = format.write(partial, sealed, durable=durable, started=started)
         replaced = atomic.replace_folder(partial, self.path(name))
         if replaced is not None:
             self._removals.append(replaced)
@@ -261,7 +253,8 @@ class CheckpointFolder:
             atomic.write_json(self._pointer('best'), {'name': name})
         return written
 
-    def retire(self, keep_last, keep_best=None, keep=()):
+    def retire(self, keep_last: int, keep_best: int | None = None,
+               keep: Iterable[str | None] = ()) -> None:
         """Remove all but the ``keep_last`` newest checkpoints, the best one
         (or the ``keep_best`` newest of those marked best) and those named in
         ``keep`` (the one a job resumed from); the files go in the background."""
@@ -282,14 +275,14 @@ class CheckpointFolder:
                 if thread is not None:
                     self._removals.append(thread)
 
-    def _marked_best(self, name):
+    def _marked_best(self, name: str) -> bool:
         try:
             return bool(atomic.read_json(
-                os.path.join(self.path(name), manifest.MANIFEST_NAME)).get('best'))
+                os.path.join(self.path(name), format.MANIFEST_NAME)).get('best'))
         except (OSError, ValueError, AttributeError):
             return False  # not a complete checkpoint: nothing to keep
 
-    def wait_for_removals(self):
+    def wait_for_removals(self) -> None:
         """Wait until the retired checkpoints' files are removed."""
         for thread in self._removals:
             thread.join()

@@ -6,7 +6,14 @@ import warnings
 from skorch.callbacks import Callback
 from skorch.utils import noop
 
-from skorch_accel_callbacks import accelerate_io, epoch_position, manifest, sync, training_state
+from skorch_accel_callbacks import (
+    accelerate_io,
+    compat,
+    epoch_position,
+    format,
+    sync,
+    training_state,
+)
 from skorch_accel_callbacks.base import (
     FolderStateCallback,
     Resumed,
@@ -272,21 +279,21 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         rank = sync.process_index(net)
         reseed = self.on_world_size_change == 'reseed'
         with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
-            saved = manifest.read(path)
-            changed = manifest.check_world_size(net, saved, path, reseed)
-            manifest.check_compatible(net, saved, path)
+            saved = format.read(path)
+            changed = compat.check_world_size(net, saved, path, reseed)
+            compat.check_compatible(net, saved, path)
             if self.check_data:
-                manifest.check_same_data(saved, training_state.data_fingerprint(X, y), path)
-            changed_params = manifest.check_same_params(net, saved, path, self.check_params)
+                compat.check_same_data(saved, training_state.data_fingerprint(X, y), path)
+            changed_params = compat.check_same_params(net, saved, path, self.check_params)
             # the number of training rows is checked when the first epoch begins
-            manifest.check_epoch_settings(net, saved, path)
+            compat.check_epoch_settings(net, saved, path)
             self._saved_manifest = saved
             fresh_settings = training_state.optimizer_hyperparameters(net_optimizers(net))
             # on another number of processes the new ranks' random states
             # derive from rank 0's: the other saved ranks' files are not read
             reads_own_rank = not changed or rank == 0
             if reads_own_rank:
-                manifest.check_rank_files(path, saved, rank)
+                compat.check_rank_files(path, saved, rank)
             try:
                 accelerate_io.load_state(net.accelerator, path)
             except Exception as exc:
@@ -299,26 +306,24 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             # the new values of parameters allowed to change take effect
             training_state.keep_new_optimizer_settings(
                 net, changed_params, fresh_settings, hyperparameters)
-            history = _read_own(path, training_state.HISTORY_NAME,
+            history = _read_own(path, format.HISTORY_NAME,
                                 training_state.load_history)
             callbacks = _read_own(
-                path, (training_state.CALLBACKS_NAME, training_state.CALLBACK_TENSORS_NAME),
+                path, (format.CALLBACKS_NAME, format.CALLBACK_TENSORS_NAME),
                 training_state.load_callback_states)
             rank_state = None
             if reads_own_rank:
                 rank_state = _read_own(
-                    path, training_state.rank_state_name(rank),
+                    path, format.rank_state_name(rank),
                     lambda folder: training_state.load_rank_state(folder, rank))
             inside = None
-            if manifest.batches_into_epoch(saved) and not changed:
-                caches = training_state.epoch_caches_name(rank)
+            if format.batches_into_epoch(saved) and not changed:
                 inside = _read_own(
-                    path, (epoch_position.position_name(rank), f'{caches}.json',
-                           f'{caches}.safetensors'),
+                    path, (format.position_name(rank), *format.epoch_caches_names(rank)),
                     lambda folder: (*epoch_position.load_position(folder, rank),
                                     training_state.load_epoch_caches(folder, rank)))
-            elif manifest.batches_into_epoch(saved) and reads_own_rank:
-                inside = _read_own(path, epoch_position.position_name(rank),
+            elif format.batches_into_epoch(saved) and reads_own_rank:
+                inside = _read_own(path, format.position_name(rank),
                                    lambda folder: epoch_position.load_position(folder, rank))
         # the random states of the batch the checkpoint was taken at, given
         # back when training goes on inside its epoch
@@ -336,7 +341,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self.loaded_from_ = path
         # the history's last row is the epoch under way, if any
         done = len(history) - (1 if inside else 0)
-        stopped = manifest.stopped_early(saved)
+        stopped = format.stopped_early(saved)
         self._last_epoch = done if stopped else max(done, net.max_epochs)
         left = self._last_epoch - done
         self.resumed_ = self._record(net, saved, path)
@@ -432,8 +437,8 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                 f"{self.loaded_from_} was taken inside an epoch, but this run's training "
                 "data cannot skip batches by index (an IterableDataset)")
         # the train split is made by now, before the epoch's first step
-        manifest.check_train_rows(self._saved_manifest, len(loader.dataset),
-                                  self.loaded_from_)
+        compat.check_train_rows(self._saved_manifest, len(loader.dataset),
+                                self.loaded_from_)
         # on another number of processes the share of an epoch changed; at
         # least one batch is left, which the resume begins at
         batches = min(batches, max(len(loader) - 1, 0))

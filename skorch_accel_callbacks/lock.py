@@ -7,9 +7,9 @@ import os
 import socket
 import threading
 
-__all__ = ['FolderInUseError', 'FolderLock', 'LOCK_NAME', 'PrefixLock']
+from skorch_accel_callbacks.format import LOCK_NAME
 
-LOCK_NAME = '.lock'
+__all__ = ['FolderInUseError', 'FolderLock', 'PrefixLock']
 
 
 class FolderInUseError(RuntimeError):
