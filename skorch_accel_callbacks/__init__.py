@@ -9,15 +9,18 @@ The package, from the callbacks down (data flows one way, downwards):
 - ``triggers`` (when to save: pure policy), ``preemption`` (the signals that
   make a run save and stop), ``base`` (what the callbacks share);
 - ``folder`` (a folder of checkpoints: lock, leftovers, commit, pointers,
-  retirement), ``manifest`` (what a checkpoint holds, who can resume it);
+  retirement), ``compat`` (who can resume a checkpoint: the net as its
+  manifest describes it, and the checks against it);
 - ``training_state`` (what a resume needs beside ``save_state``),
   ``epoch_position`` (where a checkpoint is inside an epoch, and how a
   resume gets back there),
   ``background`` (saves written by a thread), ``accelerate_io`` (every use
   of accelerate's internals);
-- ``atomic`` (atomic files), ``lock`` (one job per folder, or per file
-  prefix), ``readers`` (files read without executing code), ``sync`` (the
-  only module that talks across processes), ``wrapping`` (:func:`unwrapped`),
+- ``lock`` (one job per folder, or per file prefix), ``readers`` (files
+  read without executing code), ``sync`` (the only module that talks across
+  processes), ``wrapping`` (:func:`unwrapped`);
+- ``format`` (the on-disk format: the name of every file and folder, and
+  the manifest that seals a checkpoint), ``atomic`` (atomic files),
   ``errors``.
 
 Beside them, reading a folder of checkpoints after training: ``cli`` (the

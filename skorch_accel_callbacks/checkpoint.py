@@ -13,9 +13,10 @@ from skorch.utils import noop
 
 from skorch_accel_callbacks import (
     accelerate_io,
+    compat,
     epoch_position,
     export,
-    manifest,
+    format,
     sync,
     training_state,
     triggers,
@@ -412,8 +413,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         at optimizer step ``SSSSSSSS`` of the epoch after (names sort in
         training order)."""
         if not net.history or training_state.epoch_completed(net):
-            return f"epoch-{len(net.history):04d}"
-        return f"epoch-{len(net.history) - 1:04d}-step-{self.global_step_:08d}"
+            return format.checkpoint_name(len(net.history))
+        return format.checkpoint_name(len(net.history) - 1, self.global_step_)
 
     def is_committer(self, net: Any) -> bool:
         """Whether this process commits checkpoint folders (one per folder)."""
@@ -425,7 +426,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         accelerate_io.check_checkpointable(
             net, type(self).__name__ + ('(async_save=True)' if self.async_save else ''))
         with own_registries(net):
-            manifest.model_layout(net)
+            compat.model_layout(net)
 
     # ------------------------------------------------------------ reading
 
@@ -450,7 +451,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     def f_history(self) -> str:
         """The history's file in a checkpoint; skorch's ``load_params``
         reads the history of a checkpoint when this is not None."""
-        return training_state.HISTORY_NAME
+        return format.HISTORY_NAME
 
     @property
     def f_history_(self) -> str:

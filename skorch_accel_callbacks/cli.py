@@ -24,8 +24,13 @@ from typing import Any, TextIO
 from skorch_accel_callbacks import export as exporting, inspection
 from skorch_accel_callbacks.base import format_bytes
 from skorch_accel_callbacks.errors import CheckpointError
-from skorch_accel_callbacks.folder import POINTERS, CheckpointFolder, is_checkpoint_name
-from skorch_accel_callbacks.manifest import MANIFEST_NAME
+from skorch_accel_callbacks.folder import CheckpointFolder
+from skorch_accel_callbacks.format import (
+    MANIFEST_NAME,
+    POINTERS,
+    is_checkpoint_name,
+    pointer_name,
+)
 
 __all__ = ['main']
 
@@ -53,7 +58,7 @@ def _pointed(dirname: str, which: str) -> str:
     name = CheckpointFolder(dirname).pointed(which)
     if name is not None:
         return name
-    file = os.path.join(dirname, f'{which}.json')
+    file = os.path.join(dirname, pointer_name(which))
     if os.path.exists(file):
         raise UsageError(f"no {which} checkpoint in {dirname}: {file} names no checkpoint")
     why = (": only checkpoints saved because of `monitor` are best ones" if which == 'best'
@@ -119,7 +124,7 @@ def _list(args: argparse.Namespace, out: TextIO) -> int:
               file=out)
     pointed = inspection.pointers(dirname)
     print('pointers: ' + '; '.join(
-        f"{which}.json -> {pointed[which] or 'none'}" for which in POINTERS), file=out)
+        f"{pointer_name(which)} -> {pointed[which] or 'none'}" for which in POINTERS), file=out)
     left = inspection.leftovers(dirname)
     print('left over:' + ('' if left else ' nothing'), file=out)
     for name, what in left:
@@ -144,7 +149,7 @@ def _pointer_problems(dirname: str, names: Collection[str]) -> tuple[list[str], 
     folder = CheckpointFolder(dirname)
     damaged, notes = [], []
     for which in POINTERS:
-        file = os.path.join(dirname, f'{which}.json')
+        file = os.path.join(dirname, pointer_name(which))
         if not os.path.exists(file):
             continue
         name = folder.pointed(which)

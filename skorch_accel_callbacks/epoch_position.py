@@ -30,15 +30,12 @@ from safetensors.torch import save_file
 from torch.utils.data import IterableDataset
 
 from skorch_accel_callbacks import accelerate_io, training_state
+from skorch_accel_callbacks.format import position_name
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
-__all__ = ['EpochStart', 'position_name', 'save_position', 'load_position', 'can_skip']
-
-
-def position_name(rank: int) -> str:
-    return f'position_{rank}.safetensors'
+__all__ = ['EpochStart', 'save_position', 'load_position', 'can_skip']
 
 
 class EpochStart:

@@ -22,10 +22,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from skorch_accel_callbacks import accelerate_io, manifest, training_state
+from skorch_accel_callbacks import accelerate_io, compat, format
 from skorch_accel_callbacks.atomic import atomic_path, read_json
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.folder import POINTERS, CheckpointFolder, is_checkpoint_name
+from skorch_accel_callbacks.folder import CheckpointFolder
+from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name
 
 __all__ = ['checkpoint_files', 'export', 'exported_name', 'f_argument', 'find_checkpoint',
            'find_exportable']
@@ -75,7 +76,7 @@ def find_checkpoint(source: str | os.PathLike, which: str | os.PathLike = 'lates
             raise ValueError(
                 f"{source} is one checkpoint; which={which!r} chooses among the "
                 "checkpoints of a folder: pass that folder")
-        manifest.read(source)
+        format.read(source)
         return source
     folder = CheckpointFolder(source)
     if which in POINTERS:
@@ -89,7 +90,7 @@ def find_checkpoint(source: str | os.PathLike, which: str | os.PathLike = 'lates
         if not os.path.isdir(path):
             raise FileNotFoundError(
                 f"no checkpoint {which} in {source}; it has {folder.committed() or 'none'}")
-        manifest.read(path)
+        format.read(path)
         return path
     if not os.path.isdir(which):
         raise FileNotFoundError(
@@ -106,10 +107,10 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
     Raises :class:`CorruptCheckpointError` naming the file if the checkpoint
     is not complete.
     """
-    saved = manifest.read(path)
+    saved = format.read(path)
     files = {f_argument(name): os.path.join(path, file)
-             for name, file in manifest.model_files(saved, path)}
-    files['f_history'] = os.path.join(path, training_state.HISTORY_NAME)
+             for name, file in compat.model_files(saved, path)}
+    files['f_history'] = os.path.join(path, format.HISTORY_NAME)
     return files
 
 
@@ -119,26 +120,26 @@ def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
     a missing or damaged optimizer or random-state file, cannot be resumed
     from, but its model can be exported; a warning names the files at fault.
 
-    Raises the error of :func:`manifest.read` if the manifest itself is at
+    Raises the error of :func:`format.read` if the manifest itself is at
     fault, and :class:`CorruptCheckpointError` naming the model file or
     history that is missing or damaged.
     """
     try:
-        return manifest.read(path)
+        return format.read(path)
     except CorruptCheckpointError as exc:
         incomplete = exc
-    sealed = os.path.join(path, manifest.MANIFEST_NAME)
+    sealed = os.path.join(path, format.MANIFEST_NAME)
     try:
         saved = read_json(sealed)
     except (OSError, ValueError):
         raise incomplete from None
     fmt = saved.get('format_version') if isinstance(saved, dict) else None
-    if not (type(fmt) is int and 1 <= fmt <= manifest.FORMAT_VERSION
+    if not (type(fmt) is int and 1 <= fmt <= format.FORMAT_VERSION
             and isinstance(saved.get('files'), dict)):
         raise incomplete
     files = saved['files']
-    needed = [file for _, file in manifest.model_files(saved, path)]
-    needed.append(training_state.HISTORY_NAME)
+    needed = [file for _, file in compat.model_files(saved, path)]
+    needed.append(format.HISTORY_NAME)
     problems = {}
     for rel, size in files.items():
         file = os.path.join(path, rel)
@@ -151,9 +152,9 @@ def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
             continue
         if rel in needed:
             raise CorruptCheckpointError(problems[rel])
-    if training_state.HISTORY_NAME not in files:
+    if format.HISTORY_NAME not in files:
         raise CorruptCheckpointError(
-            f"{os.path.join(path, training_state.HISTORY_NAME)} is not listed in {sealed}")
+            f"{os.path.join(path, format.HISTORY_NAME)} is not listed in {sealed}")
     warnings.warn(f"{path} is not a complete checkpoint, it cannot be resumed from: "
                   + '; '.join(problems.values())
                   + "; its model files and history are intact and are exported", UserWarning)
@@ -195,12 +196,12 @@ def _exported_checkpoint(
         # the checkpoint named (one, best.json's, by name or path) is incomplete
         path = source if one else _named(CheckpointFolder(source), which)
         return path, _exportable_manifest(path)
-    return path, manifest.read(path)
+    return path, format.read(path)
 
 
 def _is_one_checkpoint(source: str | os.PathLike) -> bool:
     return (is_checkpoint_name(os.path.basename(os.path.normpath(source)))
-            or os.path.isfile(os.path.join(source, manifest.MANIFEST_NAME)))
+            or os.path.isfile(os.path.join(source, format.MANIFEST_NAME)))
 
 
 def _named(folder: CheckpointFolder, which: str | os.PathLike) -> str:
@@ -295,7 +296,7 @@ def export(
     inside = os.path.relpath(os.path.realpath(out), os.path.realpath(path))
     if not (inside == os.pardir or inside.startswith(os.pardir + os.sep)):
         raise ValueError(f"{out} is inside the checkpoint {path}: export into another folder")
-    history = os.path.join(path, training_state.HISTORY_NAME)
+    history = os.path.join(path, format.HISTORY_NAME)
     try:
         read_json(history)
     except (OSError, ValueError) as exc:
@@ -303,7 +304,7 @@ def export(
     # every file is read before one is written: a damaged checkpoint
     # leaves ``out`` as it was
     models = [(name, _load_tensors(os.path.join(path, file)))
-              for name, file in manifest.model_files(saved, path)]
+              for name, file in compat.model_files(saved, path)]
     os.makedirs(out, exist_ok=True)
     written = {}
     for name, tensors in models:
@@ -313,7 +314,7 @@ def export(
                 'format': 'pt', 'module': name, 'checkpoint': os.path.basename(path),
                 'epoch': str(saved.get('epoch'))})
         written[f_argument(name)] = target
-    target = os.path.join(out, training_state.HISTORY_NAME)
+    target = os.path.join(out, format.HISTORY_NAME)
     with atomic_path(target) as tmp:
         shutil.copyfile(history, tmp)
     written['f_history'] = target

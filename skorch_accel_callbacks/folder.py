@@ -1,7 +1,7 @@
 """A folder of checkpoints: what is in it, and every change made to it.
 
 A checkpoint is a sub-folder ``epoch-NNNN`` holding a manifest
-(:mod:`~skorch_accel_callbacks.manifest`). It is written as
+(:mod:`~skorch_accel_callbacks.format`). It is written as
 ``epoch-NNNN.partial`` and committed by a rename once complete, then
 ``latest.json`` (and ``best.json``) point at it, and only then are older
 checkpoints retired. A crash at any moment leaves the previous checkpoints
@@ -12,34 +12,18 @@ half removed) is removed by the next job that locks the folder.
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from skorch_accel_callbacks import accelerate_io, atomic, manifest, sync
+from skorch_accel_callbacks import accelerate_io, atomic, format, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.lock import FolderLock
 
-if TYPE_CHECKING:
-    from skorch import NeuralNet
-
-__all__ = ['CheckpointFolder', 'PARTIAL_SUFFIX', 'POINTERS', 'PROBE_PREFIX',
-           'is_checkpoint_name', 'is_committer']
-
-PARTIAL_SUFFIX = '.partial'
-POINTERS = ('latest', 'best')
-_NAME_RE = re.compile(r'^epoch-(\d+)(-step-\d+)?$')
-# files of the check that save_on_each_node committers do not share a folder
-PROBE_PREFIX = '.node-probe-'
+__all__ = ['CheckpointFolder', 'is_committer']
 
 
-def is_checkpoint_name(name: str) -> bool:
-    """Whether ``name`` is the name of a checkpoint folder (``epoch-NNNN``)."""
-    return bool(_NAME_RE.match(name))
-
-
-def is_committer(net: NeuralNet) -> bool:
+def is_committer(net: Any) -> bool:
     """Whether this process commits checkpoint folders: the main process,
     or with ``save_on_each_node`` the main process of each node."""
     if accelerate_io.save_on_each_node(net.accelerator):
@@ -67,7 +51,7 @@ class CheckpointFolder:
 
     """
 
-    def __init__(self, dirname: str | os.PathLike) -> None:
+    def __init__(self, dirname: str | os.PathLike[str]) -> None:
         self.dirname = os.fspath(dirname)
         self._lock = FolderLock(self.dirname)
         self._claimed = False
@@ -82,19 +66,19 @@ class CheckpointFolder:
         return os.path.join(self.dirname, name)
 
     def partial_path(self, name: str) -> str:
-        return self.path(name) + PARTIAL_SUFFIX
+        return self.path(name) + format.PARTIAL_SUFFIX
 
     @staticmethod
-    def name_of(path: str | os.PathLike) -> str:
+    def name_of(path: str | os.PathLike[str]) -> str:
         """The checkpoint name of a checkpoint folder's path."""
         return os.path.basename(os.path.normpath(path))
 
     def _pointer(self, which: str) -> str:
-        return self.path(f'{which}.json')
+        return self.path(format.pointer_name(which))
 
     # ------------------------------------------------------------ claiming
 
-    def claim(self, net: NeuralNet) -> None:
+    def claim(self, net: Any) -> None:
         """Create and lock the folder for this job's training; every rank
         calls it, and it acts once until :meth:`release`.
 
@@ -137,22 +121,22 @@ class CheckpointFolder:
 
     def _remove_leftovers(self) -> None:
         for name in os.listdir(self.dirname):
-            if atomic.is_leftover(name) or name.endswith(PARTIAL_SUFFIX):
+            if atomic.is_leftover(name) or name.endswith(format.PARTIAL_SUFFIX):
                 atomic.remove(self.path(name))
 
-    def _check_not_shared(self, net: NeuralNet, committer: bool) -> None:
+    def _check_not_shared(self, net: Any, committer: bool) -> None:
         """With save_on_each_node, two nodes committing into one shared folder
         would race; each committer leaves a probe file and looks for others'."""
         rank = sync.process_index(net)
-        probe = self.path(f'{PROBE_PREFIX}{rank}')
+        probe = self.path(format.probe_name(rank))
         with sync.agree(net, f"probing checkpoint folder {self.dirname}"):
             if committer:
                 atomic.write_json(probe, {'rank': rank})
         others = []
         if committer:
             others = sorted(
-                int(name[len(PROBE_PREFIX):]) for name in os.listdir(self.dirname)
-                if name.startswith(PROBE_PREFIX) and name != os.path.basename(probe))
+                int(name[len(format.PROBE_PREFIX):]) for name in os.listdir(self.dirname)
+                if name.startswith(format.PROBE_PREFIX) and name != os.path.basename(probe))
         seen = sync.gather(net, others)
         with sync.agree(net, f"removing probe files in {self.dirname}"):
             if committer:
@@ -174,8 +158,8 @@ class CheckpointFolder:
         found = []
         for name in os.listdir(self.dirname):
             path = self.path(name)
-            if _NAME_RE.match(name) and os.path.isdir(path):
-                sealed = os.path.join(path, manifest.MANIFEST_NAME)
+            if format.is_checkpoint_name(name) and os.path.isdir(path):
+                sealed = os.path.join(path, format.MANIFEST_NAME)
                 stamp = os.path.getmtime(sealed) if os.path.exists(sealed) else 0.0
                 found.append((stamp, name))
         return [name for _, name in sorted(found)]
@@ -186,9 +170,9 @@ class CheckpointFolder:
             name = atomic.read_json(self._pointer(which)).get('name')
         except (OSError, ValueError, AttributeError):
             return None
-        return name if isinstance(name, str) and _NAME_RE.match(name) else None
+        return name if isinstance(name, str) and format.is_checkpoint_name(name) else None
 
-    def find(self, which: str | os.PathLike = 'latest') -> str | None:
+    def find(self, which: str | os.PathLike[str] = 'latest') -> str | None:
         """Path of the checkpoint to resume from, or None if there is none.
 
         ``which`` is ``'latest'``, ``'best'`` or the path of a checkpoint
@@ -204,8 +188,8 @@ class CheckpointFolder:
           A checkpoint is of a newer format; there is no best checkpoint
           although there are checkpoints; none of the checkpoints is complete.
         """
-        if which not in POINTERS:
-            manifest.read(which)
+        if which not in format.POINTERS:
+            format.read(which)
             return os.fspath(which)
         names = self.committed()
         if which == 'best':
@@ -216,7 +200,7 @@ class CheckpointFolder:
                         f"no best checkpoint in {self.dirname}: only checkpoints saved "
                         "because of `monitor` are best ones")
                 return None
-            manifest.read(self.path(best))
+            format.read(self.path(best))
             return self.path(best)
         latest = self.pointed('latest')
         candidates = ([latest] if latest else []) + [
@@ -224,7 +208,7 @@ class CheckpointFolder:
         problems = []
         for name in candidates:
             try:
-                manifest.read(self.path(name))
+                format.read(self.path(name))
             except CorruptCheckpointError as exc:
                 warnings.warn(f"skipping checkpoint {self.path(name)}: {exc}", UserWarning)
                 problems.append(str(exc))
@@ -245,15 +229,15 @@ class CheckpointFolder:
         os.makedirs(partial)
         return partial
 
-    def commit(
-            self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
-            started: float | None = None,
-    ) -> dict[str, Any]:
+    def commit(self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
+               started: float | None = None) -> dict[str, Any]:
         """Give the files and folders in the partial folder of ``name`` the
         modes a plain ``open`` and ``mkdir`` give (:func:`atomic.plain_modes`),
         seal it with the manifest ``sealed``, rename it into place and point
         ``latest.json`` (and ``best.json`` if ``best``) at it; return the
-        manifest written.
+        manifest written. ``started``: when the save began
+        (:func:`time.monotonic`), for the manifest's ``save_seconds``
+        (:func:`~skorch_accel_callbacks.format.write`).
 
         Runs on the committing process, in the background with
         ``async_save``: it touches no net and runs no collective.
@@ -262,7 +246,7 @@ class CheckpointFolder:
         # before the manifest flushes them: their writers (safetensors)
         # may have made them private
         atomic.give_plain_modes(partial)
-        written = manifest.write(partial, sealed, durable=durable, started=started)
+        written = format.write(partial, sealed, durable=durable, started=started)
         replaced = atomic.replace_folder(partial, self.path(name))
         if replaced is not None:
             self._removals.append(replaced)
@@ -271,9 +255,8 @@ class CheckpointFolder:
             atomic.write_json(self._pointer('best'), {'name': name})
         return written
 
-    def retire(
-            self, keep_last: int, keep_best: int | None = None, keep: Iterable[str] = (),
-    ) -> None:
+    def retire(self, keep_last: int, keep_best: int | None = None,
+               keep: Iterable[str | None] = ()) -> None:
         """Remove all but the ``keep_last`` newest checkpoints, the best one
         (or the ``keep_best`` newest of those marked best) and those named in
         ``keep`` (the one a job resumed from); the files go in the background."""
@@ -297,7 +280,7 @@ class CheckpointFolder:
     def _marked_best(self, name: str) -> bool:
         try:
             return bool(atomic.read_json(
-                os.path.join(self.path(name), manifest.MANIFEST_NAME)).get('best'))
+                os.path.join(self.path(name), format.MANIFEST_NAME)).get('best'))
         except (OSError, ValueError, AttributeError):
             return False  # not a complete checkpoint: nothing to keep
 

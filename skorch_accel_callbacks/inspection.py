@@ -17,10 +17,10 @@ from typing import Any
 
 from safetensors import safe_open
 
-from skorch_accel_callbacks import accelerate_io, atomic, manifest, training_state
+from skorch_accel_callbacks import accelerate_io, atomic, compat, format
 from skorch_accel_callbacks.errors import CheckpointError
-from skorch_accel_callbacks.folder import PARTIAL_SUFFIX, POINTERS, PROBE_PREFIX, CheckpointFolder
-from skorch_accel_callbacks.lock import LOCK_NAME
+from skorch_accel_callbacks.folder import CheckpointFolder
+from skorch_accel_callbacks.format import LOCK_NAME, PARTIAL_SUFFIX, POINTERS, PROBE_PREFIX
 
 __all__ = ['Verdict', 'checkpoint_bytes', 'describe', 'leftovers', 'lock_state', 'pointers',
            'verify']
@@ -42,7 +42,7 @@ def _score(path: str | os.PathLike) -> tuple[str, float] | None:
     """``(column, value)`` of the last complete epoch in a checkpoint's history:
     ``valid_loss``, else ``train_loss``; None if neither can be read."""
     try:
-        with open(os.path.join(path, training_state.HISTORY_NAME), encoding='utf-8') as f:
+        with open(os.path.join(path, format.HISTORY_NAME), encoding='utf-8') as f:
             rows = json.load(f)
         # inside an epoch, the last row has no scores yet
         last = next(row for row in reversed(rows)
@@ -67,7 +67,7 @@ def _saved_at(path: str | os.PathLike, saved: Any) -> datetime | None:
         else:
             return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
     try:
-        mtime = os.path.getmtime(os.path.join(path, manifest.MANIFEST_NAME))
+        mtime = os.path.getmtime(os.path.join(path, format.MANIFEST_NAME))
     except OSError:
         return None
     return datetime.fromtimestamp(mtime, UTC)
@@ -94,11 +94,11 @@ def describe(dirname: str | os.PathLike) -> list[dict[str, Any]]:
         path = folder.path(name)
         problem = None
         try:
-            saved = manifest.read(path)
+            saved = format.read(path)
         except CheckpointError as exc:  # and CorruptCheckpointError
             problem = str(exc)
             try:
-                saved = atomic.read_json(os.path.join(path, manifest.MANIFEST_NAME))
+                saved = atomic.read_json(os.path.join(path, format.MANIFEST_NAME))
             except (OSError, ValueError):
                 saved = {}
         if not isinstance(saved, dict):
@@ -108,10 +108,10 @@ def describe(dirname: str | os.PathLike) -> list[dict[str, Any]]:
             'path': path,
             'epoch': saved.get('epoch'),
             'step': (saved.get('position') or {}).get('step'),
-            'batches_into_epoch': manifest.batches_into_epoch(saved),
+            'batches_into_epoch': format.batches_into_epoch(saved),
             'best': bool(saved.get('best')),
             'finished': bool(saved.get('finished')),
-            'stopped_early': manifest.stopped_early(saved) if saved else False,
+            'stopped_early': format.stopped_early(saved) if saved else False,
             'world_size': saved.get('world_size'),
             'bytes': checkpoint_bytes(saved),
             'saved_at': _saved_at(path, saved),
@@ -246,7 +246,7 @@ def verify(path: str | os.PathLike) -> Verdict:
     inside a tensor.
     """
     verdict = Verdict(path)
-    sealed = os.path.join(path, manifest.MANIFEST_NAME)
+    sealed = os.path.join(path, format.MANIFEST_NAME)
     if not os.path.isdir(path):
         verdict.damaged.append(f"{path} is not a folder")
         return verdict
@@ -265,10 +265,10 @@ def verify(path: str | os.PathLike) -> Verdict:
     if type(fmt) is not int or fmt < 1:
         verdict.damaged.append(f"{sealed} has format_version {fmt!r}, not a format number")
         return verdict
-    if fmt > manifest.FORMAT_VERSION:
+    if fmt > format.FORMAT_VERSION:
         verdict.damaged.append(
             f"{sealed} has checkpoint format {fmt}; this version reads format "
-            f"{manifest.FORMAT_VERSION} and older: upgrade skorch-accel-callbacks")
+            f"{format.FORMAT_VERSION} and older: upgrade skorch-accel-callbacks")
         return verdict
     files = saved.get('files')
     if not isinstance(files, dict):
@@ -279,7 +279,7 @@ def verify(path: str | os.PathLike) -> Verdict:
 
     layouts = {}
     try:
-        for (name, file), entry in zip(manifest.model_files(saved, path), saved['models'],
+        for (name, file), entry in zip(compat.model_files(saved, path), saved['models'],
                                        strict=True):
             layouts[file] = (name, entry[1] if len(entry) > 1 else None)
     except CheckpointError as exc:  # and CorruptCheckpointError
@@ -311,7 +311,7 @@ def verify(path: str | os.PathLike) -> Verdict:
     for root, _, names in os.walk(path):
         for name in names:
             rel = os.path.relpath(os.path.join(root, name), path)
-            if rel != manifest.MANIFEST_NAME and rel not in files:
+            if rel != format.MANIFEST_NAME and rel not in files:
                 verdict.notes.append(
                     f"{os.path.join(path, rel)} is not listed in {sealed} (added later?)")
     return verdict

@@ -10,9 +10,9 @@ import socket
 import threading
 from typing import Any, Self, TextIO
 
-__all__ = ['FolderInUseError', 'FolderLock', 'LOCK_NAME', 'PrefixLock']
+from skorch_accel_callbacks.format import LOCK_NAME
 
-LOCK_NAME = '.lock'
+__all__ = ['FolderInUseError', 'FolderLock', 'PrefixLock']
 
 
 class FolderInUseError(RuntimeError):

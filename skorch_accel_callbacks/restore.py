@@ -19,7 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from skorch_accel_callbacks import accelerate_io, epoch_position, manifest, sync, training_state
+from skorch_accel_callbacks import (
+    accelerate_io,
+    compat,
+    epoch_position,
+    format,
+    sync,
+    training_state,
+)
 from skorch_accel_callbacks.base import processes
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
@@ -89,7 +96,7 @@ class Restored:
     @property
     def stopped_early(self) -> bool:
         """A callback stopped its training: resuming it trains nothing."""
-        return manifest.stopped_early(self.manifest)
+        return format.stopped_early(self.manifest)
 
 
 def choose_checkpoint(net: Any, storage: CheckpointStorage, which: str | os.PathLike) -> str | None:
@@ -130,31 +137,31 @@ def read_checkpoint(net: Any, path: str, checks: ResumeChecks, X: Any = None,
     """
     rank = sync.process_index(net)
     with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
-        saved = manifest.read(path)
-        changed = manifest.check_world_size(net, saved, path, checks.reseed)
-        manifest.check_compatible(net, saved, path)
+        saved = format.read(path)
+        changed = compat.check_world_size(net, saved, path, checks.reseed)
+        compat.check_compatible(net, saved, path)
         if checks.data:
-            manifest.check_same_data(saved, training_state.data_fingerprint(X, y), path)
-        changed_params = manifest.check_same_params(net, saved, path, checks.params)
+            compat.check_same_data(saved, training_state.data_fingerprint(X, y), path)
+        changed_params = compat.check_same_params(net, saved, path, checks.params)
         # the number of training rows is checked when the first epoch begins
-        manifest.check_epoch_settings(net, saved, path)
+        compat.check_epoch_settings(net, saved, path)
         # on another number of processes the new ranks' random states
         # derive from rank 0's: the other saved ranks' files are not read
         reads_own_rank = not changed or rank == 0
         if reads_own_rank:
-            manifest.check_rank_files(path, saved, rank)
+            compat.check_rank_files(path, saved, rank)
         hyperparameters = _load_accelerator_state(net, path, changed_params)
         rng = training_state.capture_rng()
-        history = _read_own(path, training_state.HISTORY_NAME, training_state.load_history)
+        history = _read_own(path, format.HISTORY_NAME, training_state.load_history)
         callbacks = _read_own(
-            path, (training_state.CALLBACKS_NAME, training_state.CALLBACK_TENSORS_NAME),
+            path, (format.CALLBACKS_NAME, format.CALLBACK_TENSORS_NAME),
             training_state.load_callback_states)
         rank_state = None
         if reads_own_rank:
-            rank_state = _read_own(path, training_state.rank_state_name(rank),
+            rank_state = _read_own(path, format.rank_state_name(rank),
                                    lambda folder: training_state.load_rank_state(folder, rank))
         inside = None
-        if manifest.batches_into_epoch(saved) and reads_own_rank:
+        if format.batches_into_epoch(saved) and reads_own_rank:
             inside = _read_position(path, rank, with_caches=not changed)
     restored = Restored(path, saved, history, callbacks, rng, rank_state, hyperparameters,
                         inside, _saved_step(net, saved, history))
@@ -183,10 +190,9 @@ def _model_and_optimizer_files(folder: str) -> list[str]:
 
 
 def _read_position(path: str, rank: int, with_caches: bool) -> InsideEpoch:
-    caches_name = training_state.epoch_caches_name(rank)
-    names = [epoch_position.position_name(rank)]
+    names = [format.position_name(rank)]
     if with_caches:
-        names += [f'{caches_name}.json', f'{caches_name}.safetensors']
+        names += list(format.epoch_caches_names(rank))
 
     def load(folder: str) -> InsideEpoch:
         batches, start = epoch_position.load_position(folder, rank)

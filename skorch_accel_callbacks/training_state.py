@@ -41,16 +41,19 @@ from skorch.history import History
 
 from skorch_accel_callbacks import accelerate_io
 from skorch_accel_callbacks.atomic import read_json, write_json
+from skorch_accel_callbacks.format import (
+    CALLBACK_TENSORS_NAME,
+    CALLBACKS_NAME,
+    HISTORY_NAME,
+    epoch_caches_names,
+    rank_state_name,
+)
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
     from torch.utils.data import DataLoader
 
 __all__ = [
-    'HISTORY_NAME',
-    'CALLBACKS_NAME',
-    'CALLBACK_TENSORS_NAME',
-    'rank_state_name',
     'capture_rng',
     'restore_rng',
     'reseed_origin',
@@ -70,7 +73,6 @@ __all__ = [
     'save_callback_states',
     'load_callback_states',
     'apply_callback_states',
-    'epoch_caches_name',
     'save_epoch_caches',
     'load_epoch_caches',
     'apply_epoch_caches',
@@ -79,15 +81,6 @@ __all__ = [
     'load_rank_state',
     'apply_rank_state',
 ]
-
-HISTORY_NAME = 'history.json'
-CALLBACKS_NAME = 'callbacks.json'
-CALLBACK_TENSORS_NAME = 'callbacks.safetensors'
-
-
-def rank_state_name(rank: int) -> str:
-    return f'loader_state_{rank}.safetensors'
-
 
 # Fitted attributes that are scratch space of one epoch, not state: saving
 # them would only cost disk (they are reset when the next epoch begins).
@@ -546,10 +539,6 @@ def apply_callback_states(
 
 # ---------------------------------------------------------------- within an epoch
 
-def epoch_caches_name(rank: int) -> str:
-    return f'epoch_caches_{rank}'
-
-
 def save_epoch_caches(folder: str | os.PathLike, rank: int, net: NeuralNet) -> None:
     """Save this rank's scratch space of the epoch under way (the
     predictions EpochScoring collects on the training batches), which a
@@ -563,15 +552,15 @@ def save_epoch_caches(folder: str | os.PathLike, rank: int, net: NeuralNet) -> N
                 caches[name] = {attr: encoder.encode(getattr(callback, attr, None),
                                                      f"{name}/{attr}")
                                 for attr in attrs}
-    base = f"{folder}/{epoch_caches_name(rank)}"
-    write_json(f"{base}.json", caches, atomic=False)
-    save_file(encoder.tensors or {'_': torch.zeros(0)}, f"{base}.safetensors")
+    json_name, tensors_name = epoch_caches_names(rank)
+    write_json(f"{folder}/{json_name}", caches, atomic=False)
+    save_file(encoder.tensors or {'_': torch.zeros(0)}, f"{folder}/{tensors_name}")
 
 
 def load_epoch_caches(folder: str | os.PathLike, rank: int) -> dict[str, dict[str, Any]]:
-    base = f"{folder}/{epoch_caches_name(rank)}"
-    caches = read_json(f"{base}.json")
-    tensors = load_file(f"{base}.safetensors")
+    json_name, tensors_name = epoch_caches_names(rank)
+    caches = read_json(f"{folder}/{json_name}")
+    tensors = load_file(f"{folder}/{tensors_name}")
     return {name: {attr: _decode(value, tensors) for attr, value in attrs.items()}
             for name, attrs in caches.items()}
 

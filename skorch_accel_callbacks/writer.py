@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from skorch_accel_callbacks import accelerate_io, epoch_position, manifest, sync, training_state
+from skorch_accel_callbacks import accelerate_io, compat, epoch_position, sync, training_state
 from skorch_accel_callbacks.base import format_bytes
 from skorch_accel_callbacks.folder import is_committer
 from skorch_accel_callbacks.stager import HostStager, Staged
@@ -185,7 +185,7 @@ class SyncWriter:
                 return None
             training_state.save_history(partial, net)
             training_state.save_callback_states(partial, net)
-            return manifest.build(
+            return compat.build_manifest(
                 net, request.name, request.best, request.finished, request.stopped_early,
                 request.data, {'step': request.step, 'batches': request.batches},
                 request.train_loader)

@@ -17,7 +17,7 @@ from skorch.callbacks import Callback
 from common import MLP, make_accelerator, make_data, make_net
 from resume_runs import run
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
-from skorch_accel_callbacks.manifest import FORMAT_VERSION
+from skorch_accel_callbacks.format import FORMAT_VERSION
 from testutil import assert_identical, edit_manifest, final_state, read_results
 
 

@@ -21,6 +21,7 @@ from skorch_accel_callbacks import (
     FolderInUseError,
     ParamsCheckpoint,
     atomic,
+    format,
     lock,
 )
 from skorch_accel_callbacks.folder import CheckpointFolder
@@ -256,7 +257,7 @@ def test_lock_reached_by_another_path_is_refused_naming_this_process(tmp_path):
     # a hard link: another real path to the same lock file, as a bind mount gives
     held = lock.FolderLock(tmp_path).acquire()
     try:
-        os.link(tmp_path / lock.LOCK_NAME, tmp_path / 'alias')
+        os.link(tmp_path / format.LOCK_NAME, tmp_path / 'alias')
         with pytest.raises(FolderInUseError,
                            match=f"pid {os.getpid()} on host {socket.gethostname()}, "
                                  "this process, through another path to the lock file"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common import make_accelerator, make_data, make_net
-from skorch_accel_callbacks import accelerate_io, manifest, restore, training_state
+from skorch_accel_callbacks import accelerate_io, format, restore, training_state
 from skorch_accel_callbacks.folder import CheckpointFolder
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 from skorch_accel_callbacks.writer import (
@@ -187,8 +187,8 @@ def test_read_checkpoint_gives_a_record_of_what_was_saved(tmp_path, trained, mon
     torch.manual_seed(1)
     other = make_net(make_accelerator(), max_epochs=1).initialize()
     reads = []
-    original = manifest.read
-    monkeypatch.setattr(manifest, 'read', lambda folder: reads.append(folder) or original(folder))
+    original = format.read
+    monkeypatch.setattr(format, 'read', lambda folder: reads.append(folder) or original(folder))
     restored = restore.read_checkpoint(other, storage.path('epoch-0001'), restore.ResumeChecks())
     assert reads == [storage.path('epoch-0001')]
     assert restored.path == storage.path('epoch-0001') and restored.step == 2

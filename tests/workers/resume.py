@@ -71,7 +71,7 @@ from skorch_accel_callbacks import (
     AccelerateCheckpoint,
     AccelerateLoadInitState,
     TrainingPreempted,
-    manifest,
+    format,
     sync,
     training_state,
 )
@@ -111,14 +111,14 @@ class KillAt(BatchEnds):
 
 def kill_inside_save(epoch):
     """SIGKILL the committer after the checkpoint files are written, before commit."""
-    original = manifest.write
+    original = format.write
 
-    def commit_then_die(folder, sealed, durable, **kwargs):
+    def commit_then_die(folder, sealed, durable, started=None):
         if sealed['epoch'] == epoch:
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(folder, sealed, durable, **kwargs)
+        return original(folder, sealed, durable, started)
 
-    manifest.write = commit_then_die
+    format.write = commit_then_die
 
 
 def fail_save(failing_rank, epoch):

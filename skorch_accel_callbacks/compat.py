@@ -1,67 +1,49 @@
-"""The manifest of a checkpoint folder: what it holds and who can resume it.
+"""Who can resume a checkpoint: the description of a net a manifest records,
+and the checks of a net against a checkpoint's manifest.
 
-``manifest.json`` is written last into a checkpoint folder, once every file
-is complete (and flushed, for a durable save): a folder with a readable
-manifest whose files all have the listed sizes is a complete checkpoint.
-It records the format version, the world size, the package versions, the
-model layout (each model's parameter names and shapes, in accelerate's
-order) and the number of optimizers, so that a run that cannot resume from
-it is told why before it trains; and, since 0.2 without a format change
-(readers tolerate their absence), when it was saved (``saved_at``, UTC), the
-bytes of its files (``bytes``) and how long the save took
-(``save_seconds``; with ``async_save`` also ``blocked_seconds``, how long
-training waited); since 0.3, also without a format change, the net's
-hyper-parameters that change training (``params``) and what the position
-inside an epoch depends on (``epoch_settings``), so that a resume with other
-values is refused instead of silently continuing another training.
+:func:`build_manifest` describes a net as a checkpoint's manifest records
+it (:mod:`~skorch_accel_callbacks.format` writes it): the model layout, the
+optimizers, the world size, the package versions, the hyper-parameters that
+change training and what the position inside an epoch depends on. The
+``check_*`` functions raise :class:`CheckpointError` naming what differs
+when a run cannot resume a checkpoint exactly, before it trains.
 """
 
 import functools
 import math
 import os
-import time
-from datetime import UTC, datetime
+from collections.abc import Collection
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
-from skorch_accel_callbacks import accelerate_io, atomic, epoch_position, sync, training_state
+from skorch_accel_callbacks import accelerate_io, format, sync, training_state
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.wrapping import bare_modules
 
 __all__ = [
-    'FORMAT_VERSION',
-    'MANIFEST_NAME',
-    'build',
+    'build_manifest',
     'check_compatible',
     'check_epoch_settings',
+    'check_rank_files',
+    'check_same_data',
     'check_same_params',
     'check_train_rows',
+    'check_world_size',
     'describe',
     'epoch_settings',
-    'train_batch_size',
-    'training_params',
-    'check_rank_files',
-    'check_world_size',
-    'batches_into_epoch',
-    'check_same_data',
     'model_files',
     'model_layout',
     'optimizer_layout',
-    'read',
-    'stopped_early',
-    'write',
+    'train_batch_size',
+    'training_params',
 ]
-
-# on-disk format; a change of what is written bumps it (CHANGES.rst).
-# 2: optimizer classes and param groups, stopped_early, the data fingerprint
-FORMAT_VERSION = 3
-MANIFEST_NAME = 'manifest.json'
 
 
 @functools.cache  # importlib.metadata reads files; versions do not change
-def _package_versions():
+def _package_versions() -> dict[str, str | None]:
     versions = {}
     for name in ('torch', 'accelerate', 'skorch', 'skorch-accel-callbacks'):
         try:
@@ -71,7 +53,7 @@ def _package_versions():
     return versions
 
 
-def model_layout(net):
+def model_layout(net: Any) -> list[list[Any]]:
     """Name, parameter names and shapes of each model, in accelerate's order.
 
     ``accelerator.save_state`` numbers its model files by the position of a
@@ -99,7 +81,7 @@ def model_layout(net):
     return layout
 
 
-def optimizer_layout(net):
+def optimizer_layout(net: Any) -> list[list[Any]]:
     """Class and number of parameters in each param group of each optimizer,
     in accelerate's order."""
     layout = []
@@ -110,7 +92,9 @@ def optimizer_layout(net):
     return layout
 
 
-def build(net, name, best, finished, stopped_early, data, position, loader=None):
+def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_early: bool,
+                   data: Any, position: dict[str, int],
+                   loader: Any = None) -> dict[str, Any]:
     """The manifest of the checkpoint ``name`` of ``net``, without its files.
 
     ``finished``: training ended with this checkpoint (``max_epochs``
@@ -122,7 +106,7 @@ def build(net, name, best, finished, stopped_early, data, position, loader=None)
     training loader of the epoch (for its number of rows).
     """
     return {
-        'format_version': FORMAT_VERSION,
+        'format_version': format.FORMAT_VERSION,
         'name': name,
         # complete epochs
         'epoch': len(net.history) - (1 if position['batches'] else 0),
@@ -141,90 +125,14 @@ def build(net, name, best, finished, stopped_early, data, position, loader=None)
     }
 
 
-def _file_sizes(folder):
-    """Relative path -> size of every file below ``folder``."""
-    sizes = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(root, name)
-            sizes[os.path.relpath(path, folder)] = os.path.getsize(path)
-    return sizes
-
-
-def write(folder, manifest, durable, started=None):
-    """Seal ``folder``: flush its files (if ``durable``), then write the
-    manifest listing each file with its size, atomically; return what was
-    written.
-
-    A callable value of ``manifest`` is called once the files are flushed,
-    and its result written (the duration of a save, which ends here).
-    ``bytes`` (the total size of the files) and ``saved_at`` (UTC, ISO 8601)
-    are added.
-    """
-    files = _file_sizes(folder)
-    files.pop(MANIFEST_NAME, None)
-    if durable:
-        atomic.fsync_files([os.path.join(folder, rel) for rel in files])
-    sealed = dict(manifest)
-    if started is not None:
-        sealed['save_seconds'] = round(time.monotonic() - started, 3)
-    sealed.update(files=files, bytes=sum(files.values()),
-                  saved_at=datetime.now(UTC).isoformat(timespec='milliseconds'))
-    atomic.write_json(os.path.join(folder, MANIFEST_NAME), sealed)
-    return sealed
-
-
-def read(folder):
-    """Read and verify a committed folder's manifest.
-
-    Raises :class:`CorruptCheckpointError` naming the file at fault when the
-    manifest is missing, unreadable or malformed, or when a file it lists
-    is missing or has another size than when it was written; and
-    :class:`CheckpointError` if it is of a newer format than this version
-    reads.
-    """
-    path = os.path.join(folder, MANIFEST_NAME)
-    if not os.path.isdir(folder):
-        raise CorruptCheckpointError(f"{folder} is not a folder")
-    if not os.path.isfile(path):
-        raise CorruptCheckpointError(
-            f"{path} is missing: {folder} is not a complete checkpoint")
-    try:
-        manifest = atomic.read_json(path)
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpointError(str(exc)) from exc
-    if not isinstance(manifest, dict):
-        raise CorruptCheckpointError(f"{path} is not a manifest (not a JSON object)")
-    fmt = manifest.get('format_version')
-    if type(fmt) is not int or fmt < 1:
-        raise CorruptCheckpointError(
-            f"{path} has format_version {fmt!r}, not a format number")
-    if fmt > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint format {fmt}; this version of "
-            f"skorch-accel-callbacks reads format {FORMAT_VERSION} and older: upgrade it")
-    files = manifest.get('files')
-    if not isinstance(files, dict):
-        raise CorruptCheckpointError(f"{path} lists no files")
-    for rel, size in files.items():
-        file = os.path.join(folder, rel)
-        if not os.path.isfile(file):
-            raise CorruptCheckpointError(f"{file} is missing (listed in {path})")
-        actual = os.path.getsize(file)
-        if actual != size:
-            raise CorruptCheckpointError(
-                f"{file} has {actual} bytes, {path} says {size}: the file is damaged")
-    return manifest
-
-
-def model_files(manifest, folder):
+def model_files(manifest: dict[str, Any], folder: str) -> list[tuple[str, str]]:
     """``(module name, file name)`` of each model file of a checkpoint, in
     accelerate's order: ``[('module', 'model.safetensors'), ...]``.
 
     Raises :class:`CorruptCheckpointError` naming the file if the manifest
     does not list a model's file.
     """
-    path = os.path.join(folder, MANIFEST_NAME)
+    path = os.path.join(folder, format.MANIFEST_NAME)
     models = manifest.get('models')
     if not isinstance(models, list):
         raise CorruptCheckpointError(f"{path} lists no models")
@@ -242,7 +150,7 @@ def model_files(manifest, folder):
     return found
 
 
-def _layout_differences(saved, current):
+def _layout_differences(saved: list[Any], current: list[Any]) -> list[str]:
     saved_names = [name for name, _ in saved]
     current_names = [name for name, _ in current]
     if saved_names != current_names:
@@ -261,14 +169,7 @@ def _layout_differences(saved, current):
     return problems
 
 
-def stopped_early(manifest):
-    """Whether a callback stopped the training of this checkpoint: resuming
-    it trains nothing, whatever ``max_epochs``."""
-    # format 1 marked only the end of training, and said finished for both
-    return bool(manifest.get('stopped_early', manifest.get('finished')))
-
-
-def check_same_data(manifest, data, path):
+def check_same_data(manifest: dict[str, Any], data: Any, path: str) -> None:
     """Raise :class:`CheckpointError` naming the difference if ``data`` (a
     fingerprint) is not the fingerprint of the data ``path`` was trained on."""
     saved = manifest.get('data')
@@ -282,7 +183,7 @@ def check_same_data(manifest, data, path):
         "AccelerateLoadInitState to resume on this data on purpose")
 
 
-def _fingerprint_differences(saved, current, where):
+def _fingerprint_differences(saved: Any, current: Any, where: str) -> list[str]:
     if isinstance(saved, dict) and isinstance(current, dict):
         differences = []
         for key in sorted(set(saved) | set(current)):
@@ -294,7 +195,7 @@ def _fingerprint_differences(saved, current, where):
     return []
 
 
-def check_world_size(net, manifest, path, reseed):
+def check_world_size(net: Any, manifest: dict[str, Any], path: str, reseed: bool) -> bool:
     """Whether ``path`` was written by another number of processes than this
     run has; raise :class:`CheckpointError` if so unless ``reseed``."""
     world_size = sync.num_processes(net)
@@ -303,7 +204,7 @@ def check_world_size(net, manifest, path, reseed):
         return False
     if type(saved) is not int or saved < 1:
         raise CorruptCheckpointError(
-            f"{os.path.join(path, MANIFEST_NAME)} has world_size {saved!r}, "
+            f"{os.path.join(path, format.MANIFEST_NAME)} has world_size {saved!r}, "
             "not a number of processes")
     if not reseed:
         raise CheckpointError(
@@ -316,7 +217,7 @@ def check_world_size(net, manifest, path, reseed):
     return True
 
 
-def check_compatible(net, manifest, path):
+def check_compatible(net: Any, manifest: dict[str, Any], path: str) -> None:
     """Raise :class:`CheckpointError` if the model or optimizers of ``net``
     cannot load ``path``."""
     problems = _layout_differences(manifest.get('models', []), model_layout(net))
@@ -334,25 +235,18 @@ def check_compatible(net, manifest, path):
             "optimizer(s) the checkpoint was saved with")
 
 
-def _describe_optimizers(layout):
+def _describe_optimizers(layout: int | list[Any]) -> str:
     if isinstance(layout, int):
         return f"{layout} optimizer(s)"
     return ', '.join(f"{name} ({len(groups)} param group(s) of "
                      f"{'/'.join(map(str, groups))} tensors)" for name, groups in layout)
 
 
-def batches_into_epoch(manifest):
-    """The training batches of the epoch under way when the checkpoint was
-    taken: 0 at an epoch's end (and in formats before 3)."""
-    return (manifest.get('position') or {}).get('batches', 0)
-
-
-def check_rank_files(path, manifest, rank):
+def check_rank_files(path: str, manifest: dict[str, Any], rank: int) -> None:
     """Check that this rank's own files are there and load without code."""
-    names = [accelerate_io.rng_file(rank), training_state.rank_state_name(rank)]
-    if batches_into_epoch(manifest):
-        caches = training_state.epoch_caches_name(rank)
-        names += [epoch_position.position_name(rank), f'{caches}.json', f'{caches}.safetensors']
+    names = [accelerate_io.rng_file(rank), format.rank_state_name(rank)]
+    if format.batches_into_epoch(manifest):
+        names += [format.position_name(rank), *format.epoch_caches_names(rank)]
     for name in names:
         if name not in manifest['files']:
             raise CorruptCheckpointError(
@@ -393,11 +287,11 @@ _UNCHECKED_PREFIXES = ('callbacks__', 'iterator_valid__', '_')
 _DESCRIBE_DEPTH = 4
 
 
-def _checked(name):
+def _checked(name: str) -> bool:
     return name not in _UNCHECKED_PARAMS and not name.startswith(_UNCHECKED_PREFIXES)
 
 
-def describe(value, depth=0):
+def describe(value: Any, depth: int = 0) -> Any:
     """A JSON value that stands for ``value`` and is the same in every run
     with the same value: classes and functions by module and qualified name,
     arrays and tensors by shape, dtype and a hash of some rows, other objects
@@ -442,19 +336,19 @@ def describe(value, depth=0):
     return {'type': kind}
 
 
-def training_params(net):
+def training_params(net: Any) -> dict[str, Any]:
     """The net's parameters that change what training does (``get_params``
     without those in ``_UNCHECKED_PARAMS``), described by :func:`describe`."""
     return {name: describe(value) for name, value in sorted(net.get_params(deep=False).items())
             if _checked(name)}
 
 
-def train_batch_size(net):
+def train_batch_size(net: Any) -> Any:
     """The batch size of the net's training loader."""
     return net.get_params_for('iterator_train').get('batch_size', net.batch_size)
 
 
-def epoch_settings(net, loader=None):
+def epoch_settings(net: Any, loader: Any = None) -> dict[str, Any]:
     """What the position inside an epoch (a number of training batches on
     each rank, skipped by a resume) depends on, besides the world size:
     the training loader's batch size, gradient accumulation, shuffling,
@@ -473,7 +367,7 @@ def epoch_settings(net, loader=None):
 _MISSING = object()
 
 
-def _show(description):
+def _show(description: Any) -> str:
     """A description as a message shows it."""
     if description is _MISSING:
         return 'not set'
@@ -496,17 +390,19 @@ def _show(description):
     return repr(description)
 
 
-def _changes(saved, current, names):
+def _changes(saved: dict[str, Any], current: dict[str, Any],
+             names: list[str]) -> list[tuple[str, Any, Any]]:
     return [(name, saved.get(name, _MISSING), current.get(name, _MISSING)) for name in names
             if saved.get(name, _MISSING) != current.get(name, _MISSING)]
 
 
-def _said(changes):
+def _said(changes: list[tuple[str, Any, Any]]) -> str:
     return '; '.join(f"{name}: {_show(old)} in the checkpoint, {_show(new)} now"
                      for name, old, new in changes)
 
 
-def check_same_params(net, manifest, path, check=True):
+def check_same_params(net: Any, manifest: dict[str, Any], path: str,
+                      check: bool | Collection[str] = True) -> list[str]:
     """Raise :class:`CheckpointError` naming each parameter of ``net`` that
     changes training (:func:`training_params`) whose value differs from the
     one ``path`` was trained with, if ``check`` is True or does not name it
@@ -533,9 +429,10 @@ def check_same_params(net, manifest, path, check=True):
     return [name for name, _, _ in changes]
 
 
-def _refuse_inside_epoch(manifest, path, changes):
+def _refuse_inside_epoch(manifest: dict[str, Any], path: str,
+                         changes: list[tuple[str, Any, Any]]) -> NoReturn:
     raise CheckpointError(
-        f"{path} was taken inside an epoch, after {batches_into_epoch(manifest)} "
+        f"{path} was taken inside an epoch, after {format.batches_into_epoch(manifest)} "
         f"training batches, and what resuming it skips of that epoch depends on "
         f"settings that changed: {_said(changes)}. Rows would be trained twice or "
         "not at all: resume with the checkpoint's settings, or from a checkpoint "
@@ -543,14 +440,14 @@ def _refuse_inside_epoch(manifest, path, changes):
         "does not affect")
 
 
-def check_epoch_settings(net, manifest, path):
+def check_epoch_settings(net: Any, manifest: dict[str, Any], path: str) -> None:
     """Raise :class:`CheckpointError` naming each setting the position inside
     an epoch depends on (:func:`epoch_settings`, but the number of training
     rows: see :func:`check_train_rows`) whose value changed, if ``path`` was
     taken inside an epoch. A checkpoint of an epoch's end, or one without
     ``epoch_settings`` (before 0.3), is not checked."""
     saved = manifest.get('epoch_settings')
-    if not batches_into_epoch(manifest) or not isinstance(saved, dict):
+    if not format.batches_into_epoch(manifest) or not isinstance(saved, dict):
         return
     current = epoch_settings(net)
     changes = _changes(saved, current, [name for name in current if name != 'train_rows'])
@@ -558,11 +455,11 @@ def check_epoch_settings(net, manifest, path):
         _refuse_inside_epoch(manifest, path, changes)
 
 
-def check_train_rows(manifest, rows, path):
+def check_train_rows(manifest: dict[str, Any], rows: int, path: str) -> None:
     """Raise :class:`CheckpointError` if ``path`` was taken inside an epoch
     of another number of training rows than ``rows`` (known once the train
     split is made, when the first epoch begins)."""
     saved = (manifest.get('epoch_settings') or {}).get('train_rows')
-    if batches_into_epoch(manifest) and saved is not None and saved != rows:
+    if format.batches_into_epoch(manifest) and saved is not None and saved != rows:
         _refuse_inside_epoch(manifest, path, [('train_rows', saved, rows)])
 

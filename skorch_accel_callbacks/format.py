@@ -1,0 +1,221 @@
+"""The on-disk format: the name of every file and folder this package
+writes, and the manifest that seals a checkpoint folder.
+
+A folder of checkpoints holds checkpoint folders ``epoch-NNNN`` (or
+``epoch-NNNN-step-SSSSSSSS`` inside an epoch), each written as
+``<name>.partial`` and renamed once complete, the pointers ``latest.json``
+and ``best.json`` (``{"name": <checkpoint>}``) and the lock file ``.lock``.
+Besides accelerate's files, a checkpoint folder holds the history, the
+callbacks' states, per rank the training loader's state (and inside an
+epoch the position and the epoch's caches), and ``manifest.json``.
+
+``manifest.json`` is written last into a checkpoint folder, once every file
+is complete (and flushed, for a durable save): a folder with a readable
+manifest whose files all have the listed sizes is a complete checkpoint.
+It records the format version, the world size, the package versions, the
+model layout (each model's parameter names and shapes, in accelerate's
+order) and the number of optimizers, so that a run that cannot resume from
+it is told why before it trains
+(:mod:`~skorch_accel_callbacks.compat` builds and checks those); and,
+since 0.2 without a format change (readers tolerate their absence), when it
+was saved (``saved_at``, UTC), the bytes of its files (``bytes``) and how
+long the save took (``save_seconds``; with ``async_save`` also
+``blocked_seconds``, how long training waited); since 0.3, also without a
+format change, the net's hyper-parameters that change training
+(``params``) and what the position inside an epoch depends on
+(``epoch_settings``), so that a resume with other values is refused instead
+of silently continuing another training.
+
+This module imports nothing of the package but ``atomic`` and ``errors``:
+every other module may use it.
+"""
+
+import os
+import re
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from skorch_accel_callbacks import atomic
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+
+__all__ = [
+    'CALLBACKS_NAME',
+    'CALLBACK_TENSORS_NAME',
+    'FORMAT_VERSION',
+    'HISTORY_NAME',
+    'LOCK_NAME',
+    'MANIFEST_NAME',
+    'PARTIAL_SUFFIX',
+    'POINTERS',
+    'PROBE_PREFIX',
+    'batches_into_epoch',
+    'checkpoint_name',
+    'epoch_caches_names',
+    'is_checkpoint_name',
+    'pointer_name',
+    'position_name',
+    'probe_name',
+    'rank_state_name',
+    'read',
+    'stopped_early',
+    'write',
+]
+
+# on-disk format; a change of what is written bumps it (CHANGES.rst).
+# 2: optimizer classes and param groups, stopped_early, the data fingerprint
+FORMAT_VERSION = 3
+
+# ---------------------------------------------------------------- the folder of checkpoints
+
+# what a checkpoint folder is written as until it is complete
+PARTIAL_SUFFIX = '.partial'
+# the pointers at a checkpoint: pointer_name(which) for each
+POINTERS = ('latest', 'best')
+# the one job that uses a folder of checkpoints holds a lock on this file
+LOCK_NAME = '.lock'
+# files of the check that save_on_each_node committers do not share a folder
+PROBE_PREFIX = '.node-probe-'
+_CHECKPOINT_NAME_RE = re.compile(r'^epoch-(\d+)(-step-\d+)?$')
+
+
+def checkpoint_name(epochs: int, step: int | None = None) -> str:
+    """The name of the checkpoint after ``epochs`` complete epochs:
+    ``epoch-NNNN``, or with ``step`` (taken inside the next epoch, at that
+    optimizer step) ``epoch-NNNN-step-SSSSSSSS``."""
+    if step is None:
+        return f"epoch-{epochs:04d}"
+    return f"epoch-{epochs:04d}-step-{step:08d}"
+
+
+def is_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is the name of a checkpoint folder (``epoch-NNNN``)."""
+    return bool(_CHECKPOINT_NAME_RE.match(name))
+
+
+def pointer_name(which: str) -> str:
+    """The file of the pointer ``which`` (one of :data:`POINTERS`)."""
+    return f'{which}.json'
+
+
+def probe_name(rank: int) -> str:
+    """The probe file of the committer of rank ``rank``."""
+    return f'{PROBE_PREFIX}{rank}'
+
+
+# ---------------------------------------------------------------- a checkpoint folder
+
+MANIFEST_NAME = 'manifest.json'
+HISTORY_NAME = 'history.json'
+# the callbacks' states: JSON, their tensors beside it
+CALLBACKS_NAME = 'callbacks.json'
+CALLBACK_TENSORS_NAME = 'callbacks.safetensors'
+
+
+def rank_state_name(rank: int) -> str:
+    """The training loader's state of rank ``rank``."""
+    return f'loader_state_{rank}.safetensors'
+
+
+def position_name(rank: int) -> str:
+    """Where rank ``rank`` is inside the epoch under way."""
+    return f'position_{rank}.safetensors'
+
+
+def epoch_caches_names(rank: int) -> tuple[str, str]:
+    """The scratch space of the epoch under way of rank ``rank``: the JSON
+    file and the tensors beside it."""
+    return f'epoch_caches_{rank}.json', f'epoch_caches_{rank}.safetensors'
+
+
+# ---------------------------------------------------------------- the manifest
+
+def _file_sizes(folder: str) -> dict[str, int]:
+    """Relative path -> size of every file below ``folder``."""
+    sizes = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            sizes[os.path.relpath(path, folder)] = os.path.getsize(path)
+    return sizes
+
+
+def write(folder: str, content: dict[str, Any], durable: bool,
+          started: float | None = None) -> dict[str, Any]:
+    """Seal ``folder``: flush its files (if ``durable``), then write the
+    manifest ``content`` listing each file with its size, atomically; return
+    what was written.
+
+    ``files``, ``bytes`` (the total size of the files) and ``saved_at``
+    (UTC, ISO 8601) are added; with ``started`` (a :func:`time.monotonic`
+    stamp of when the save began) also ``save_seconds``, measured once the
+    files are flushed. ``content`` must hold JSON values only: anything
+    else raises ``TypeError`` and writes no manifest.
+    """
+    files = _file_sizes(folder)
+    files.pop(MANIFEST_NAME, None)
+    if durable:
+        atomic.fsync_files([os.path.join(folder, rel) for rel in files])
+    sealed = dict(content)
+    if started is not None:
+        sealed['save_seconds'] = round(time.monotonic() - started, 3)
+    sealed.update(files=files, bytes=sum(files.values()),
+                  saved_at=datetime.now(UTC).isoformat(timespec='milliseconds'))
+    atomic.write_json(os.path.join(folder, MANIFEST_NAME), sealed)
+    return sealed
+
+
+def read(folder: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and verify a committed folder's manifest.
+
+    Raises :class:`CorruptCheckpointError` naming the file at fault when the
+    manifest is missing, unreadable or malformed, or when a file it lists
+    is missing or has another size than when it was written; and
+    :class:`CheckpointError` if it is of a newer format than this version
+    reads.
+    """
+    path = os.path.join(folder, MANIFEST_NAME)
+    if not os.path.isdir(folder):
+        raise CorruptCheckpointError(f"{folder} is not a folder")
+    if not os.path.isfile(path):
+        raise CorruptCheckpointError(
+            f"{path} is missing: {folder} is not a complete checkpoint")
+    try:
+        manifest = atomic.read_json(path)
+    except (OSError, ValueError) as exc:
+        raise CorruptCheckpointError(str(exc)) from exc
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpointError(f"{path} is not a manifest (not a JSON object)")
+    fmt = manifest.get('format_version')
+    if type(fmt) is not int or fmt < 1:
+        raise CorruptCheckpointError(
+            f"{path} has format_version {fmt!r}, not a format number")
+    if fmt > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format {fmt}; this version of "
+            f"skorch-accel-callbacks reads format {FORMAT_VERSION} and older: upgrade it")
+    files = manifest.get('files')
+    if not isinstance(files, dict):
+        raise CorruptCheckpointError(f"{path} lists no files")
+    for rel, size in files.items():
+        file = os.path.join(folder, rel)
+        if not os.path.isfile(file):
+            raise CorruptCheckpointError(f"{file} is missing (listed in {path})")
+        actual = os.path.getsize(file)
+        if actual != size:
+            raise CorruptCheckpointError(
+                f"{file} has {actual} bytes, {path} says {size}: the file is damaged")
+    return manifest
+
+
+def stopped_early(manifest: dict[str, Any]) -> bool:
+    """Whether a callback stopped the training of this checkpoint: resuming
+    it trains nothing, whatever ``max_epochs``."""
+    # format 1 marked only the end of training, and said finished for both
+    return bool(manifest.get('stopped_early', manifest.get('finished')))
+
+
+def batches_into_epoch(manifest: dict[str, Any]) -> int:
+    """The training batches of the epoch under way when the checkpoint was
+    taken: 0 at an epoch's end (and in formats before 3)."""
+    return (manifest.get('position') or {}).get('batches', 0)

@@ -1,0 +1,137 @@
+"""The on-disk format (issue 20, item 3): format.py sits at the bottom of
+the package, its manifest writer takes JSON values only (the duration of a
+save is a ``started`` stamp, not a callable in the manifest), and manifests
+written by earlier versions still read."""
+
+import ast
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import skorch_accel_callbacks
+from skorch_accel_callbacks import format
+
+PACKAGE = Path(skorch_accel_callbacks.__file__).parent
+
+
+def own_imports(module):
+    """The modules of the package that ``module``'s source imports."""
+    tree = ast.parse((PACKAGE / f'{module}.py').read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == 'skorch_accel_callbacks':
+                found |= {alias.name for alias in node.names}
+            elif node.module.startswith('skorch_accel_callbacks.'):
+                found.add(node.module.split('.')[1])
+        elif isinstance(node, ast.Import):
+            found |= {alias.name.split('.')[1] for alias in node.names
+                      if alias.name.startswith('skorch_accel_callbacks.')}
+    return found
+
+
+def test_format_imports_nothing_above_atomic_and_errors():
+    assert own_imports('format') == {'atomic', 'errors'}
+    # and they import nothing of the package: the format is at the bottom
+    seen, todo = set(), ['format']
+    while todo:
+        module = todo.pop()
+        seen.add(module)
+        todo += sorted(own_imports(module) - seen)
+    assert seen == {'format', 'atomic', 'errors'}
+
+
+def folder_with_a_file(tmp_path):
+    folder = tmp_path / 'epoch-0001.partial'
+    folder.mkdir()
+    (folder / format.HISTORY_NAME).write_text('[]')
+    return folder
+
+
+@pytest.mark.parametrize('durable', [False, True])
+def test_write_measures_the_save_from_started(tmp_path, durable):
+    folder = folder_with_a_file(tmp_path)
+    started = time.monotonic()
+    written = format.write(str(folder), {'format_version': format.FORMAT_VERSION},
+                           durable=durable, started=started)
+    on_disk = json.loads((folder / format.MANIFEST_NAME).read_text())
+    assert on_disk == written
+    assert isinstance(on_disk['save_seconds'], float) and on_disk['save_seconds'] >= 0
+    assert on_disk['files'] == {format.HISTORY_NAME: 2} and on_disk['bytes'] == 2
+    assert isinstance(on_disk['saved_at'], str)
+
+
+def test_write_without_started_records_no_duration(tmp_path):
+    folder = folder_with_a_file(tmp_path)
+    written = format.write(str(folder), {'format_version': format.FORMAT_VERSION},
+                           durable=False)
+    assert 'save_seconds' not in written
+    assert 'save_seconds' not in json.loads((folder / format.MANIFEST_NAME).read_text())
+
+
+def test_write_refuses_a_callable_and_writes_no_manifest(tmp_path):
+    """Before, a callable value was called and its result written: the
+    writer now takes JSON values only."""
+    folder = folder_with_a_file(tmp_path)
+    content = {'format_version': format.FORMAT_VERSION, 'save_seconds': lambda: 1.0}
+    with pytest.raises(TypeError, match='not JSON serializable'):
+        format.write(str(folder), content, durable=False)
+    assert sorted(os.listdir(folder)) == [format.HISTORY_NAME]  # no manifest, no temp file
+
+
+# manifests as 0.2 (format 2) and 0.3 (format 3) wrote them, less the
+# model layout, package versions and settings no reader of the format needs
+FORMAT_2 = {
+    'format_version': 2, 'name': 'epoch-0002', 'epoch': 2, 'best': True,
+    'finished': True, 'stopped_early': True, 'data': None, 'world_size': 1,
+    'save_on_each_node': False, 'models': [['module', {'w': [2, 3]}]],
+    'optimizers': [['SGD', [1]]], 'bytes': 2, 'save_seconds': 0.012,
+    'saved_at': '2024-05-01T10:00:00.000+00:00',
+}
+FORMAT_3 = {
+    **FORMAT_2, 'format_version': 3, 'name': 'epoch-0002-step-00000012', 'best': False,
+    'finished': False, 'stopped_early': False, 'position': {'step': 12, 'batches': 2},
+    'params': {'lr': 0.1}, 'epoch_settings': {'batch_size': 32, 'train_rows': 128},
+    'blocked_seconds': 0.003,
+}
+
+
+@pytest.mark.parametrize('saved, stopped, batches', [
+    (FORMAT_2, True, 0),
+    (FORMAT_3, False, 2),
+    # format 1: finished stood for stopped early too, and there was no position
+    ({key: value for key, value in FORMAT_2.items() if key != 'stopped_early'}
+     | {'format_version': 1, 'optimizers': 1}, True, 0),
+], ids=['format2', 'format3', 'format1'])
+def test_read_manifests_of_earlier_versions(tmp_path, saved, stopped, batches):
+    folder = tmp_path / saved['name']
+    folder.mkdir()
+    (folder / format.HISTORY_NAME).write_text('[]')
+    manifest = dict(saved, files={format.HISTORY_NAME: 2})
+    (folder / format.MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert format.read(folder) == manifest
+    assert format.stopped_early(manifest) is stopped
+    assert format.batches_into_epoch(manifest) == batches
+    assert format.is_checkpoint_name(saved['name'])
+
+
+def test_names_are_the_ones_on_disk():
+    """The names a checkpoint folder of 0.3 holds, from their one place."""
+    assert format.checkpoint_name(3) == 'epoch-0003'
+    assert format.checkpoint_name(2, 12) == 'epoch-0002-step-00000012'
+    assert all(format.is_checkpoint_name(format.checkpoint_name(2, step))
+               for step in (None, 0, 12))
+    assert not format.is_checkpoint_name('epoch-0003' + format.PARTIAL_SUFFIX)
+    assert [format.pointer_name(which) for which in format.POINTERS] == [
+        'latest.json', 'best.json']
+    assert format.rank_state_name(1) == 'loader_state_1.safetensors'
+    assert format.position_name(1) == 'position_1.safetensors'
+    assert format.epoch_caches_names(1) == ('epoch_caches_1.json',
+                                            'epoch_caches_1.safetensors')
+    assert format.probe_name(1) == '.node-probe-1'
+    assert (format.MANIFEST_NAME, format.HISTORY_NAME, format.CALLBACKS_NAME,
+            format.CALLBACK_TENSORS_NAME, format.LOCK_NAME) == (
+        'manifest.json', 'history.json', 'callbacks.json', 'callbacks.safetensors', '.lock')
