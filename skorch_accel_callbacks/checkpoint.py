@@ -13,38 +13,26 @@ from skorch.utils import noop
 
 from skorch_accel_callbacks import (
     accelerate_io,
+    base,
     compat,
     epoch_position,
-    export,
     format,
     sync,
     training_state,
     triggers,
 )
-from skorch_accel_callbacks.base import (
-    FolderStateCallback,
-    check_sink,
-    find_resumed,
-    move_callback,
-    say,
-)
+from skorch_accel_callbacks.base import FolderStateCallback
 from skorch_accel_callbacks.errors import TrainingPreempted
-from skorch_accel_callbacks.folder import is_committer
+from skorch_accel_callbacks.export import LoadableCheckpoint
 from skorch_accel_callbacks.preemption import StepPoll, check_signals
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 from skorch_accel_callbacks.wrapping import own_registries
-from skorch_accel_callbacks.writer import (
-    BackgroundWriter,
-    CheckpointWriter,
-    Retention,
-    SaveRequest,
-    SyncWriter,
-)
+from skorch_accel_callbacks.writer import BackgroundWriter, Retention, SaveRequest, SyncWriter
 
 __all__ = ['AccelerateCheckpoint']
 
 
-class AccelerateCheckpoint(FolderStateCallback, Callback):
+class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     """Checkpoint the whole training state with ``accelerator.save_state``.
 
     Saves all a run needs to go on bit for bit (models, optimizers, random
@@ -71,12 +59,11 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
       the one this run resumed from.
 
     every_n_steps : int or None (default=None)
-      Also save after every n-th optimizer step, counted over resumes. Needs
-      a map-style training data set (not an ``IterableDataset``).
+      Also save after every n-th optimizer step, counted over resumes; as
+      ``every_n_seconds``, needs a map-style data set (no ``IterableDataset``).
 
     every_n_seconds : float or None (default=None)
-      Also save at the first optimizer step this many seconds after the last
-      save. Needs a map-style training data set.
+      Also save at the first optimizer step this long after the last save.
 
     save_on_signal : tuple of str or signal.Signals (default=('SIGTERM',))
       On these signals every rank saves at the next optimizer step, then
@@ -106,11 +93,15 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
     Attributes
     ----------
-    folder_ : CheckpointFolder
+    folder_ : CheckpointStorage
       The folder of checkpoints: :meth:`committed`, :meth:`find` read it.
 
+    writer_ : CheckpointWriter
+      What writes the saves: a ``SyncWriter``, or with ``async_save`` a
+      ``BackgroundWriter`` (see :mod:`skorch_accel_callbacks.writer`).
+
     last_saved_ : str or None
-      Name of the last checkpoint saved (``async_save``: maybe being written).
+      Name of the last checkpoint saved (maybe still being written).
 
     resumed_from_ : str or None
       Name of the checkpoint this training resumed from; never retired.
@@ -129,11 +120,9 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
       ``automatic_checkpoint_naming`` or an FSDP, DeepSpeed, Megatron-LM or
       XLA back-end. When the first epoch begins: ``every_n_steps`` or
       ``every_n_seconds`` with an ``IterableDataset``.
-    CheckpointError
-      When training begins: the accelerator holds models that are not the
-      net's; ``save_on_each_node`` committers share one folder.
-    skorch_accel_callbacks.lock.FolderInUseError
-      When training begins: another running job holds the folder.
+    CheckpointError, FolderInUseError
+      When training begins: models not the net's in the accelerator,
+      ``save_on_each_node`` committers sharing one folder; another job's lock.
     OSError
       A save failed (on that rank; the others raise
       :class:`~skorch_accel_callbacks.RankError`).
@@ -159,14 +148,9 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
 
     >>> cp = AccelerateCheckpoint(dirname='run1', monitor='valid_loss_best', keep_best=2)
 
-    Let training go on while a checkpoint is written:
-
-    >>> cp = AccelerateCheckpoint(dirname='run1', async_save=True)
-
     The model of the newest checkpoint, in a net without accelerate:
 
-    >>> net = NeuralNetClassifier(MyModule).initialize()
-    >>> net.load_params(checkpoint=AccelerateCheckpoint(dirname='run1'))
+    >>> NeuralNetClassifier(MyModule).initialize().load_params(checkpoint=cp)
 
     """
 
@@ -207,7 +191,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         self.folder_: CheckpointStorage = open_storage(self.dirname)
         writer = SyncWriter(self.folder_, Retention(self.keep_last, self.keep_best),
                             self.durable, self.safe_serialization)
-        self.writer_: CheckpointWriter = BackgroundWriter(writer) if self.async_save else writer
+        self.writer_ = BackgroundWriter(writer) if self.async_save else writer
         self.last_saved_ = None
         self.global_step_ = 0
         self._poll = StepPoll(self.every_n_seconds)
@@ -230,10 +214,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         owner = type(self).__name__
         if not isinstance(self.dirname, (str, os.PathLike)) or not str(self.dirname):
             raise ValueError(f"{owner}: dirname must be a folder path, got {self.dirname!r}")
-        for name in ('every_n_epochs', 'keep_last'):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{owner}: {name} must be an int >= 1, got {value!r}")
+        if type(self.keep_last) is not int or self.keep_last < 1:
+            raise ValueError(f"{owner}: keep_last must be an int >= 1, got {self.keep_last!r}")
         for name in ('durable', 'async_save', 'safe_serialization'):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
@@ -241,14 +223,9 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         if not (self.event_name is None or isinstance(self.event_name, str)):
             raise ValueError(
                 f"{owner}: event_name must be a string or None, got {self.event_name!r}")
-        triggers.check_monitor(self.monitor, owner)
-        triggers.check_interval(self.every_n_steps, 'every_n_steps', owner, int)
-        triggers.check_interval(self.every_n_seconds, 'every_n_seconds', owner, float)
-        triggers.check_interval(self.keep_best, 'keep_best', owner, int)
-        if self.keep_best is not None and self.monitor is None:
-            raise ValueError(f"{owner}: keep_best keeps the checkpoints that monitor "
-                             "marks best; set monitor too")
-        check_sink(self.sink, owner)
+        triggers.check_triggers(owner, self.monitor, self.every_n_epochs, self.every_n_steps,
+                                self.every_n_seconds, self.keep_best)
+        base.check_sink(self.sink, owner)
 
     @property
     def resumed_from_(self) -> str | None:
@@ -263,7 +240,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
     # pylint: disable=arguments-differ
     def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         self._check_net(net)
-        move_callback(net, self, 'last')
+        base.move_callback(net, self, 'last')
         self.folder_.claim(net)
         self._data = training_state.data_fingerprint(X, y)
         self._fit_began = False
@@ -283,12 +260,8 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             # fails before training leaves no handler behind
             self._poll.install(net, type(self).__name__, self.signals_)
         if self.every_n_steps or self.every_n_seconds or self._poll.stop_signals:
-            if ((self.every_n_steps or self.every_n_seconds)
-                    and not epoch_position.can_skip(self._train_loader)):
-                raise ValueError(
-                    f"{type(self).__name__}: every_n_steps and every_n_seconds save in the "
-                    "middle of an epoch, which a resume skips by index: that needs a "
-                    "map-style training data set (an IterableDataset cannot skip)")
+            if self.every_n_steps or self.every_n_seconds:
+                epoch_position.check_can_skip(self._train_loader, type(self).__name__)
             # after the resume callback gave back the epoch's starting state
             self._epoch_start = epoch_position.EpochStart.capture(self._train_loader)
 
@@ -377,17 +350,16 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         # a Ctrl-C in another callback's end of the epoch: some of them saw
         # the epoch end, some not; resuming the last checkpoint replays it
         last = self.last_saved_ or self.resumed_from_
-        say(net, self.sink,
+        base.say(net, self.sink,
             f"Training was interrupted (KeyboardInterrupt) in the end of epoch "
             f"{len(net.history)}, which is not saved: "
             + (f"{self.folder_.path(last)} stands" if last else "no checkpoint was taken")
             + "; run the same command again to resume")
 
     def _take_resumed(self, net: Any) -> bool:
-        """Count on from the checkpoint that this fit resumed from, if it did
-        (not a fit that continues training without loading, such as
-        ``partial_fit``); return whether it did."""
-        record = find_resumed(net, self.dirname)
+        """Count on from the checkpoint this fit resumed from, if it did (a
+        ``partial_fit`` goes on without loading); return whether it did."""
+        record = base.find_resumed(net, self.dirname)
         if record is None or record is self._resumed:
             return False
         self._resumed = record
@@ -396,29 +368,22 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         return True
 
     def _stop(self, net: Any, received: signal.Signals, path: str | None) -> None:
-        """End training on every rank after the checkpoint ``path`` of a
-        signal is committed."""
+        """End training on every rank once the signal's checkpoint is committed."""
         try:
             self.wait_for_saves(net)
         finally:
             self.close()
-        say(net, self.sink, f"Stopping on {received.name}"
+        base.say(net, self.sink, f"Stopping on {received.name}"
             + (f": resume from {path}" if path else ": no checkpoint could be taken "
                "inside the epoch of an IterableDataset"))
         raise TrainingPreempted(received, path)
 
     def checkpoint_name(self, net: Any) -> str:
-        """The folder name of a checkpoint of the net as it is now:
-        ``epoch-NNNN`` after ``NNNN`` epochs, ``epoch-NNNN-step-SSSSSSSS``
-        at optimizer step ``SSSSSSSS`` of the epoch after (names sort in
-        training order)."""
+        """The name of a checkpoint of the net as it is now: ``epoch-NNNN``
+        after NNNN epochs, ``epoch-NNNN-step-SSSSSSSS`` at step SSSSSSSS."""
         if not net.history or training_state.epoch_completed(net):
             return format.checkpoint_name(len(net.history))
         return format.checkpoint_name(len(net.history) - 1, self.global_step_)
-
-    def is_committer(self, net: Any) -> bool:
-        """Whether this process commits checkpoint folders (one per folder)."""
-        return is_committer(net)
 
     def _check_net(self, net: Any) -> None:
         # the back-end before the model layout, which would blame the
@@ -428,93 +393,17 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         with own_registries(net):
             compat.model_layout(net)
 
-    # ------------------------------------------------------------ reading
-
-    def _reader(self) -> CheckpointStorage:
-        # reading needs no lock, nor initialize(): a script that only loads
-        # a checkpoint creates the callback and reads
-        storage = getattr(self, 'folder_', None)
-        return storage if storage is not None else open_storage(self.dirname)
-
-    def committed(self) -> list[str]:
-        """Names of the committed checkpoint folders, oldest commit first."""
-        return self._reader().committed()
-
-    def find(self, which: str = 'latest') -> str | None:
-        """Path of the checkpoint to resume from, or None; see
-        :meth:`CheckpointFolder.find`."""
-        return self._reader().find(which)
-
-    # ------------------------------------------------------------ skorch's load_params
-
-    @property
-    def f_history(self) -> str:
-        """The history's file in a checkpoint; skorch's ``load_params``
-        reads the history of a checkpoint when this is not None."""
-        return format.HISTORY_NAME
-
-    @property
-    def f_history_(self) -> str:
-        """Path of the history of the newest complete checkpoint."""
-        return self.get_formatted_files(None)['f_history']
-
-    def get_formatted_files(self, net: Any, which: str = 'latest') -> dict[str, str]:
-        """The files of a checkpoint as arguments of skorch's ``load_params``.
-
-        ``net.load_params(checkpoint=cp)`` calls it: it loads the model(s)
-        and the history of the newest complete checkpoint into any net,
-        with or without accelerate, in one process or many (not the
-        optimizer nor the rest of the training state: resuming is
-        :class:`AccelerateLoadInitState`'s). With a torch older than 2.13,
-        pass ``use_safetensors=True`` to ``load_params``.
-
-        Parameters
-        ----------
-        net : skorch.NeuralNet or None
-          Unused; skorch passes the net.
-
-        which : str (default='latest')
-          ``'latest'``, ``'best'``, the name of a checkpoint
-          (``'epoch-0003'``) or the path of a checkpoint folder.
-
-        Returns
-        -------
-        files : dict
-          ``f_params`` (the module ``module``), ``f_<name>`` for every other
-          module or criterion with trainable parameters, ``f_history``.
-
-        Raises
-        ------
-        FileNotFoundError
-          There is no checkpoint (of that name) in ``dirname``.
-        CheckpointError
-          ``which='best'`` and no checkpoint is marked best; or the
-          checkpoint is of a newer format.
-        CorruptCheckpointError
-          The checkpoint chosen is damaged (the message names the file).
-
-        Examples
-        --------
-        >>> net = NeuralNetClassifier(MyModule).initialize()
-        >>> net.load_params(checkpoint=AccelerateCheckpoint(dirname='run1'))
-        >>> net.load_params(**cp.get_formatted_files(net, which='best'))
-
-        """
-        return export.checkpoint_files(export.find_checkpoint(self.dirname, which))
-
     # ------------------------------------------------------------ saving
 
     def save_model(self, net: Any, best: bool = False, finished: bool = False,
                    stopped_early: bool = False) -> str:
-        """Save a checkpoint of the whole training state; return its path.
+        """Save a checkpoint of the whole training state on every rank (each
+        must call it; any rank's failure raises on all); return its path.
 
-        Every process must call it; it raises on every rank if any rank
-        fails. ``best`` points ``best.json`` at it; ``finished`` marks the
-        end of training (``max_epochs`` reached or, with ``stopped_early``,
-        stopped by a callback: resuming it trains nothing). Called inside an
-        epoch, the checkpoint holds where in the epoch training is. With
-        ``async_save`` it returns once the states are copied, and the
-        writer commits the checkpoint in the background.
+        ``best`` points ``best.json`` at it; ``finished`` marks the end of
+        training (with ``stopped_early``: stopped by a callback), after which
+        a resume trains nothing. With ``async_save`` it returns once the
+        states are copied.
         """
         requested_at = time.monotonic()
         self.wait_for_saves(net)
@@ -527,32 +416,24 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
             data=self._data, best=best, finished=finished, stopped_early=stopped_early,
             keep=(self.resumed_from_,), requested_at=requested_at))
         if report is not None:
-            say(net, self.sink, report.message())
+            base.say(net, self.sink, report.message())
         self.last_saved_ = name
         self._poll.saved()
         return self.folder_.path(name)
 
     def wait_for_saves(self, net: Any) -> None:
-        """Wait for the checkpoint being written in the background, if any,
-        and for the removal of retired checkpoints.
-
-        Every process must call it. If writing or committing the checkpoint
-        failed, raises on every rank: the committing one raises the error,
-        the others :class:`~skorch_accel_callbacks.RankError`.
-        """
+        """Wait for the save in flight and the removal of retired
+        checkpoints, on every rank; a failed save raises on every rank (the
+        others :class:`~skorch_accel_callbacks.RankError`)."""
         report = self.writer_.wait(net)
         if report is not None:
-            say(net, self.sink, report.message())
+            base.say(net, self.sink, report.message())
 
     def close(self) -> None:
         """Put the signal handlers back, wait for this process's background
-        work, free the save buffers and release the folder.
-
-        Called when training ends and by ``initialize`` (a new ``fit`` after
-        one that raised while a save was written in the background). A
-        background save that failed and was not reported on every rank by
-        :meth:`wait_for_saves` is reported here with a warning.
-        """
+        work and release the folder (when training ends, and at
+        ``initialize``); a failed save not reported by :meth:`wait_for_saves`
+        is reported here with a warning."""
         poll = getattr(self, '_poll', None)
         if poll is not None:
             poll.close()

@@ -3,42 +3,31 @@ and the checks of a net against a checkpoint's manifest.
 
 :func:`build_manifest` describes a net as a checkpoint's manifest records
 it (:mod:`~skorch_accel_callbacks.format` writes it): the model layout, the
-optimizers, the world size, the package versions, the hyper-parameters that
-change training and what the position inside an epoch depends on. The
-``check_*`` functions raise :class:`CheckpointError` naming what differs
+optimizers, the world size, the package versions, and the settings of
+:mod:`~skorch_accel_callbacks.settings` (the hyper-parameters that change
+training, what the position inside an epoch depends on). The ``check_*``
+functions here and there raise :class:`CheckpointError` naming what differs
 when a run cannot resume a checkpoint exactly, before it trains.
 """
 
 import functools
-import math
 import os
-from collections.abc import Collection
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, NoReturn
+from typing import Any
 
-import numpy as np
-import torch
-
-from skorch_accel_callbacks import accelerate_io, format, sync, training_state
+from skorch_accel_callbacks import accelerate_io, format, settings, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.wrapping import bare_modules
 
 __all__ = [
     'build_manifest',
     'check_compatible',
-    'check_epoch_settings',
     'check_rank_files',
     'check_same_data',
-    'check_same_params',
-    'check_train_rows',
     'check_world_size',
-    'describe',
-    'epoch_settings',
     'model_files',
     'model_layout',
     'optimizer_layout',
-    'train_batch_size',
-    'training_params',
 ]
 
 
@@ -115,8 +104,8 @@ def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_earl
         'finished': bool(finished),
         'stopped_early': bool(stopped_early),
         'data': data,
-        'params': training_params(net),
-        'epoch_settings': epoch_settings(net, loader),
+        'params': settings.training_params(net),
+        'epoch_settings': settings.epoch_settings(net, loader),
         'world_size': sync.num_processes(net),
         'save_on_each_node': accelerate_io.save_on_each_node(net.accelerator),
         'models': model_layout(net),
@@ -259,207 +248,3 @@ def check_rank_files(path: str, manifest: dict[str, Any], rank: int) -> None:
         raise CorruptCheckpointError(
             f"{rng_file} cannot be loaded (weights_only): {type(exc).__name__}: {exc}"
         ) from exc
-
-
-# ---------------------------------------------------------------- settings
-
-# Net parameters that change nothing of what a resumed run trains: they
-# decide how long (the resume trains the epochs left of max_epochs) or how
-# verbosely it trains, where it runs (the world size is checked apart), or
-# only prediction, validation and loading outside training.
-_UNCHECKED_PARAMS = frozenset({
-    'max_epochs', 'verbose', 'warm_start', 'callbacks', 'accelerator', 'device',
-    'iterator_valid', 'predict_nonlinearity', 'use_caching', 'torch_load_kwargs',
-    'unwrap_after_train',
-    # move only the position inside an epoch: epoch_settings, checked for a
-    # checkpoint taken inside one
-    'batch_size', 'iterator_train__batch_size',
-    # how fast the loader reads rows, not which ones
-    'iterator_train__num_workers', 'iterator_train__pin_memory',
-    'iterator_train__pin_memory_device', 'iterator_train__persistent_workers',
-    'iterator_train__prefetch_factor', 'iterator_train__timeout',
-})
-# callbacks have their own state in a checkpoint; names with a leading
-# underscore are skorch's bookkeeping (_params_to_validate)
-_UNCHECKED_PREFIXES = ('callbacks__', 'iterator_valid__', '_')
-# nesting of objects that a description follows, beyond which an object is
-# described by its type
-_DESCRIBE_DEPTH = 4
-
-
-def _checked(name: str) -> bool:
-    return name not in _UNCHECKED_PARAMS and not name.startswith(_UNCHECKED_PREFIXES)
-
-
-def describe(value: Any, depth: int = 0) -> Any:
-    """A JSON value that stands for ``value`` and is the same in every run
-    with the same value: classes and functions by module and qualified name,
-    arrays and tensors by shape, dtype and a hash of some rows, other objects
-    by their type and (estimators) ``get_params()``, a ``repr`` without an
-    address, or public attributes.
-    Nothing is pickled, and no address (``<... at 0x...>``) is part of it."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {'float': repr(value)}
-    if isinstance(value, (list, tuple)):
-        return [describe(item, depth + 1) for item in value]
-    if isinstance(value, dict):
-        return {str(key): describe(item, depth + 1) for key, item in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted((describe(item, depth + 1) for item in value), key=repr)
-    if isinstance(value, functools.partial):
-        return {'partial': describe(value.func, depth + 1),
-                'args': describe(value.args, depth + 1),
-                'keywords': describe(value.keywords, depth + 1)}
-    if isinstance(value, type) or (callable(value) and hasattr(value, '__qualname__')):
-        return {'callable': f"{value.__module__}.{value.__qualname__}"}
-    kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    data = training_state.describe_data(value)
-    if data is not None:
-        return {'type': kind, 'data': data}
-    if isinstance(value, torch.nn.Module) or depth >= _DESCRIBE_DEPTH:
-        # a module instance's layout and weights are the checkpoint's models
-        return {'type': kind}
-    if hasattr(value, 'get_params'):
-        return {'type': kind, 'params': describe(value.get_params(deep=False), depth + 1)}
-    text = repr(value)
-    if ' at 0x' not in text:  # a repr that says the value (torch.float32, an enum)
-        return {'type': kind, 'repr': text}
-    attrs = getattr(value, '__dict__', None)
-    if isinstance(attrs, dict):
-        return {'type': kind, 'attrs': {
-            key: describe(item, depth + 1) for key, item in sorted(attrs.items())
-            if not key.startswith('_')}}
-    return {'type': kind}
-
-
-def training_params(net: Any) -> dict[str, Any]:
-    """The net's parameters that change what training does (``get_params``
-    without those in ``_UNCHECKED_PARAMS``), described by :func:`describe`."""
-    return {name: describe(value) for name, value in sorted(net.get_params(deep=False).items())
-            if _checked(name)}
-
-
-def train_batch_size(net: Any) -> Any:
-    """The batch size of the net's training loader."""
-    return net.get_params_for('iterator_train').get('batch_size', net.batch_size)
-
-
-def epoch_settings(net: Any, loader: Any = None) -> dict[str, Any]:
-    """What the position inside an epoch (a number of training batches on
-    each rank, skipped by a resume) depends on, besides the world size:
-    the training loader's batch size, gradient accumulation, shuffling,
-    the train split and the number of training rows (``None`` without
-    ``loader``)."""
-    dataset = getattr(loader, 'dataset', None)
-    return {
-        'batch_size': describe(train_batch_size(net)),
-        'accumulation_steps': accelerate_io.accumulation_steps(net.accelerator),
-        'shuffle': describe(net.get_params_for('iterator_train').get('shuffle', False)),
-        'train_split': describe(net.train_split),
-        'train_rows': len(dataset) if hasattr(dataset, '__len__') else None,
-    }
-
-
-_MISSING = object()
-
-
-def _show(description: Any) -> str:
-    """A description as a message shows it."""
-    if description is _MISSING:
-        return 'not set'
-    if isinstance(description, dict) and 'callable' in description:
-        return description['callable']
-    if isinstance(description, dict) and 'float' in description:
-        return description['float']
-    if isinstance(description, dict) and 'repr' in description:
-        return description['repr']
-    if isinstance(description, dict) and isinstance(description.get('data'), dict):
-        data = description['data']
-        return (f"{description['type']} of shape {tuple(data['shape'])}, {data['dtype']} "
-                f"(rows hashed {data['sample']})")
-    if isinstance(description, dict) and 'type' in description:
-        inner = description.get('params', description.get('attrs'))
-        if inner is None:
-            return description['type']
-        return f"{description['type']}(" + ', '.join(
-            f"{key}={_show(value)}" for key, value in inner.items()) + ')'
-    return repr(description)
-
-
-def _changes(saved: dict[str, Any], current: dict[str, Any],
-             names: list[str]) -> list[tuple[str, Any, Any]]:
-    return [(name, saved.get(name, _MISSING), current.get(name, _MISSING)) for name in names
-            if saved.get(name, _MISSING) != current.get(name, _MISSING)]
-
-
-def _said(changes: list[tuple[str, Any, Any]]) -> str:
-    return '; '.join(f"{name}: {_show(old)} in the checkpoint, {_show(new)} now"
-                     for name, old, new in changes)
-
-
-def check_same_params(net: Any, manifest: dict[str, Any], path: str,
-                      check: bool | Collection[str] = True) -> list[str]:
-    """Raise :class:`CheckpointError` naming each parameter of ``net`` that
-    changes training (:func:`training_params`) whose value differs from the
-    one ``path`` was trained with, if ``check`` is True or does not name it
-    (``check=False``: none); return the names of the allowed ones that
-    differ. A manifest without ``params`` (before 0.3) is not checked."""
-    saved = manifest.get('params')
-    if not isinstance(saved, dict):
-        return []
-    current = training_params(net)
-    names = sorted(name for name in set(saved) | set(current) if _checked(name))
-    changes = _changes(saved, current, names)
-    refused = [change for change in changes
-               if check is True or (check is not False and change[0] not in check)]
-    if refused:
-        # with the names allowed already, if any
-        names = tuple(dict.fromkeys(
-            [*(() if isinstance(check, bool) else check), *(name for name, _, _ in refused)]))
-        raise CheckpointError(
-            f"{path} was trained with other hyper-parameters: {_said(refused)}. "
-            "Resuming it would continue another training (in a hyper-parameter "
-            "search every fit needs its own dirname); to resume it with the new "
-            f"values on purpose, pass check_params={names!r} (or check_params=False) "
-            "to AccelerateLoadInitState")
-    return [name for name, _, _ in changes]
-
-
-def _refuse_inside_epoch(manifest: dict[str, Any], path: str,
-                         changes: list[tuple[str, Any, Any]]) -> NoReturn:
-    raise CheckpointError(
-        f"{path} was taken inside an epoch, after {format.batches_into_epoch(manifest)} "
-        f"training batches, and what resuming it skips of that epoch depends on "
-        f"settings that changed: {_said(changes)}. Rows would be trained twice or "
-        "not at all: resume with the checkpoint's settings, or from a checkpoint "
-        "taken at an epoch's end (resume=<its folder>), which a new batch size "
-        "does not affect")
-
-
-def check_epoch_settings(net: Any, manifest: dict[str, Any], path: str) -> None:
-    """Raise :class:`CheckpointError` naming each setting the position inside
-    an epoch depends on (:func:`epoch_settings`, but the number of training
-    rows: see :func:`check_train_rows`) whose value changed, if ``path`` was
-    taken inside an epoch. A checkpoint of an epoch's end, or one without
-    ``epoch_settings`` (before 0.3), is not checked."""
-    saved = manifest.get('epoch_settings')
-    if not format.batches_into_epoch(manifest) or not isinstance(saved, dict):
-        return
-    current = epoch_settings(net)
-    changes = _changes(saved, current, [name for name in current if name != 'train_rows'])
-    if changes:
-        _refuse_inside_epoch(manifest, path, changes)
-
-
-def check_train_rows(manifest: dict[str, Any], rows: int, path: str) -> None:
-    """Raise :class:`CheckpointError` if ``path`` was taken inside an epoch
-    of another number of training rows than ``rows`` (known once the train
-    split is made, when the first epoch begins)."""
-    saved = (manifest.get('epoch_settings') or {}).get('train_rows')
-    if format.batches_into_epoch(manifest) and saved is not None and saved != rows:
-        _refuse_inside_epoch(manifest, path, [('train_rows', saved, rows)])
-

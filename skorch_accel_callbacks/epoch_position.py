@@ -35,7 +35,7 @@ from skorch_accel_callbacks.format import position_name
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
-__all__ = ['EpochStart', 'save_position', 'load_position', 'can_skip']
+__all__ = ['EpochStart', 'can_skip', 'check_can_skip', 'load_position', 'save_position']
 
 
 class EpochStart:
@@ -103,6 +103,16 @@ def load_position(folder: str | os.PathLike, rank: int) -> tuple[int, EpochStart
             rng['cuda'] = [f.get_tensor(f'cuda.{i}') for i in range(devices)]
         generator = f.get_tensor('generator') if 'generator' in f.keys() else None
         return int(meta['batches']), EpochStart(rng, generator, int(meta['iteration']))
+
+
+def check_can_skip(loader: Any, owner: str) -> None:
+    """Raise ``ValueError`` naming ``owner`` if ``loader`` cannot skip
+    batches by index, which saves inside an epoch need."""
+    if not can_skip(loader):
+        raise ValueError(
+            f"{owner}: every_n_steps and every_n_seconds save in the middle of an epoch, "
+            "which a resume skips by index: that needs a map-style training data set "
+            "(an IterableDataset cannot skip)")
 
 
 def can_skip(loader: DataLoader | None) -> bool:

@@ -27,9 +27,10 @@ from skorch_accel_callbacks.atomic import atomic_path, read_json
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder
 from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name
+from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 
-__all__ = ['checkpoint_files', 'export', 'exported_name', 'f_argument', 'find_checkpoint',
-           'find_exportable']
+__all__ = ['LoadableCheckpoint', 'checkpoint_files', 'export', 'exported_name', 'f_argument',
+           'find_checkpoint', 'find_exportable']
 
 
 def f_argument(module_name: str) -> str:
@@ -319,3 +320,80 @@ def export(
         shutil.copyfile(history, tmp)
     written['f_history'] = target
     return written
+
+
+class LoadableCheckpoint:
+    """Mixin of a checkpoint callback with a ``dirname``: its checkpoints
+    read as skorch's ``load_params(checkpoint=...)`` reads a ``Checkpoint``'s.
+
+    Reading needs no lock, nor ``initialize()``: a script that only loads a
+    checkpoint creates the callback and reads.
+    """
+
+    def _reader(self) -> CheckpointStorage:
+        storage = getattr(self, 'folder_', None)
+        return storage if storage is not None else open_storage(self.dirname)
+
+    def committed(self) -> list[str]:
+        """Names of the committed checkpoint folders, oldest commit first."""
+        return self._reader().committed()
+
+    def find(self, which: str = 'latest') -> str | None:
+        """Path of the checkpoint to resume from, or None; see
+        :meth:`CheckpointFolder.find`."""
+        return self._reader().find(which)
+
+    @property
+    def f_history(self) -> str:
+        """The history's file in a checkpoint; skorch's ``load_params``
+        reads the history of a checkpoint when this is not None."""
+        return format.HISTORY_NAME
+
+    @property
+    def f_history_(self) -> str:
+        """Path of the history of the newest complete checkpoint."""
+        return self.get_formatted_files(None)['f_history']
+
+    def get_formatted_files(self, net: Any, which: str = 'latest') -> dict[str, str]:
+        """The files of a checkpoint as arguments of skorch's ``load_params``.
+
+        ``net.load_params(checkpoint=cp)`` calls it: it loads the model(s)
+        and the history of the newest complete checkpoint into any net,
+        with or without accelerate, in one process or many (not the
+        optimizer nor the rest of the training state: resuming is
+        :class:`AccelerateLoadInitState`'s). With a torch older than 2.13,
+        pass ``use_safetensors=True`` to ``load_params``.
+
+        Parameters
+        ----------
+        net : skorch.NeuralNet or None
+          Unused; skorch passes the net.
+
+        which : str (default='latest')
+          ``'latest'``, ``'best'``, the name of a checkpoint
+          (``'epoch-0003'``) or the path of a checkpoint folder.
+
+        Returns
+        -------
+        files : dict
+          ``f_params`` (the module ``module``), ``f_<name>`` for every other
+          module or criterion with trainable parameters, ``f_history``.
+
+        Raises
+        ------
+        FileNotFoundError
+          There is no checkpoint (of that name) in ``dirname``.
+        CheckpointError
+          ``which='best'`` and no checkpoint is marked best; or the
+          checkpoint is of a newer format.
+        CorruptCheckpointError
+          The checkpoint chosen is damaged (the message names the file).
+
+        Examples
+        --------
+        >>> net = NeuralNetClassifier(MyModule).initialize()
+        >>> net.load_params(checkpoint=AccelerateCheckpoint(dirname='run1'))
+        >>> net.load_params(**cp.get_formatted_files(net, which='best'))
+
+        """
+        return checkpoint_files(find_checkpoint(self.dirname, which))

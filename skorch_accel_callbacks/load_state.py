@@ -11,9 +11,9 @@ from skorch.utils import noop
 
 from skorch_accel_callbacks import (
     accelerate_io,
-    compat,
     epoch_position,
     restore,
+    settings,
     sync,
     training_state,
 )
@@ -268,7 +268,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                 f"{self.loaded_from_} was taken inside an epoch, but this run's training "
                 "data cannot skip batches by index (an IterableDataset)")
         # the train split is made by now, before the epoch's first step
-        compat.check_train_rows(self._pending.manifest, len(loader.dataset),
+        settings.check_train_rows(self._pending.manifest, len(loader.dataset),
                                   self.loaded_from_)
         # on another number of processes the share of an epoch changed; at
         # least one batch is left, which the resume begins at

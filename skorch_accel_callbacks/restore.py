@@ -24,6 +24,7 @@ from skorch_accel_callbacks import (
     compat,
     epoch_position,
     format,
+    settings,
     sync,
     training_state,
 )
@@ -142,9 +143,9 @@ def read_checkpoint(net: Any, path: str, checks: ResumeChecks, X: Any = None,
         compat.check_compatible(net, saved, path)
         if checks.data:
             compat.check_same_data(saved, training_state.data_fingerprint(X, y), path)
-        changed_params = compat.check_same_params(net, saved, path, checks.params)
+        changed_params = settings.check_same_params(net, saved, path, checks.params)
         # the number of training rows is checked when the first epoch begins
-        compat.check_epoch_settings(net, saved, path)
+        settings.check_epoch_settings(net, saved, path)
         # on another number of processes the new ranks' random states
         # derive from rank 0's: the other saved ranks' files are not read
         reads_own_rank = not changed or rank == 0

@@ -20,8 +20,9 @@ from skorch_accel_callbacks import sync
 if TYPE_CHECKING:
     from skorch import NeuralNet
 
-__all__ = ['STOPPED_EARLY', 'EpochDecision', 'check_interval', 'check_monitor', 'epoch_decision',
-           'epoch_due', 'monitor_says', 'step_due', 'stopped_by_callback', 'time_due']
+__all__ = ['STOPPED_EARLY', 'EpochDecision', 'check_interval', 'check_monitor', 'check_triggers',
+           'epoch_decision', 'epoch_due', 'monitor_says', 'step_due', 'stopped_by_callback',
+           'time_due']
 
 # the history column in which a callback that ends training on purpose says so
 STOPPED_EARLY = 'stopped_early'
@@ -48,6 +49,21 @@ def check_interval(value: Any, name: str, owner: str, kind: type) -> None:
         wanted = 'a number of seconds > 0'
     if not ok:
         raise ValueError(f"{owner}: {name} must be None or {wanted}, got {value!r}")
+
+
+def check_triggers(owner: str, monitor: Any, every_n_epochs: int, every_n_steps: int | None,
+                   every_n_seconds: float | None, keep_best: int | None) -> None:
+    """Raise ``ValueError`` naming ``owner`` and the argument that is not
+    a valid setting of when to save."""
+    if type(every_n_epochs) is not int or every_n_epochs < 1:
+        raise ValueError(f"{owner}: every_n_epochs must be an int >= 1, got {every_n_epochs!r}")
+    check_monitor(monitor, owner)
+    check_interval(every_n_steps, 'every_n_steps', owner, int)
+    check_interval(every_n_seconds, 'every_n_seconds', owner, float)
+    check_interval(keep_best, 'keep_best', owner, int)
+    if keep_best is not None and monitor is None:
+        raise ValueError(f"{owner}: keep_best keeps the checkpoints that monitor "
+                         "marks best; set monitor too")
 
 
 def step_due(step: int, every_n_steps: int | None) -> bool:
