@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from skorch_accel_callbacks import accelerate_io, compat, epoch_position, sync, training_state
 from skorch_accel_callbacks.base import format_bytes
@@ -205,6 +205,13 @@ class SyncWriter:
                           written.get('blocked_seconds'))
 
 
+class _InFlight(NamedTuple):
+    #: what every rank knows of the save: its path
+    report: SaveReport
+    #: the write and commit, on the committing process only
+    future: Future | None
+
+
 class BackgroundWriter:
     """Writes the large states and commits in the background.
 
@@ -226,8 +233,7 @@ class BackgroundWriter:
         self.storage = writer.storage
         self._stager = HostStager()
         self._executor: ThreadPoolExecutor | None = None
-        # (path, future on the committing process) of the save in flight
-        self._in_flight: tuple[SaveReport, Future | None] | None = None
+        self._in_flight: _InFlight | None = None
 
     def __getstate__(self) -> dict:
         return dict(self.__dict__, _executor=None, _in_flight=None)
@@ -253,8 +259,8 @@ class BackgroundWriter:
                     max_workers=1, thread_name_prefix='checkpoint-writer')
             future = self._executor.submit(
                 self._write_and_commit, request, content, staged[0], started)
-        self._in_flight = (SaveReport(self.storage.path(request.name), request.finished),
-                           future)
+        self._in_flight = _InFlight(
+            SaveReport(self.storage.path(request.name), request.finished), future)
 
     def _write_and_commit(self, request: SaveRequest, content: dict,
                           staged: Staged | None, started: float) -> SaveReport:
@@ -275,14 +281,14 @@ class BackgroundWriter:
         return report
 
     def busy(self) -> bool:
-        return (self._in_flight is not None and self._in_flight[1] is not None
-                and not self._in_flight[1].done())
+        return (self._in_flight is not None and self._in_flight.future is not None
+                and not self._in_flight.future.done())
 
     def close(self) -> None:
         in_flight, self._in_flight = self._in_flight, None
         try:
-            if in_flight is not None and in_flight[1] is not None:
-                in_flight[1].result()
+            if in_flight is not None and in_flight.future is not None:
+                in_flight.future.result()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
