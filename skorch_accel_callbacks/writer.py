@@ -29,7 +29,7 @@ from skorch_accel_callbacks.storage import CheckpointStorage
 from skorch_accel_callbacks.wrapping import own_registries
 
 __all__ = ['BackgroundWriter', 'CheckpointWriter', 'Retention', 'SaveReport', 'SaveRequest',
-           'SyncWriter']
+           'StagedSave', 'SyncWriter']
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,15 @@ class SaveReport:
         return text
 
 
+class StagedSave(NamedTuple):
+    """A save whose files every rank wrote, before the commit."""
+
+    #: the manifest's content, on the committing process (None elsewhere)
+    content: dict | None
+    #: the model and optimizer states still to write, when staged in memory
+    large: Staged | None
+
+
 class CheckpointWriter(Protocol):
     """Saves the training state of a net into a storage.
 
@@ -138,7 +147,7 @@ class SyncWriter:
 
     def save(self, net: Any, request: SaveRequest) -> SaveReport:
         started = time.monotonic()
-        content = self.stage(net, request)
+        content = self.stage(net, request).content
         path = self.storage.path(request.name)
         report = None
         with sync.agree(net, f"committing checkpoint {path}"):
@@ -157,13 +166,12 @@ class SyncWriter:
         self.storage.wait_for_removals()
 
     def stage(self, net: Any, request: SaveRequest,
-              write_state: Any = None) -> dict | None:
+              stager: HostStager | None = None) -> StagedSave:
         """Write every rank's files of ``request`` into the storage's partial
-        place; return the manifest's content on the committing process
-        (None on the others).
+        place; the manifest's content is returned on the committing process.
 
-        ``write_state(accelerator, folder, writer)`` writes what
-        ``accelerator.save_state`` writes (by default, it calls it).
+        With a ``stager``, the model and optimizer states are copied into
+        host memory instead of written (the rest of ``save_state`` is).
         """
         committer = is_committer(net)
         partial = self.storage.partial_path(request.name)
@@ -171,10 +179,12 @@ class SyncWriter:
             if committer:
                 self.storage.start(request.name)
         with sync.agree(net, f"writing checkpoint {partial}"), own_registries(net):
-            if write_state is None:
+            large = None
+            if stager is None:
                 accelerate_io.save_state(net.accelerator, partial, self.safe_serialization)
             else:
-                write_state(net.accelerator, partial, committer)
+                large = stager.stage(net.accelerator, partial, self.safe_serialization,
+                                     committer)
             rank = sync.process_index(net)
             training_state.save_rank_state(partial, rank, request.train_loader)
             if request.batches:
@@ -182,13 +192,13 @@ class SyncWriter:
                                              request.batches)
                 training_state.save_epoch_caches(partial, rank, net)
             if not committer:
-                return None
+                return StagedSave(None, large)
             training_state.save_history(partial, net)
             training_state.save_callback_states(partial, net)
-            return compat.build_manifest(
+            return StagedSave(compat.build_manifest(
                 net, request.name, request.best, request.finished, request.stopped_early,
                 request.data, {'step': request.step, 'batches': request.batches},
-                request.train_loader)
+                request.train_loader), large)
 
     def commit(self, request: SaveRequest, content: dict, started: float) -> SaveReport:
         """Commit the staged checkpoint of ``request`` and retire old ones.
@@ -242,13 +252,8 @@ class BackgroundWriter:
         if self._in_flight is not None:
             raise RuntimeError("the previous background save was not waited for")
         started = time.monotonic()
-        staged: list[Staged | None] = []
-
-        def copy_state(accelerator: Any, folder: str, writer: bool) -> None:
-            staged.append(self._stager.stage(
-                accelerator, folder, self.writer.safe_serialization, writer))
-
-        content = self.writer.stage(net, request, copy_state)
+        staged = self.writer.stage(net, request, self._stager)
+        content = staged.content
         future = None
         # every other rank's files are complete: the others agreed in stage()
         if content is not None:
@@ -258,7 +263,7 @@ class BackgroundWriter:
                 self._executor = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix='checkpoint-writer')
             future = self._executor.submit(
-                self._write_and_commit, request, content, staged[0], started)
+                self._write_and_commit, request, content, staged.large, started)
         self._in_flight = _InFlight(
             SaveReport(self.storage.path(request.name), request.finished), future)
 
