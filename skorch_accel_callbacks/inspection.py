@@ -9,7 +9,6 @@ a file: safetensors files are read as such, other tensor files with
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from datetime import UTC, datetime
@@ -17,7 +16,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from skorch_accel_callbacks import accelerate_io, atomic, compat, format
+from skorch_accel_callbacks import accelerate_io, atomic, compat, format, lock
 from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder
 from skorch_accel_callbacks.format import LOCK_NAME, PARTIAL_SUFFIX, POINTERS, PROBE_PREFIX
@@ -150,34 +149,9 @@ def leftovers(dirname: str | os.PathLike) -> list[tuple[str, str]]:
 def lock_state(dirname: str | os.PathLike) -> dict[str, Any]:
     """The folder's lock: ``{'exists', 'held', 'holder'}``.
 
-    ``holder`` is the pid and host the lock file names (the last job that
-    took it; None if it names none); ``held`` whether a running job holds
-    it now. That is found by trying a shared, non-blocking ``flock`` on the
-    file, opened read-only, which is released at once: a job that tries to
-    take the lock in that same instant is refused as if the folder were in
-    use.
+    See :func:`.lock.probe`.
     """
-    path = os.path.join(dirname, LOCK_NAME)
-    try:
-        lock_file = open(path, encoding='utf-8')
-    except FileNotFoundError:
-        return {'exists': False, 'held': False, 'holder': None}
-    except OSError:  # not readable: who holds it cannot be told
-        return {'exists': True, 'held': None, 'holder': None}
-    with lock_file:
-        try:
-            holder = json.loads(lock_file.read())
-            holder = f"pid {holder['pid']} on host {holder['host']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            holder = None
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held = True
-        else:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
-            held = False
-    return {'exists': True, 'held': held, 'holder': holder}
+    return lock.probe(os.path.join(dirname, LOCK_NAME))
 
 
 class Verdict:
