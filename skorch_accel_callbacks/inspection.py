@@ -221,33 +221,12 @@ def verify(path: str | os.PathLike) -> Verdict:
     """
     verdict = Verdict(path)
     sealed = os.path.join(path, format.MANIFEST_NAME)
-    if not os.path.isdir(path):
-        verdict.damaged.append(f"{path} is not a folder")
+    saved, problems = format.check(path)
+    if saved is None:
+        verdict.damaged.append(str(problems[0].error))
         return verdict
-    try:
-        saved = atomic.read_json(sealed)
-    except FileNotFoundError:
-        verdict.damaged.append(f"{sealed} is missing: {path} is not a complete checkpoint")
-        return verdict
-    except (OSError, ValueError) as exc:
-        verdict.damaged.append(f"{sealed} cannot be read: {exc}")
-        return verdict
-    if not isinstance(saved, dict):
-        verdict.damaged.append(f"{sealed} is not a manifest (not a JSON object)")
-        return verdict
-    fmt = saved.get('format_version')
-    if type(fmt) is not int or fmt < 1:
-        verdict.damaged.append(f"{sealed} has format_version {fmt!r}, not a format number")
-        return verdict
-    if fmt > format.FORMAT_VERSION:
-        verdict.damaged.append(
-            f"{sealed} has checkpoint format {fmt}; this version reads format "
-            f"{format.FORMAT_VERSION} and older: upgrade skorch-accel-callbacks")
-        return verdict
-    files = saved.get('files')
-    if not isinstance(files, dict):
-        verdict.damaged.append(f"{sealed} lists no files")
-        return verdict
+    at_fault = {problem.file: str(problem.error) for problem in problems}
+    files = saved['files']
     verdict.files = len(files)
     verdict.bytes = checkpoint_bytes(saved) or 0
 
@@ -261,13 +240,8 @@ def verify(path: str | os.PathLike) -> Verdict:
 
     for rel in sorted(files):
         file = os.path.join(path, rel)
-        if not os.path.isfile(file):
-            verdict.damaged.append(f"{file} is missing (listed in {sealed})")
-            continue
-        actual = os.path.getsize(file)
-        if actual != files[rel]:
-            verdict.damaged.append(
-                f"{file} has {actual} bytes, {sealed} says {files[rel]}: the file is damaged")
+        if rel in at_fault:
+            verdict.damaged.append(at_fault[rel])
             continue
         if not rel.endswith(_LOADABLE):
             continue

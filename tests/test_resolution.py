@@ -56,3 +56,31 @@ def test_the_folder_resolves_every_kind_of_which(tmp_path):
         folder.named('best')
     assert folder.find('latest') == export.find_checkpoint(tmp_path / 'ck')
     assert CheckpointFolder(tmp_path / 'empty').find_checkpoint() is None
+
+
+def test_verify_and_resume_report_the_same_problems(tmp_path):
+    from skorch_accel_callbacks import inspection
+    from skorch_accel_callbacks.errors import CheckpointError
+    train(tmp_path / 'ck', max_epochs=1)
+    path = str(tmp_path / 'ck' / 'epoch-0001')
+    os.remove(os.path.join(path, format.HISTORY_NAME))
+    with open(os.path.join(path, format.CALLBACKS_NAME), 'a', encoding='utf-8') as f:
+        f.write(' ')
+    _, problems = format.check(path)
+    assert sorted(problem.file for problem in problems) == [
+        format.CALLBACKS_NAME, format.HISTORY_NAME]
+    with pytest.raises(CheckpointError) as info:
+        format.read(path)
+    assert str(info.value) == str(problems[0].error)
+    damaged = inspection.verify(path).damaged
+    assert sorted(damaged) == sorted(str(problem.error) for problem in problems)
+    # a newer format: verify says what a resume says
+    manifest = os.path.join(path, format.MANIFEST_NAME)
+    with open(manifest, encoding='utf-8') as f:
+        text = f.read()
+    with open(manifest, 'w', encoding='utf-8') as f:
+        f.write(text.replace(f'"format_version": {format.FORMAT_VERSION}',
+                             f'"format_version": {format.FORMAT_VERSION + 1}'))
+    with pytest.raises(CheckpointError) as info:
+        format.read(path)
+    assert inspection.verify(path).damaged == [str(info.value)]
