@@ -52,20 +52,6 @@ def _split(path: str, name: str | None) -> tuple[str, str | None]:
     return path, name
 
 
-def _pointed(dirname: str, which: str) -> str:
-    """The name ``latest.json`` or ``best.json`` of ``dirname`` gives; a
-    :class:`UsageError` if there is none."""
-    name = CheckpointFolder(dirname).pointed(which)
-    if name is not None:
-        return name
-    file = os.path.join(dirname, pointer_name(which))
-    if os.path.exists(file):
-        raise UsageError(f"no {which} checkpoint in {dirname}: {file} names no checkpoint")
-    why = (": only checkpoints saved because of `monitor` are best ones" if which == 'best'
-           else '')
-    raise UsageError(f"no {which} checkpoint in {dirname}: there is no {file}{why}")
-
-
 def _check_folder(dirname: str) -> None:
     if not os.path.exists(dirname):
         raise UsageError(f"no such folder: {dirname}")
@@ -178,12 +164,12 @@ def _verify(args: argparse.Namespace, out: TextIO) -> int:
         paths = [folder.path(found) for found in names]
         damaged, notes = _pointer_problems(dirname, names)
     elif name in POINTERS:
-        paths = [folder.path(_pointed(dirname, name))]
+        paths = [folder.named(name)]
     elif os.path.isdir(folder.path(name)):
         # a checkpoint, or a folder given as one (renamed, copied)
         paths = [folder.path(name)]
     elif is_checkpoint_name(name):
-        raise UsageError(f"no checkpoint {name} in {dirname}; it has {names or 'none'}")
+        paths = [folder.named(name)]  # FileNotFoundError: there is none of that name
     else:
         raise UsageError(f"NAME must be a checkpoint name (epoch-NNNN), 'latest' or "
                          f"'best', got {name!r}")
@@ -216,7 +202,8 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     _check_folder(dirname)
     which = name or 'latest'
     if which == 'best':
-        _pointed(dirname, which)
+        # a usage error, not the CheckpointError of a folder without a best one
+        CheckpointFolder(dirname).named(which)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         try:

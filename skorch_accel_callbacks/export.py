@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from skorch_accel_callbacks import accelerate_io, compat, format
 from skorch_accel_callbacks.atomic import atomic_path, read_json
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.folder import CheckpointFolder
+from skorch_accel_callbacks.folder import CheckpointFolder, Found
 from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 
@@ -69,6 +69,11 @@ def find_checkpoint(source: str | os.PathLike, which: str | os.PathLike = 'lates
       The checkpoint chosen is not complete (the message names the file), or
       of a newer format.
     """
+    return _found(source, which).path
+
+
+def _found(source: str | os.PathLike, which: str | os.PathLike) -> Found:
+    """The checkpoint :func:`find_checkpoint` finds, with its manifest."""
     source = os.fspath(source)
     if not os.path.isdir(source):
         raise FileNotFoundError(f"no such folder: {source}")
@@ -77,27 +82,16 @@ def find_checkpoint(source: str | os.PathLike, which: str | os.PathLike = 'lates
             raise ValueError(
                 f"{source} is one checkpoint; which={which!r} chooses among the "
                 "checkpoints of a folder: pass that folder")
-        format.read(source)
-        return source
-    folder = CheckpointFolder(source)
-    if which in POINTERS:
-        found = folder.find(which)
-        if found is None:
-            raise FileNotFoundError(f"no checkpoint in {source}")
-        return found
+        return Found(source, format.read(source))
     which = os.fspath(which)
-    if is_checkpoint_name(which):
-        path = folder.path(which)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(
-                f"no checkpoint {which} in {source}; it has {folder.committed() or 'none'}")
-        format.read(path)
-        return path
-    if not os.path.isdir(which):
+    if not (which in POINTERS or is_checkpoint_name(which) or os.path.isdir(which)):
         raise FileNotFoundError(
             f"no checkpoint {which!r}: not 'latest', 'best', a checkpoint name "
             f"(epoch-NNNN) in {source} or a checkpoint folder")
-    return folder.find(which)
+    found = CheckpointFolder(source).find_checkpoint(which)
+    if found is None:
+        raise FileNotFoundError(f"no checkpoint in {source}")
+    return found
 
 
 def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
@@ -183,33 +177,26 @@ def _exported_checkpoint(
     one = _is_one_checkpoint(source)
     if which == 'latest' and not one and os.path.isdir(source):
         folder = CheckpointFolder(source)
-        newest = folder.pointed('latest') or next(reversed(folder.committed()), None)
+        newest = next(iter(folder.newest_first()), None)
         if newest is not None:
             try:
                 return folder.path(newest), _exportable_manifest(folder.path(newest))
             except CheckpointError:
                 pass  # find_checkpoint warns that it skips it, and finds an older one
     try:
-        path = find_checkpoint(source, which)
+        found = _found(source, which)
     except CorruptCheckpointError:
         if which == 'latest' and not one:
             raise
         # the checkpoint named (one, best.json's, by name or path) is incomplete
-        path = source if one else _named(CheckpointFolder(source), which)
+        path = source if one else CheckpointFolder(source).named(which)
         return path, _exportable_manifest(path)
-    return path, format.read(path)
+    return found.path, found.manifest
 
 
 def _is_one_checkpoint(source: str | os.PathLike) -> bool:
     return (is_checkpoint_name(os.path.basename(os.path.normpath(source)))
             or os.path.isfile(os.path.join(source, format.MANIFEST_NAME)))
-
-
-def _named(folder: CheckpointFolder, which: str | os.PathLike) -> str:
-    """The folder that ``which`` (not ``'latest'``) names in ``folder``."""
-    if which == 'best':
-        return folder.path(folder.pointed('best'))
-    return folder.path(which) if is_checkpoint_name(which) else os.fspath(which)
 
 
 def _load_tensors(file: str) -> dict[str, torch.Tensor]:

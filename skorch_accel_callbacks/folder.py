@@ -14,13 +14,23 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from skorch_accel_callbacks import accelerate_io, atomic, format, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.lock import FolderLock
 
-__all__ = ['CheckpointFolder', 'is_committer']
+__all__ = ['CheckpointFolder', 'Found', 'is_committer']
+
+
+@dataclass(frozen=True)
+class Found:
+    """A complete checkpoint as found: its folder and the manifest read
+    (and verified) there, so that a resume does not read it again."""
+
+    path: str
+    manifest: dict[str, Any]
 
 
 def is_committer(net: Any) -> bool:
@@ -172,53 +182,94 @@ class CheckpointFolder:
             return None
         return name if isinstance(name, str) and format.is_checkpoint_name(name) else None
 
-    def find(self, which: str | os.PathLike[str] = 'latest') -> str | None:
-        """Path of the checkpoint to resume from, or None if there is none.
+    def newest_first(self) -> list[str]:
+        """The names of the committed checkpoints, the one ``latest.json``
+        names first, then the others newest first."""
+        latest = self.pointed('latest')
+        return ([latest] if latest else []) + [
+            name for name in reversed(self.committed()) if name != latest]
 
-        ``which`` is ``'latest'``, ``'best'`` or the path of a checkpoint
-        folder. For ``'latest'``, a folder that is not a complete checkpoint
-        (a missing or damaged file) is skipped with a warning naming it, and
+    def named(self, which: str | os.PathLike[str]) -> str:
+        """The folder ``which`` names, not read: for ``'latest'`` and
+        ``'best'`` the checkpoint the pointer names, for a checkpoint name
+        (``'epoch-0003'``) that one of this folder, else the path ``which``.
+
+        Raises
+        ------
+        FileNotFoundError
+          The pointer is missing or names no checkpoint; there is no
+          checkpoint of that name.
+        """
+        which = os.fspath(which)
+        if which in format.POINTERS:
+            name = self.pointed(which)
+            if name is not None:
+                return self.path(name)
+            file = self._pointer(which)
+            if os.path.exists(file):
+                raise FileNotFoundError(
+                    f"no {which} checkpoint in {self.dirname}: {file} names no checkpoint")
+            why = (": only checkpoints saved because of `monitor` are best ones"
+                   if which == 'best' else '')
+            raise FileNotFoundError(
+                f"no {which} checkpoint in {self.dirname}: there is no {file}{why}")
+        if format.is_checkpoint_name(which):
+            path = self.path(which)
+            if not os.path.isdir(path):
+                raise FileNotFoundError(
+                    f"no checkpoint {which} in {self.dirname}; it has "
+                    f"{self.committed() or 'none'}")
+            return path
+        return which
+
+    def find_checkpoint(self, which: str | os.PathLike[str] = 'latest') -> Found | None:
+        """The checkpoint to resume from and its manifest, or None if there is none.
+
+        ``which`` is ``'latest'``, ``'best'``, the name of a checkpoint of
+        this folder (``'epoch-0003'``) or the path of a checkpoint folder.
+        For ``'latest'``, a folder that is not a complete checkpoint (a
+        missing or damaged file) is skipped with a warning naming it, and
         the newest complete one is used.
 
         Raises
         ------
+        FileNotFoundError
+          There is no checkpoint of the name ``which``.
         CorruptCheckpointError
-          A named folder (a path, or ``'best'``) is not a complete checkpoint.
+          A named folder (a path, a name, or ``'best'``) is not a complete
+          checkpoint.
         CheckpointError
           A checkpoint is of a newer format; there is no best checkpoint
           although there are checkpoints; none of the checkpoints is complete.
         """
-        if which not in format.POINTERS:
-            format.read(which)
-            return os.fspath(which)
-        names = self.committed()
         if which == 'best':
-            best = self.pointed('best')
-            if best is None:
-                if names:
+            if self.pointed('best') is None:
+                if self.committed():
                     raise CheckpointError(
                         f"no best checkpoint in {self.dirname}: only checkpoints saved "
                         "because of `monitor` are best ones")
                 return None
-            format.read(self.path(best))
-            return self.path(best)
-        latest = self.pointed('latest')
-        candidates = ([latest] if latest else []) + [
-            name for name in reversed(names) if name != latest]
+        if which != 'latest':
+            path = self.named(which)
+            return Found(path, format.read(path))
         problems = []
-        for name in candidates:
+        for name in self.newest_first():
             try:
-                format.read(self.path(name))
+                return Found(self.path(name), format.read(self.path(name)))
             except CorruptCheckpointError as exc:
                 warnings.warn(f"skipping checkpoint {self.path(name)}: {exc}", UserWarning)
                 problems.append(str(exc))
-                continue
-            return self.path(name)
         if problems:
             raise CheckpointError(
                 f"{self.dirname} holds checkpoints but none is complete: "
                 + '; '.join(problems))
         return None
+
+    def find(self, which: str | os.PathLike[str] = 'latest') -> str | None:
+        """Path of the checkpoint to resume from, or None if there is none:
+        that of :meth:`find_checkpoint`."""
+        found = self.find_checkpoint(which)
+        return None if found is None else found.path
 
     # ------------------------------------------------------------ writing
 

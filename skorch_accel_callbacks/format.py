@@ -33,6 +33,7 @@ every other module may use it.
 import os
 import re
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -49,7 +50,9 @@ __all__ = [
     'PARTIAL_SUFFIX',
     'POINTERS',
     'PROBE_PREFIX',
+    'Problem',
     'batches_into_epoch',
+    'check',
     'checkpoint_name',
     'epoch_caches_names',
     'is_checkpoint_name',
@@ -165,6 +168,61 @@ def write(folder: str, content: dict[str, Any], durable: bool,
     return sealed
 
 
+@dataclass(frozen=True)
+class Problem:
+    """Why a folder is not a complete checkpoint."""
+
+    #: the error a resume raises
+    error: CheckpointError
+    #: the listed file at fault (relative), or None for the folder or manifest
+    file: str | None = None
+
+
+def check(folder: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, list[Problem]]:
+    """``(manifest, problems)`` of a committed folder: the manifest is None
+    when it is missing, unreadable, malformed or of a newer format (one
+    problem says why); else a problem per listed file that is missing or has
+    another size than when it was written, in the manifest's order."""
+    path = os.path.join(folder, MANIFEST_NAME)
+    if not os.path.isdir(folder):
+        return None, [Problem(CorruptCheckpointError(f"{folder} is not a folder"))]
+    if not os.path.isfile(path):
+        return None, [Problem(CorruptCheckpointError(
+            f"{path} is missing: {folder} is not a complete checkpoint"))]
+    try:
+        manifest = atomic.read_json(path)
+    except (OSError, ValueError) as exc:
+        error = CorruptCheckpointError(str(exc))
+        error.__cause__ = exc
+        return None, [Problem(error)]
+    if not isinstance(manifest, dict):
+        return None, [Problem(CorruptCheckpointError(
+            f"{path} is not a manifest (not a JSON object)"))]
+    fmt = manifest.get('format_version')
+    if type(fmt) is not int or fmt < 1:
+        return None, [Problem(CorruptCheckpointError(
+            f"{path} has format_version {fmt!r}, not a format number"))]
+    if fmt > FORMAT_VERSION:
+        return None, [Problem(CheckpointError(
+            f"{path} has checkpoint format {fmt}; this version of "
+            f"skorch-accel-callbacks reads format {FORMAT_VERSION} and older: upgrade it"))]
+    files = manifest.get('files')
+    if not isinstance(files, dict):
+        return None, [Problem(CorruptCheckpointError(f"{path} lists no files"))]
+    problems = []
+    for rel, size in files.items():
+        file = os.path.join(folder, rel)
+        if not os.path.isfile(file):
+            problems.append(Problem(CorruptCheckpointError(
+                f"{file} is missing (listed in {path})"), rel))
+            continue
+        actual = os.path.getsize(file)
+        if actual != size:
+            problems.append(Problem(CorruptCheckpointError(
+                f"{file} has {actual} bytes, {path} says {size}: the file is damaged"), rel))
+    return manifest, problems
+
+
 def read(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and verify a committed folder's manifest.
 
@@ -172,39 +230,11 @@ def read(folder: str | os.PathLike[str]) -> dict[str, Any]:
     manifest is missing, unreadable or malformed, or when a file it lists
     is missing or has another size than when it was written; and
     :class:`CheckpointError` if it is of a newer format than this version
-    reads.
+    reads (the first problem :func:`check` finds).
     """
-    path = os.path.join(folder, MANIFEST_NAME)
-    if not os.path.isdir(folder):
-        raise CorruptCheckpointError(f"{folder} is not a folder")
-    if not os.path.isfile(path):
-        raise CorruptCheckpointError(
-            f"{path} is missing: {folder} is not a complete checkpoint")
-    try:
-        manifest = atomic.read_json(path)
-    except (OSError, ValueError) as exc:
-        raise CorruptCheckpointError(str(exc)) from exc
-    if not isinstance(manifest, dict):
-        raise CorruptCheckpointError(f"{path} is not a manifest (not a JSON object)")
-    fmt = manifest.get('format_version')
-    if type(fmt) is not int or fmt < 1:
-        raise CorruptCheckpointError(
-            f"{path} has format_version {fmt!r}, not a format number")
-    if fmt > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint format {fmt}; this version of "
-            f"skorch-accel-callbacks reads format {FORMAT_VERSION} and older: upgrade it")
-    files = manifest.get('files')
-    if not isinstance(files, dict):
-        raise CorruptCheckpointError(f"{path} lists no files")
-    for rel, size in files.items():
-        file = os.path.join(folder, rel)
-        if not os.path.isfile(file):
-            raise CorruptCheckpointError(f"{file} is missing (listed in {path})")
-        actual = os.path.getsize(file)
-        if actual != size:
-            raise CorruptCheckpointError(
-                f"{file} has {actual} bytes, {path} says {size}: the file is damaged")
+    manifest, problems = check(folder)
+    if problems:
+        raise problems[0].error
     return manifest
 
 

@@ -9,7 +9,6 @@ a file: safetensors files are read as such, other tensor files with
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from datetime import UTC, datetime
@@ -17,7 +16,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from skorch_accel_callbacks import accelerate_io, atomic, compat, format
+from skorch_accel_callbacks import accelerate_io, atomic, compat, format, lock
 from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder
 from skorch_accel_callbacks.format import LOCK_NAME, PARTIAL_SUFFIX, POINTERS, PROBE_PREFIX
@@ -150,34 +149,9 @@ def leftovers(dirname: str | os.PathLike) -> list[tuple[str, str]]:
 def lock_state(dirname: str | os.PathLike) -> dict[str, Any]:
     """The folder's lock: ``{'exists', 'held', 'holder'}``.
 
-    ``holder`` is the pid and host the lock file names (the last job that
-    took it; None if it names none); ``held`` whether a running job holds
-    it now. That is found by trying a shared, non-blocking ``flock`` on the
-    file, opened read-only, which is released at once: a job that tries to
-    take the lock in that same instant is refused as if the folder were in
-    use.
+    See :func:`.lock.probe`.
     """
-    path = os.path.join(dirname, LOCK_NAME)
-    try:
-        lock_file = open(path, encoding='utf-8')
-    except FileNotFoundError:
-        return {'exists': False, 'held': False, 'holder': None}
-    except OSError:  # not readable: who holds it cannot be told
-        return {'exists': True, 'held': None, 'holder': None}
-    with lock_file:
-        try:
-            holder = json.loads(lock_file.read())
-            holder = f"pid {holder['pid']} on host {holder['host']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            holder = None
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held = True
-        else:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
-            held = False
-    return {'exists': True, 'held': held, 'holder': holder}
+    return lock.probe(os.path.join(dirname, LOCK_NAME))
 
 
 class Verdict:
@@ -247,33 +221,12 @@ def verify(path: str | os.PathLike) -> Verdict:
     """
     verdict = Verdict(path)
     sealed = os.path.join(path, format.MANIFEST_NAME)
-    if not os.path.isdir(path):
-        verdict.damaged.append(f"{path} is not a folder")
+    saved, problems = format.check(path)
+    if saved is None:
+        verdict.damaged.append(str(problems[0].error))
         return verdict
-    try:
-        saved = atomic.read_json(sealed)
-    except FileNotFoundError:
-        verdict.damaged.append(f"{sealed} is missing: {path} is not a complete checkpoint")
-        return verdict
-    except (OSError, ValueError) as exc:
-        verdict.damaged.append(f"{sealed} cannot be read: {exc}")
-        return verdict
-    if not isinstance(saved, dict):
-        verdict.damaged.append(f"{sealed} is not a manifest (not a JSON object)")
-        return verdict
-    fmt = saved.get('format_version')
-    if type(fmt) is not int or fmt < 1:
-        verdict.damaged.append(f"{sealed} has format_version {fmt!r}, not a format number")
-        return verdict
-    if fmt > format.FORMAT_VERSION:
-        verdict.damaged.append(
-            f"{sealed} has checkpoint format {fmt}; this version reads format "
-            f"{format.FORMAT_VERSION} and older: upgrade skorch-accel-callbacks")
-        return verdict
-    files = saved.get('files')
-    if not isinstance(files, dict):
-        verdict.damaged.append(f"{sealed} lists no files")
-        return verdict
+    at_fault = {problem.file: str(problem.error) for problem in problems}
+    files = saved['files']
     verdict.files = len(files)
     verdict.bytes = checkpoint_bytes(saved) or 0
 
@@ -287,13 +240,8 @@ def verify(path: str | os.PathLike) -> Verdict:
 
     for rel in sorted(files):
         file = os.path.join(path, rel)
-        if not os.path.isfile(file):
-            verdict.damaged.append(f"{file} is missing (listed in {sealed})")
-            continue
-        actual = os.path.getsize(file)
-        if actual != files[rel]:
-            verdict.damaged.append(
-                f"{file} has {actual} bytes, {sealed} says {files[rel]}: the file is damaged")
+        if rel in at_fault:
+            verdict.damaged.append(at_fault[rel])
             continue
         if not rel.endswith(_LOADABLE):
             continue

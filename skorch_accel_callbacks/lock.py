@@ -12,7 +12,7 @@ from typing import Any, Self, TextIO
 
 from skorch_accel_callbacks.format import LOCK_NAME
 
-__all__ = ['FolderInUseError', 'FolderLock', 'PrefixLock']
+__all__ = ['FolderInUseError', 'FolderLock', 'PrefixLock', 'probe']
 
 
 class FolderInUseError(RuntimeError):
@@ -178,7 +178,10 @@ class FolderLock:
                 try:
                     # removed while still locked: see _lock_file; a file that
                     # someone else put at the path is not ours to remove
-                    if held.remove and _is_at_path(held.file, self.path):
+                    # at interpreter exit the file may be closed (finalized)
+                    # before this runs: the flock went with it
+                    if (held.remove and not held.file.closed
+                            and _is_at_path(held.file, self.path)):
                         os.remove(self.path)
                 except OSError:
                     pass
@@ -234,20 +237,59 @@ def _is_at_path(lock_file: TextIO, path: str) -> bool:
     return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
 
 
+def _named_holder(text: str) -> str | None:
+    """``pid P on host H`` as a holder wrote it into a lock file, or None
+    if ``text`` names none."""
+    try:
+        holder = json.loads(text)
+        return f"pid {holder['pid']} on host {holder['host']}"
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def _holder(lock_file: TextIO) -> str:
     """Who holds ``lock_file``, as its holder wrote it."""
     lock_file.seek(0)
-    try:
-        holder = json.loads(lock_file.read())
-        described = f"pid {holder['pid']} on host {holder['host']}"
-    except (ValueError, KeyError, TypeError):
+    described = _named_holder(lock_file.read())
+    if described is None:
         # the holder is between taking the lock and writing its name
         return 'a job that is starting'
-    if (holder['pid'], holder['host']) == (os.getpid(), socket.gethostname()):
+    if described == f"pid {os.getpid()} on host {socket.gethostname()}":
         # a thread of this process that reached the folder by another path
         # (a bind mount): the registry did not know it as the same file
         described += ", this process, through another path to the lock file"
     return described
+
+
+def probe(path: str | os.PathLike) -> dict[str, Any]:
+    """The lock file ``path``, without taking it: ``{'exists', 'held', 'holder'}``.
+
+    ``holder`` is the pid and host the lock file names (the last job that
+    took it; None if it names none); ``held`` whether a running job holds
+    it now (None if the file cannot be read). That is found by trying a
+    shared, non-blocking ``flock`` on the file, opened read-only, which is
+    released at once: a job that tries to take the lock in that same
+    instant is refused as if the folder were in use.
+    """
+    try:
+        lock_file = open(path, encoding='utf-8')
+    except FileNotFoundError:
+        return {'exists': False, 'held': False, 'holder': None}
+    except OSError:  # not readable: who holds it cannot be told
+        return {'exists': True, 'held': None, 'holder': None}
+    with lock_file:
+        try:
+            holder = _named_holder(lock_file.read())
+        except OSError:
+            holder = None
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held = True
+        else:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+            held = False
+    return {'exists': True, 'held': held, 'holder': holder}
 
 
 def _thread_holder(held: _Hold) -> str:

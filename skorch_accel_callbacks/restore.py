@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,7 +31,8 @@ from skorch_accel_callbacks import (
 )
 from skorch_accel_callbacks.base import processes
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
+from skorch_accel_callbacks.folder import CheckpointFolder, Found, is_committer
+from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name
 from skorch_accel_callbacks.readers import first_unloadable
 from skorch_accel_callbacks.storage import CheckpointStorage
 from skorch_accel_callbacks.wrapping import net_optimizers, own_registries
@@ -100,28 +102,38 @@ class Restored:
         return format.stopped_early(self.manifest)
 
 
+# the checkpoint choose_checkpoint found on this process, by net, with the
+# manifest it read: read_checkpoint takes it instead of reading it again
+_FOUND: weakref.WeakKeyDictionary[Any, Found] = weakref.WeakKeyDictionary()
+
+
 def choose_checkpoint(net: Any, storage: CheckpointStorage, which: str | os.PathLike) -> str | None:
     """The checkpoint to resume from, the same on every rank, or None.
 
-    The committing process(es) look in ``storage``; rank 0's choice is
-    sent to every rank. Raises :class:`CheckpointError` when committers of
+    The committing process(es) look in ``storage``
+    (:meth:`~CheckpointStorage.find_checkpoint`); rank 0's choice is sent
+    to every rank. Raises :class:`CheckpointError` when committers of
     ``save_on_each_node`` would choose different ones.
     """
     committer = is_committer(net)
     found = None
+    _FOUND.pop(net, None)
     with sync.agree(net, f"finding a checkpoint in {storage.dirname}"):
         if committer:
-            found = storage.find(which)
-    name = None if found is None else CheckpointFolder.name_of(found)
+            found = storage.find_checkpoint(which)
+    name = None if found is None else CheckpointFolder.name_of(found.path)
     chosen = sync.broadcast(net, name)
     with sync.agree(net, "choosing the checkpoint to resume from"):
         if committer and name != chosen:
             raise CheckpointError(
-                f"rank {sync.process_index(net)} would resume from {found}, but "
+                f"rank {sync.process_index(net)} would resume from {found.path}, but "
                 f"rank 0 from {chosen}: the nodes' checkpoint folders differ")
     if chosen is None:
         return None
-    if which in ('latest', 'best'):
+    if found is not None:
+        _FOUND[net] = found
+        return found.path
+    if which in POINTERS or is_checkpoint_name(os.fspath(which)):
         return storage.path(chosen)
     return os.fspath(which)
 
@@ -138,7 +150,8 @@ def read_checkpoint(net: Any, path: str, checks: ResumeChecks, X: Any = None,
     """
     rank = sync.process_index(net)
     with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
-        saved = format.read(path)
+        found = _FOUND.pop(net, None)
+        saved = found.manifest if found is not None and found.path == path else format.read(path)
         changed = compat.check_world_size(net, saved, path, checks.reseed)
         compat.check_compatible(net, saved, path)
         if checks.data:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 from typing import Any, Protocol, runtime_checkable
 
-from skorch_accel_callbacks.folder import CheckpointFolder
+from skorch_accel_callbacks.folder import CheckpointFolder, Found
 
-__all__ = ['CheckpointStorage', 'open_storage']
+__all__ = ['CheckpointStorage', 'Found', 'open_storage']
 
 
 @runtime_checkable
@@ -54,6 +54,10 @@ class CheckpointStorage(Protocol):
 
     def committed(self) -> list[str]:
         """Names of the committed checkpoints, oldest first."""
+
+    def find_checkpoint(self, which: str = 'latest') -> Found | None:
+        """The checkpoint ``which`` names (``'latest'``, ``'best'``, a name or
+        a path) with the manifest read there, or None."""
 
     def find(self, which: str = 'latest') -> str | None:
         """Path of the checkpoint ``which`` names, or None."""
