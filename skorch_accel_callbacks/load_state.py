@@ -206,17 +206,17 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         if self.did_load_:
             return
         self.did_load_ = True
-        path = restore.choose_checkpoint(net, self._storage, self.resume)
-        if path is None:
+        chosen = restore.choose_checkpoint(net, self._storage, self.resume)
+        if chosen is None:
             say(net, self.sink, f"No checkpoint in {self.checkpoint.dirname}; "
                                 "training from scratch.")
             return
-        restored = restore.read_checkpoint(net, path, restore.ResumeChecks(
+        restored = restore.read_checkpoint(net, chosen, restore.ResumeChecks(
             data=self.check_data, params=self.check_params,
             reseed=self.on_world_size_change == 'reseed'), X, y)
         net.history = restored.history
         self._pending, self._inside = restored, restored.inside
-        self.loaded_from_ = path
+        path = self.loaded_from_ = restored.path
         done = restored.epochs_done
         self._last_epoch = done if restored.stopped_early else max(done, net.max_epochs)
         self.resumed_ = Resumed(

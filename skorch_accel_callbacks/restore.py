@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -31,13 +30,14 @@ from skorch_accel_callbacks import (
 )
 from skorch_accel_callbacks.base import processes
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.folder import CheckpointFolder, Found, is_committer
+from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
 from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name
 from skorch_accel_callbacks.readers import first_unloadable
 from skorch_accel_callbacks.storage import CheckpointStorage
 from skorch_accel_callbacks.wrapping import net_optimizers, own_registries
 
-__all__ = ['InsideEpoch', 'ResumeChecks', 'Restored', 'choose_checkpoint', 'read_checkpoint']
+__all__ = ['Chosen', 'InsideEpoch', 'ResumeChecks', 'Restored', 'choose_checkpoint',
+           'read_checkpoint']
 
 
 @dataclass(frozen=True)
@@ -102,12 +102,17 @@ class Restored:
         return format.stopped_early(self.manifest)
 
 
-# the checkpoint choose_checkpoint found on this process, by net, with the
-# manifest it read: read_checkpoint takes it instead of reading it again
-_FOUND: weakref.WeakKeyDictionary[Any, Found] = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class Chosen:
+    """The checkpoint to resume from, as this process knows it."""
+
+    path: str
+    #: its manifest, on a process that read it to choose (None elsewhere)
+    manifest: dict | None = None
 
 
-def choose_checkpoint(net: Any, storage: CheckpointStorage, which: str | os.PathLike) -> str | None:
+def choose_checkpoint(net: Any, storage: CheckpointStorage,
+                      which: str | os.PathLike) -> Chosen | None:
     """The checkpoint to resume from, the same on every rank, or None.
 
     The committing process(es) look in ``storage``
@@ -117,7 +122,6 @@ def choose_checkpoint(net: Any, storage: CheckpointStorage, which: str | os.Path
     """
     committer = is_committer(net)
     found = None
-    _FOUND.pop(net, None)
     with sync.agree(net, f"finding a checkpoint in {storage.dirname}"):
         if committer:
             found = storage.find_checkpoint(which)
@@ -131,16 +135,15 @@ def choose_checkpoint(net: Any, storage: CheckpointStorage, which: str | os.Path
     if chosen is None:
         return None
     if found is not None:
-        _FOUND[net] = found
-        return found.path
+        return Chosen(found.path, found.manifest)
     if which in POINTERS or is_checkpoint_name(os.fspath(which)):
-        return storage.path(chosen)
-    return os.fspath(which)
+        return Chosen(storage.path(chosen))
+    return Chosen(os.fspath(which))
 
 
-def read_checkpoint(net: Any, path: str, checks: ResumeChecks, X: Any = None,
+def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = None,
                     y: Any = None) -> Restored:
-    """Check ``path`` against ``net`` and the data ``X``, ``y``, load its
+    """Check ``chosen`` against ``net`` and the data ``X``, ``y``, load its
     accelerator state into the net's accelerator, and read the rest for
     this rank; on every rank, raising on every rank if one fails.
 
@@ -148,10 +151,9 @@ def read_checkpoint(net: Any, path: str, checks: ResumeChecks, X: Any = None,
     could not be loaded; :class:`CorruptCheckpointError` naming a damaged
     file.
     """
-    rank = sync.process_index(net)
+    rank, path = sync.process_index(net), chosen.path
     with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
-        found = _FOUND.pop(net, None)
-        saved = found.manifest if found is not None and found.path == path else format.read(path)
+        saved = chosen.manifest if chosen.manifest is not None else format.read(path)
         changed = compat.check_world_size(net, saved, path, checks.reseed)
         compat.check_compatible(net, saved, path)
         if checks.data:

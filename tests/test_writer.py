@@ -189,7 +189,8 @@ def test_read_checkpoint_gives_a_record_of_what_was_saved(tmp_path, trained, mon
     reads = []
     original = format.read
     monkeypatch.setattr(format, 'read', lambda folder: reads.append(folder) or original(folder))
-    restored = restore.read_checkpoint(other, storage.path('epoch-0001'), restore.ResumeChecks())
+    restored = restore.read_checkpoint(
+        other, restore.Chosen(storage.path('epoch-0001')), restore.ResumeChecks())
     assert reads == [storage.path('epoch-0001')]
     assert restored.path == storage.path('epoch-0001') and restored.step == 2
     assert restored.inside is None and restored.reseeded_from is None
