@@ -4,8 +4,11 @@ Hugging Face accelerate, in one process or many.
 The package, from the callbacks down (data flows one way, downwards):
 
 - ``checkpoint`` (:class:`AccelerateCheckpoint`: when to save, and the save),
-  ``load_state`` (:class:`AccelerateLoadInitState`), ``params`` (the skorch
-  drop-ins), ``mixin`` (:class:`AccelerateFixesMixin`);
+  ``load_state`` (:class:`AccelerateLoadInitState`), the skorch drop-ins
+  ``params`` (:class:`ParamsCheckpoint`), ``params_train_end``
+  (:class:`TrainEndParamsCheckpoint`) and ``params_load``
+  (:class:`LoadInitParams`) on ``params_files`` (the files of a save),
+  ``mixin`` (:class:`AccelerateFixesMixin`);
 - ``triggers`` (when to save: pure policy), ``preemption`` (the signals that
   make a run save and stop), ``base`` (what the callbacks share);
 - ``folder`` (a folder of checkpoints: lock, leftovers, commit, pointers,
@@ -39,7 +42,9 @@ from skorch_accel_callbacks.errors import (
 from skorch_accel_callbacks.load_state import AccelerateLoadInitState
 from skorch_accel_callbacks.lock import FolderInUseError
 from skorch_accel_callbacks.mixin import AccelerateFixesMixin
-from skorch_accel_callbacks.params import LoadInitParams, ParamsCheckpoint, TrainEndParamsCheckpoint
+from skorch_accel_callbacks.params import ParamsCheckpoint
+from skorch_accel_callbacks.params_load import LoadInitParams
+from skorch_accel_callbacks.params_train_end import TrainEndParamsCheckpoint
 from skorch_accel_callbacks.sync import RankError
 from skorch_accel_callbacks.wrapping import unwrapped
 

@@ -1,32 +1,29 @@
-"""skorch's params-saving callbacks, correct in every process.
+"""skorch's ``Checkpoint``, correct in every process: :class:`ParamsCheckpoint`.
 
-:class:`ParamsCheckpoint`, :class:`TrainEndParamsCheckpoint` and
-:class:`LoadInitParams` subclass skorch's ``Checkpoint``,
-``TrainEndCheckpoint`` and ``LoadInitState`` and take the same arguments;
-what they change is listed once, in the README, "How the callbacks differ
-from skorch's". The files of a save are handled in
-:mod:`~skorch_accel_callbacks.params_files`.
+It decides on the main process whether to save, and writes the save; the
+files of a save are handled in :mod:`~skorch_accel_callbacks.params_files`.
+Its companions: :mod:`~skorch_accel_callbacks.params_train_end` and
+:mod:`~skorch_accel_callbacks.params_load`.
 """
 
+import importlib
 import os
 import pickle
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import IO, Any, Self, TypeAlias
 
-from skorch.callbacks import Checkpoint, LoadInitState, TrainEndCheckpoint
+from skorch.callbacks import Checkpoint
 from skorch.exceptions import SkorchException
 from skorch.utils import _check_f_arguments, noop, open_file_like
 
 from skorch_accel_callbacks import params_files, sync, triggers
 from skorch_accel_callbacks.base import InitParamsOnly, check_sink, say
-from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.lock import PrefixLock
 from skorch_accel_callbacks.mixin import dump_net
-from skorch_accel_callbacks.readers import first_unloadable
 from skorch_accel_callbacks.wrapping import unwrapped
 
-__all__ = ['LoadInitParams', 'ParamsCheckpoint', 'TrainEndParamsCheckpoint']
+__all__ = ['ParamsCheckpoint']
 
 ON_ERROR_CHOICES = ('warn', 'raise')
 
@@ -34,7 +31,9 @@ ON_ERROR_CHOICES = ('warn', 'raise')
 File: TypeAlias = str | os.PathLike | IO[Any] | None
 
 
-def _check_arguments(owner: Any) -> None:
+def check_arguments(owner: Any) -> None:
+    """Raise ``ValueError`` naming ``owner``'s class if its ``on_error``,
+    ``sink`` or ``event_name`` is of the wrong kind."""
     if owner.on_error not in ON_ERROR_CHOICES:
         raise ValueError(
             f"{type(owner).__name__}: on_error must be one of "
@@ -45,33 +44,6 @@ def _check_arguments(owner: Any) -> None:
         raise ValueError(
             f"{type(owner).__name__}: event_name must be a str (the history "
             f"column) or None, got {event_name!r}")
-
-
-_MISSING = object()
-
-
-def _state_attr(f_key: str) -> str | None:
-    """The attribute of the net whose ``state_dict`` the file ``f_key`` holds
-    (``'f_params'`` -> ``'module_'``), None for the history and the pickle."""
-    if f_key in ('f_history', 'f_pickle'):
-        return None
-    return 'module_' if f_key == 'f_params' else f_key[2:] + '_'
-
-
-def _stateless(net: Any, attr: str | None) -> Any:
-    """The object ``net.<attr>`` if it has no state to save (no ``state_dict``:
-    not a torch Module or Optimizer, e.g. a criterion that is a plain
-    function), else None."""
-    obj = getattr(net, attr, _MISSING) if attr is not None else _MISSING
-    if obj is _MISSING or hasattr(obj, 'state_dict'):
-        return None
-    return obj
-
-
-def _describe_object(obj: Any) -> str:
-    name = getattr(obj, '__qualname__', None)
-    kind = type(obj).__name__
-    return f"{name}, a {kind}" if name else f"a {kind}"
 
 
 class _SaveFailed(Exception):
@@ -86,13 +58,10 @@ class _NullWriter:
 
 
 def _load_everywhere(net: Any, what: str, **kwargs: Any) -> None:
-    """``net.load_params(**kwargs)`` on every rank, into the unwrapped modules.
-
-    Every rank has to call it: skorch's ``AccelerateMixin.load_params`` starts
-    with a barrier. Unwrapped, it takes its plain path (load on this rank,
-    with its temporary ``device='cpu'`` for ``device=None``) instead of
-    preparing the modules again.
-    """
+    """``net.load_params(**kwargs)`` on every rank (skorch's
+    ``AccelerateMixin.load_params`` starts with a barrier), into the unwrapped
+    modules: it then loads on this rank (with its temporary ``device='cpu'``
+    for ``device=None``) instead of preparing the modules again."""
     with sync.agree(net, what):
         with unwrapped(net):
             net.load_params(**kwargs)
@@ -102,16 +71,13 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     """Save the model when the monitored metric improved; correct in every
     process.
 
-    A drop-in for :class:`skorch.callbacks.Checkpoint`: same arguments,
-    defaults, file name format specifiers (``{last_epoch[epoch]}``,
-    ``{last_batch[...]}``, ``{net}``), ``f_<module>`` for custom modules and
-    the ``event_name`` history column, plus ``on_error``;
-    ``net.load_params(checkpoint=cp)`` accepts it. Use it in every process:
-    the main process decides whether to save and writes every file, and the
-    files of a save replace the previous checkpoint's together, so a crash
-    leaves the previous checkpoint whole. While training, the job holds a
-    lock on its files (``<dirname>/.<fn_prefix>lock``). See the README,
-    "How the callbacks differ from skorch's".
+    A drop-in for :class:`skorch.callbacks.Checkpoint` (same arguments,
+    defaults and file name format specifiers, plus ``on_error``);
+    ``net.load_params(checkpoint=cp)`` accepts it. Use it in every process.
+    What it changes (the main process decides and writes, a save's files
+    replace the previous ones together, a lock on
+    ``<dirname>/.<fn_prefix>lock`` while training) is in the README, "How
+    the callbacks differ from skorch's".
 
     Parameters
     ----------
@@ -134,11 +100,9 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
       File for the training history.
 
     f_pickle : file-like object, str, None (default=None)
-      File for the whole pickled net; format specifiers as for
-      ``f_params``. The net is pickled unwrapped and its accelerator as its
-      settings (:func:`~skorch_accel_callbacks.mixin.dump_net`): unpickled
-      in another process, a net pickled by a job of several processes gets
-      an accelerator of that process and predicts on its own.
+      File for the whole pickled net, without its accelerator's processes
+      (:func:`~skorch_accel_callbacks.mixin.dump_net`; see the README);
+      format specifiers as for ``f_params``.
 
     fn_prefix : str (default='')
       Prefix of every file name given as a string.
@@ -195,8 +159,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
       net fitted in another thread) saves the same files.
     skorch.exceptions.SkorchException
       At the end of an epoch whose history lacks the ``monitor`` column,
-      with skorch's message ("Key 'valid_loss_best' was not found in
-      history. Make sure you have validation data ...") on the main process.
+      with skorch's message, on the main process.
 
     Examples
     --------
@@ -240,7 +203,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             **kwargs)
 
     def initialize(self) -> Self:
-        _check_arguments(self)
+        check_arguments(self)
         self.release_folder()
         try:
             super().initialize()
@@ -248,13 +211,10 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             raise OSError(
                 exc.errno, f"{type(self).__name__} cannot create its folder "
                 f"dirname={self.dirname!r}: {exc.strerror}", self.dirname) from exc
-        self._check_folders()
-        return self
-
-    def _check_folders(self) -> None:
-        """Raise if a file of this checkpoint could not be created."""
+        # raise now if a file of this checkpoint could not be created
         params_files.check_folders(
             type(self).__name__, self.dirname, self.fn_prefix, self._f_kwargs())
+        return self
 
     # the StagedFiles of the save in progress, on every rank; None between saves
     _staged = None
@@ -264,8 +224,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     def stateless_files(self, net: Any) -> dict[str, File]:
         """The ``f_*`` arguments (name -> value) whose objects in ``net`` have
         no state to save (no ``state_dict``): neither saved nor loaded."""
-        return {key: val for key, val in sorted(self._f_kwargs().items())
-                if val is not None and _stateless(net, _state_attr(key)) is not None}
+        return params_files.stateless_files(net, self._f_kwargs())
 
     def get_formatted_files(self, net: Any) -> dict[str, File]:
         """skorch's formatted file names, less those of :meth:`stateless_files`:
@@ -289,11 +248,9 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         """Complete the file moves of a save that a crash interrupted and
         remove the temporary files of killed saves; call it on every rank.
 
-        Nothing is done while another running job holds the lock of this
-        checkpoint's files (same ``dirname`` and ``fn_prefix``): the save in
-        flight is that job's. Temporary files of other prefixes are left
-        alone. Training and
-        :class:`LoadInitParams` call it before they read or write; call it
+        Nothing is done while another running job holds the lock of these
+        files (same ``dirname`` and ``fn_prefix``), and other prefixes' files
+        are left alone. Training and ``LoadInitParams`` call it; call it
         yourself before ``net.load_params(checkpoint=cp)`` on files that a
         killed job may have left.
         """
@@ -324,10 +281,9 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         """Lock this checkpoint's files, complete an interrupted save and
         check what will be saved.
 
-        ``owner`` is the class name that the warnings about files not saved
-        (:meth:`stateless_files`) begin with, this class's by default:
-        :class:`TrainEndParamsCheckpoint` passes its own for its
-        ``checkpoint_``.
+        ``owner`` begins the warnings about files not saved
+        (:meth:`stateless_files`): this class's name by default, that of the
+        ``TrainEndParamsCheckpoint`` whose ``checkpoint_`` this is.
         """
         sync.run_on_main(net, self._lock_folder,
                          f"{type(self).__name__}: locking the files of fn_prefix="
@@ -346,11 +302,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
 
     def _warn_stateless(self, net: Any, owner: str) -> None:
         for key, val in self.stateless_files(net).items():
-            attr = _state_attr(key)
-            message = (
-                f"{owner}: {key}={val!r} is not saved (nor loaded): net.{attr} "
-                f"({_describe_object(_stateless(net, attr))}) has no state_dict, it is "
-                f"not a torch Module or Optimizer; set {key}=None to not be told")
+            message = params_files.not_saved_message(owner, net, key, val)
             say(net, self.sink, message)
             warnings.warn(message, UserWarning, stacklevel=3)
 
@@ -391,21 +343,17 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         return triggers.monitor_says(net, self.monitor, type(self).__name__)
 
     def save_model(self, net: Any) -> None:
-        """Save the model; call it on every process.
+        """Save what the ``f_*`` arguments name (not the files of
+        :meth:`stateless_files`); call it on every process.
 
-        Saves what the ``f_*`` arguments name: module parameters, optimizer
-        and criterion states, custom modules, history and the pickled net;
-        not the files of :meth:`stateless_files`.
-        Each file is written by :meth:`_save_params` (or the pickle by
-        :meth:`_save_pickle`) on the main process under a temporary name;
-        then all of them are moved into place together, complete on disk
-        before any rank goes on. The first file that fails ends the save;
-        the previous checkpoint stays as it was.
+        The main process writes each file under a temporary name, then moves
+        all of them into place together (see the README); the first file
+        that fails ends the save and leaves the previous checkpoint as it was.
         """
         kwargs_module, kwargs_other = _check_f_arguments(
             self.__class__.__name__, **self._f_kwargs())
         kwargs_module = {attr: val for attr, val in kwargs_module.items()
-                         if _stateless(net, attr) is None}
+                         if params_files.stateless_object(net, attr) is None}
         self._staged = params_files.start_save(self.dirname, self.fn_prefix)
         try:
             with unwrapped(net):
@@ -450,9 +398,8 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
 
     def _save_file(self, net: Any, f: File, log_name: str, write: Callable[[File], object],
                    every_rank: bool) -> None:
-        """Write ``f`` with ``write(target)`` as one agreed step: on the main
-        process only, staged with the save's other files inside
-        :meth:`save_model` (:func:`~skorch_accel_callbacks.params_files.write_file`)."""
+        """Write ``f`` with ``write(target)`` as one agreed step, on the main process
+        (:func:`~skorch_accel_callbacks.params_files.write_file`)."""
         def save() -> None:
             params_files.write_file(
                 f, write, self._staged, main=sync.is_main_process(net), every_rank=every_rank)
@@ -489,213 +436,11 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             self.release_folder()
 
 
-class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
-    """Save the model at the end of training; correct in every process.
-
-    A drop-in for :class:`skorch.callbacks.TrainEndCheckpoint` (default
-    ``fn_prefix='train_end_'``, plus ``on_error``) that saves through a
-    :class:`ParamsCheckpoint`, stored as ``checkpoint_``, and so saves as
-    that one does. See the README, "How the callbacks differ from skorch's".
-
-    Parameters
-    ----------
-    f_params, f_optimizer, f_criterion, f_history, f_pickle : file-like object, str, None
-      As for :class:`ParamsCheckpoint` (same defaults).
-
-    fn_prefix : str (default='train_end_')
-      Prefix of every file name given as a string.
-
-    dirname : str (default='')
-      Folder of the files.
-
-    use_safetensors : bool (default=False)
-      Save tensors with ``safetensors`` instead of ``torch.save``.
-
-    sink : callable (default=noop)
-      Receives the messages, on the main process only.
-
-    on_error : {'warn', 'raise'} (default='warn')
-      What a failed save does, see :class:`ParamsCheckpoint`.
-
-    **kwargs
-      ``f_<name>`` for a custom module ``net.<name>_``.
-
-    Attributes
-    ----------
-    checkpoint_ : ParamsCheckpoint
-      The checkpoint that saves at the end of training (as in skorch).
-
-    Raises
-    ------
-    ValueError, TypeError, OSError, skorch_accel_callbacks.FolderInUseError
-      As :class:`ParamsCheckpoint`.
-
-    Examples
-    --------
-    Save at the end of each run and continue from there on the next one:
-
-    >>> train_end_cp = TrainEndParamsCheckpoint(dirname='exp1')
-    >>> load_state = LoadInitParams(train_end_cp)
-    >>> net = AcceleratedNet(..., callbacks=[train_end_cp, load_state])
-    >>> net.fit(X, y)
-
-    """
-
-    def __init__(
-            self,
-            f_params: File = 'params.pt',
-            f_optimizer: File = 'optimizer.pt',
-            f_criterion: File = 'criterion.pt',
-            f_history: File = 'history.json',
-            f_pickle: File = None,
-            fn_prefix: str = 'train_end_',
-            dirname: str = '',
-            use_safetensors: bool = False,
-            sink: Callable[[str], object] = noop,
-            on_error: str = 'warn',
-            **kwargs: File
-    ) -> None:
-        self.on_error = on_error
-        super().__init__(
-            f_params=f_params, f_optimizer=f_optimizer, f_criterion=f_criterion,
-            f_history=f_history, f_pickle=f_pickle, fn_prefix=fn_prefix,
-            dirname=dirname, use_safetensors=use_safetensors, sink=sink, **kwargs)
-
-    def initialize(self) -> Self:
-        _check_arguments(self)
-        if hasattr(self, 'checkpoint_'):
-            self.checkpoint_.release_folder()
-        self.checkpoint_ = ParamsCheckpoint(
-            monitor=None,
-            fn_prefix=self.fn_prefix,
-            dirname=self.dirname,
-            event_name=None,
-            sink=self.sink,
-            use_safetensors=self.use_safetensors,
-            on_error=self.on_error,
-            **self._f_kwargs()
-        )
-        self.checkpoint_.initialize()
-        return self
-
-    # pylint: disable=arguments-differ
-    def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
-        self.checkpoint_.on_train_begin(net, X=X, y=y, owner=type(self).__name__, **kwargs)
-
-    def on_train_end(self, net: Any, **kwargs: Any) -> Self:
-        try:
-            self.checkpoint_.save_model(net)
-            say(net, self.sink, "Final checkpoint triggered")
-        finally:
-            self.checkpoint_.release_folder()
-        return self
+# f_pickle files written before these classes had modules of their own name them here
+_MOVED = {'TrainEndParamsCheckpoint': 'params_train_end', 'LoadInitParams': 'params_load'}
 
 
-class LoadInitParams(InitParamsOnly, LoadInitState):
-    """Load a checkpoint into the net when training begins, on every rank.
-
-    A drop-in for :class:`skorch.callbacks.LoadInitState`: as with skorch,
-    nothing is loaded when the checkpoint's files do not exist yet. Every
-    rank loads the same files; if only some ranks find them, or loading
-    fails on any rank, every rank raises. See the README, "How the
-    callbacks differ from skorch's".
-
-    Parameters
-    ----------
-    checkpoint : skorch.callbacks.Checkpoint or skorch.callbacks.TrainEndCheckpoint
-      Checkpoint to take the file names from, e.g. a
-      :class:`ParamsCheckpoint` or :class:`TrainEndParamsCheckpoint`.
-
-    use_safetensors : bool (default=False)
-      Whether the files were saved with ``safetensors``.
-
-    Attributes
-    ----------
-    did_load_ : bool
-      Whether a checkpoint was looked for (once per ``initialize``).
-
-    Raises
-    ------
-    TypeError
-      At ``initialize``: ``checkpoint`` is not a skorch ``Checkpoint`` or
-      ``TrainEndCheckpoint``.
-    CorruptCheckpointError
-      When training begins: a file of the checkpoint does not load (the
-      message names it), on every rank.
-    skorch_accel_callbacks.RankError
-      When training begins, on the ranks where loading succeeded, when it
-      failed on another (or only some ranks found the files).
-
-    Examples
-    --------
-    Run this several times; each run continues from the best checkpoint of
-    the previous one:
-
-    >>> cp = ParamsCheckpoint(monitor='valid_loss_best', dirname='exp1')
-    >>> net = AcceleratedNet(..., callbacks=[cp, LoadInitParams(cp)])
-    >>> net.fit(X, y)
-
-    """
-
-    def initialize(self) -> Self:
-        if not isinstance(self.checkpoint, (Checkpoint, TrainEndCheckpoint)):
-            raise TypeError(
-                f"{type(self).__name__}: checkpoint must be a skorch Checkpoint or "
-                f"TrainEndCheckpoint (such as a ParamsCheckpoint or "
-                f"TrainEndParamsCheckpoint), got {self.checkpoint!r} of type "
-                f"{type(self.checkpoint).__name__}")
-        return super().initialize()
-
-    # pylint: disable=arguments-differ
-    def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
-        if self.did_load_:
-            return
-        self.did_load_ = True
-        checkpoint = self.checkpoint
-        if isinstance(checkpoint, TrainEndCheckpoint):
-            checkpoint = checkpoint.checkpoint_
-        if isinstance(checkpoint, ParamsCheckpoint):
-            checkpoint.finish_interrupted_save(net)
-        # as with skorch, no files yet (on every rank) means nothing to load
-        with sync.agree(net, f"{type(self).__name__}: loading the checkpoint",
-                        ignore_if_all_raise=FileNotFoundError):
-            try:
-                with unwrapped(net):
-                    net.load_params(
-                        checkpoint=checkpoint, use_safetensors=self.use_safetensors)
-            except FileNotFoundError:
-                raise
-            except Exception as exc:  # pylint: disable=broad-except
-                error = self._naming_the_file(net, checkpoint, exc)
-                if error is exc:
-                    raise
-                raise error from exc
-
-    def _naming_the_file(self, net: Any, checkpoint: Checkpoint,
-                         exc: Exception) -> Exception:
-        """The error of a failed load, as one that names the file at fault.
-
-        skorch's errors (torch's weights-only unpickler, JSON, safetensors)
-        do not say which file they were reading; each file is read again,
-        on this error path only, to find it.
-        """
-        def files() -> Iterator[tuple[str, File]]:
-            # the history first: the names of the others may depend on it
-            if checkpoint.f_history is not None:
-                yield 'f_history', checkpoint.f_history_
-            for key, file in checkpoint.get_formatted_files(net).items():
-                # load_params does not read the pickled net
-                if key not in ('f_history', 'f_pickle'):
-                    yield key, file
-
-        for key, file in files():
-            if not isinstance(file, (str, os.PathLike)):
-                continue
-            kind = ('json' if key == 'f_history'
-                    else 'safetensors' if self.use_safetensors else 'torch')
-            at_fault = first_unloadable([file], kind)
-            if at_fault is not None:
-                _, reason = at_fault
-                return CorruptCheckpointError(
-                    f"{file} cannot be loaded: {type(reason).__name__}: {reason}")
-        return exc
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(f'{__package__}.{_MOVED[name]}'), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

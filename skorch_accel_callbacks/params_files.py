@@ -9,6 +9,10 @@ completed and the temporary files of killed saves of those files are
 removed; a save in flight of another job (same folder, other ``fn_prefix``,
 or the holder of the lock) is left alone.
 
+A save skips the files of objects that have no state to save (no
+``state_dict``, e.g. a criterion that is a plain function): they are
+neither saved nor loaded.
+
 The file names are skorch's: ``dirname``, ``fn_prefix`` and the ``f_*``
 arguments (name -> value, a value of ``str`` may be a format template such as
 ``'params_{last_epoch[epoch]}.pt'``).
@@ -30,15 +34,61 @@ __all__ = [
     'commit',
     'finish_interrupted_save',
     'journal_path',
+    'not_saved_message',
     'remove_temp_files',
     'start_save',
+    'state_attr',
+    'stateless_files',
+    'stateless_object',
     'write_file',
 ]
+
+_MISSING = object()
 
 
 def journal_path(dirname: str, fn_prefix: str) -> str:
     """Where a save lists its file moves while it makes them."""
     return os.path.join(dirname, f".{fn_prefix}commit.json")
+
+
+def state_attr(f_key: str) -> str | None:
+    """The attribute of the net whose ``state_dict`` the file ``f_key`` holds
+    (``'f_params'`` -> ``'module_'``), None for the history and the pickle."""
+    if f_key in ('f_history', 'f_pickle'):
+        return None
+    return 'module_' if f_key == 'f_params' else f_key[2:] + '_'
+
+
+def stateless_object(net: Any, attr: str | None) -> Any:
+    """The object ``net.<attr>`` if it has no state to save (no ``state_dict``:
+    not a torch Module or Optimizer, e.g. a criterion that is a plain
+    function), else None."""
+    obj = getattr(net, attr, _MISSING) if attr is not None else _MISSING
+    if obj is _MISSING or hasattr(obj, 'state_dict'):
+        return None
+    return obj
+
+
+def stateless_files(net: Any, f_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``f_*`` arguments (name -> value) whose objects in ``net`` have no
+    state to save: neither saved nor loaded."""
+    return {key: val for key, val in sorted(f_kwargs.items())
+            if val is not None and stateless_object(net, state_attr(key)) is not None}
+
+
+def _describe_object(obj: Any) -> str:
+    name = getattr(obj, '__qualname__', None)
+    kind = type(obj).__name__
+    return f"{name}, a {kind}" if name else f"a {kind}"
+
+
+def not_saved_message(owner: str, net: Any, key: str, val: Any) -> str:
+    """What ``owner`` warns about the file ``key=val`` of :func:`stateless_files`."""
+    attr = state_attr(key)
+    return (
+        f"{owner}: {key}={val!r} is not saved (nor loaded): net.{attr} "
+        f"({_describe_object(stateless_object(net, attr))}) has no state_dict, it is "
+        f"not a torch Module or Optimizer; set {key}=None to not be told")
 
 
 def _creation_error(folder: str) -> OSError | None:
