@@ -233,7 +233,13 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                "usage error: a wrong argument (export: OUT is a file), no such folder "
                "or checkpoint (best where none is the best one).")
     commands = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
+    _add_list(commands)
+    _add_verify(commands)
+    _add_export(commands)
+    return parser
 
+
+def _add_list(commands: Any) -> None:
     listing = commands.add_parser(
         'list', help="the checkpoints of a folder, what is left over and its lock",
         description="One line a checkpoint, in training order: name, epochs done, "
@@ -244,6 +250,8 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
     listing.add_argument('dir', metavar='DIR', help="an AccelerateCheckpoint's dirname")
     listing.set_defaults(run=_list)
 
+
+def _add_verify(commands: Any) -> None:
     verifying = commands.add_parser(
         'verify', help="check that every file of the checkpoints loads",
         description="Check the manifest, the size of every file and that every file "
@@ -258,6 +266,8 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                                 "latest.json / best.json name); default: all of them")
     verifying.set_defaults(run=_verify)
 
+
+def _add_export(commands: Any) -> None:
     exporting_ = commands.add_parser(
         'export', help="a checkpoint's model(s) as safetensors files for load_params",
         description="Write the model(s) of a checkpoint into OUT as "
@@ -277,7 +287,6 @@ def _parser(prog: str | None) -> argparse.ArgumentParser:
                             help="the folder to write into (created if needed; files of "
                                  "an earlier export are replaced)")
     exporting_.set_defaults(run=_export)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:

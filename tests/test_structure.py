@@ -9,7 +9,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / 'skorch_accel_callbacks'
 MODULES = sorted(PACKAGE.glob('*.py'))
-CALLBACK_MODULES = ('checkpoint.py', 'load_state.py', 'params.py', 'params_load.py')
+CALLBACK_MODULES = ('checkpoint.py', 'load_state.py', 'params.py', 'params_load.py',
+                    'params_train_end.py')
 
 MAX_MODULE_LINES = 450
 MAX_CLASS_CODE_LINES = 250
