@@ -21,6 +21,7 @@ import torch
 
 from skorch_accel_callbacks import accelerate_io, format, sync, training_state
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.readers import load_without_code, read_naming_fault
 from skorch_accel_callbacks.wrapping import bare_modules
 
 __all__ = [
@@ -252,13 +253,9 @@ def check_rank_files(path: str, manifest: dict[str, Any], rank: int) -> None:
             raise CorruptCheckpointError(
                 f"{os.path.join(path, name)} is missing: {path} has no state for rank {rank}")
     rng_file = os.path.join(path, accelerate_io.rng_file(rank))
-    try:
-        # accelerate's load_state silently skips random states it cannot read
-        accelerate_io.load_weights_only(rng_file)
-    except Exception as exc:  # pylint: disable=broad-except
-        raise CorruptCheckpointError(
-            f"{rng_file} cannot be loaded (weights_only): {type(exc).__name__}: {exc}"
-        ) from exc
+    # accelerate's load_state silently skips random states it cannot read
+    read_naming_fault([rng_file], lambda: load_without_code(rng_file),
+                      failed='cannot be loaded (weights_only)')
 
 
 # ---------------------------------------------------------------- settings

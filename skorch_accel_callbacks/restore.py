@@ -28,9 +28,9 @@ from skorch_accel_callbacks import (
     training_state,
 )
 from skorch_accel_callbacks.base import processes
-from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
-from skorch_accel_callbacks.readers import first_unloadable
+from skorch_accel_callbacks.readers import kind_of, read_naming_fault
 from skorch_accel_callbacks.storage import CheckpointStorage
 from skorch_accel_callbacks.wrapping import net_optimizers, own_registries
 
@@ -172,21 +172,18 @@ def _load_accelerator_state(net: Any, path: str, changed_params: Any) -> list:
     """``accelerator.load_state(path)``; the optimizers' settings to restore
     (the new values of the parameters allowed to change take effect)."""
     fresh = training_state.optimizer_hyperparameters(net_optimizers(net))
-    try:
-        accelerate_io.load_state(net.accelerator, path)
-    except Exception as exc:
-        at_fault = first_unloadable(_model_and_optimizer_files(path))
-        raise CheckpointError(
-            f"{at_fault[0] if at_fault else path} could not be loaded: "
-            f"{type(exc).__name__}: {exc}") from exc
+    read_naming_fault(_model_and_optimizer_files(path),
+                      lambda: accelerate_io.load_state(net.accelerator, path),
+                      error=CheckpointError, failed='could not be loaded', fallback=path)
     saved = training_state.optimizer_hyperparameters(net_optimizers(net))
     training_state.keep_new_optimizer_settings(net, changed_params, fresh, saved)
     return saved
 
 
 def _model_and_optimizer_files(folder: str) -> list[str]:
+    """The files of ``folder`` that ``load_state`` may have read."""
     return [os.path.join(folder, name) for name in sorted(os.listdir(folder))
-            if name.endswith(('.bin', '.pkl', '.pt', '.safetensors'))]
+            if kind_of(name) in ('safetensors', 'torch')]
 
 
 def _read_position(path: str, rank: int, with_caches: bool) -> InsideEpoch:
@@ -206,15 +203,9 @@ def _read_own(folder: str, names: str | list[str] | tuple[str, ...],
               load: Callable[[str], Any]) -> Any:
     """``load(folder)`` for this package's own files ``names``; an error names
     the file (JSON and safetensors readers do not always say which)."""
-    try:
-        return load(folder)
-    except Exception as exc:  # pylint: disable=broad-except
-        names = (names,) if isinstance(names, str) else names
-        files = [os.path.join(folder, name) for name in names]
-        at_fault = first_unloadable(files) if len(files) > 1 else None
-        raise CorruptCheckpointError(
-            f"{at_fault[0] if at_fault else ' or '.join(files)} cannot be loaded: "
-            f"{type(exc).__name__}: {exc}") from exc
+    names = (names,) if isinstance(names, str) else names
+    return read_naming_fault([os.path.join(folder, name) for name in names],
+                             lambda: load(folder))
 
 
 def _saved_step(net: Any, saved: dict, history: Any) -> int:
