@@ -16,6 +16,7 @@ from skorch_accel_callbacks import (
     compat,
     epoch_position,
     export,
+    fingerprint,
     format,
     sync,
     training_state,
@@ -265,7 +266,7 @@ class AccelerateCheckpoint(FolderStateCallback, Callback):
         self._check_net(net)
         move_callback(net, self, 'last')
         self.folder_.claim(net)
-        self._data = training_state.data_fingerprint(X, y)
+        self._data = fingerprint.data_fingerprint(X, y)
         self._fit_began = False
         self._deferred = None
         self._poll.begin(net)

@@ -10,17 +10,14 @@ when a run cannot resume a checkpoint exactly, before it trains.
 """
 
 import functools
-import math
 import os
 from collections.abc import Collection
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, NoReturn
 
-import numpy as np
-import torch
-
-from skorch_accel_callbacks import accelerate_io, format, sync, training_state
+from skorch_accel_callbacks import accelerate_io, format, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.fingerprint import describe
 from skorch_accel_callbacks.readers import load_without_code, read_naming_fault
 from skorch_accel_callbacks.wrapping import bare_modules
 
@@ -33,7 +30,6 @@ __all__ = [
     'check_same_params',
     'check_train_rows',
     'check_world_size',
-    'describe',
     'epoch_settings',
     'model_files',
     'model_layout',
@@ -101,7 +97,7 @@ def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_earl
     ``finished``: training ended with this checkpoint (``max_epochs``
     reached, or a callback stopped it: ``stopped_early``); ``data``: the
     fingerprint of the training data
-    (:func:`~skorch_accel_callbacks.training_state.data_fingerprint`);
+    (:func:`~skorch_accel_callbacks.fingerprint.data_fingerprint`);
     ``position``: ``{'step': optimizer steps, 'batches': training batches
     of the epoch under way}`` (0 batches at an epoch's end); ``loader``: the
     training loader of the epoch (for its number of rows).
@@ -279,58 +275,8 @@ _UNCHECKED_PARAMS = frozenset({
 # callbacks have their own state in a checkpoint; names with a leading
 # underscore are skorch's bookkeeping (_params_to_validate)
 _UNCHECKED_PREFIXES = ('callbacks__', 'iterator_valid__', '_')
-# nesting of objects that a description follows, beyond which an object is
-# described by its type
-_DESCRIBE_DEPTH = 4
-
-
 def _checked(name: str) -> bool:
     return name not in _UNCHECKED_PARAMS and not name.startswith(_UNCHECKED_PREFIXES)
-
-
-def describe(value: Any, depth: int = 0) -> Any:
-    """A JSON value that stands for ``value`` and is the same in every run
-    with the same value: classes and functions by module and qualified name,
-    arrays and tensors by shape, dtype and a hash of some rows, other objects
-    by their type and (estimators) ``get_params()``, a ``repr`` without an
-    address, or public attributes.
-    Nothing is pickled, and no address (``<... at 0x...>``) is part of it."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {'float': repr(value)}
-    if isinstance(value, (list, tuple)):
-        return [describe(item, depth + 1) for item in value]
-    if isinstance(value, dict):
-        return {str(key): describe(item, depth + 1) for key, item in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted((describe(item, depth + 1) for item in value), key=repr)
-    if isinstance(value, functools.partial):
-        return {'partial': describe(value.func, depth + 1),
-                'args': describe(value.args, depth + 1),
-                'keywords': describe(value.keywords, depth + 1)}
-    if isinstance(value, type) or (callable(value) and hasattr(value, '__qualname__')):
-        return {'callable': f"{value.__module__}.{value.__qualname__}"}
-    kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    data = training_state.describe_data(value)
-    if data is not None:
-        return {'type': kind, 'data': data}
-    if isinstance(value, torch.nn.Module) or depth >= _DESCRIBE_DEPTH:
-        # a module instance's layout and weights are the checkpoint's models
-        return {'type': kind}
-    if hasattr(value, 'get_params'):
-        return {'type': kind, 'params': describe(value.get_params(deep=False), depth + 1)}
-    text = repr(value)
-    if ' at 0x' not in text:  # a repr that says the value (torch.float32, an enum)
-        return {'type': kind, 'repr': text}
-    attrs = getattr(value, '__dict__', None)
-    if isinstance(attrs, dict):
-        return {'type': kind, 'attrs': {
-            key: describe(item, depth + 1) for key, item in sorted(attrs.items())
-            if not key.startswith('_')}}
-    return {'type': kind}
 
 
 def training_params(net: Any) -> dict[str, Any]:

@@ -23,7 +23,9 @@ from skorch_accel_callbacks import (
     accelerate_io,
     compat,
     epoch_position,
+    fingerprint,
     format,
+    rng_state,
     sync,
     training_state,
 )
@@ -141,7 +143,7 @@ def read_checkpoint(net: Any, path: str, checks: ResumeChecks, X: Any = None,
         changed = compat.check_world_size(net, saved, path, checks.reseed)
         compat.check_compatible(net, saved, path)
         if checks.data:
-            compat.check_same_data(saved, training_state.data_fingerprint(X, y), path)
+            compat.check_same_data(saved, fingerprint.data_fingerprint(X, y), path)
         changed_params = compat.check_same_params(net, saved, path, checks.params)
         # the number of training rows is checked when the first epoch begins
         compat.check_epoch_settings(net, saved, path)
@@ -151,7 +153,7 @@ def read_checkpoint(net: Any, path: str, checks: ResumeChecks, X: Any = None,
         if reads_own_rank:
             compat.check_rank_files(path, saved, rank)
         hyperparameters = _load_accelerator_state(net, path, changed_params)
-        rng = training_state.capture_rng()
+        rng = rng_state.capture_rng()
         history = _read_own(path, format.HISTORY_NAME, training_state.load_history)
         callbacks = _read_own(
             path, (format.CALLBACKS_NAME, format.CALLBACK_TENSORS_NAME),
@@ -225,14 +227,14 @@ def _reseed(net: Any, restored: Restored) -> Restored:
     saved_size = restored.manifest['world_size']
     rank_state, inside = restored.rank_state, restored.inside
     origin, iteration, step, position = sync.broadcast(net, (
-        training_state.reseed_origin(restored.rng, rank_state),
+        rng_state.reseed_origin(restored.rng, rank_state),
         rank_state['loader_iteration'],
         accelerate_io.accumulation_step(net.accelerator),
         None if inside is None else (inside.batches, inside.start.iteration),
     ) if rank_state is not None else None)
     accelerate_io.set_accumulation_step(net.accelerator, step)
-    rng = training_state.derived_rng(origin, world_size, sync.process_index(net))
-    rank_state = training_state.derived_rank_state(origin, world_size, iteration)
+    rng = rng_state.derived_rng(origin, world_size, sync.process_index(net))
+    rank_state = rng_state.derived_rank_state(origin, world_size, iteration)
     message = (
         f"{restored.path} was written by {processes(saved_size)}, this run has "
         f"{world_size}: the model, optimizer, schedulers, history and callbacks "
