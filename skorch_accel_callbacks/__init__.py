@@ -16,12 +16,15 @@ The package, from the callbacks down (data flows one way, downwards):
   manifest describes it, and the checks against it);
 - ``training_state`` (what a resume needs beside ``save_state``),
   ``epoch_position`` (where a checkpoint is inside an epoch, and how a
-  resume gets back there),
+  resume gets back there), ``rng_state`` (random and loader states, and
+  those derived for another number of processes), ``fingerprint`` (the
+  data and settings a checkpoint records), ``json_tensors`` (a JSON and
+  safetensors pair of files),
   ``background`` (saves written by a thread), ``accelerate_io`` (every use
   of accelerate's internals);
 - ``lock`` (one job per folder, or per file prefix), ``readers`` (files
-  read without executing code), ``sync`` (the only module that talks across
-  processes), ``wrapping`` (:func:`unwrapped`);
+  read without executing code, and the one at fault named), ``sync`` (the
+  only module that talks across processes), ``wrapping`` (:func:`unwrapped`);
 - ``format`` (the on-disk format: the name of every file and folder, and
   the manifest that seals a checkpoint), ``atomic`` (atomic files),
   ``errors``.

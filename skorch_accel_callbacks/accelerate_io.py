@@ -29,7 +29,6 @@ from accelerate.utils import (
     WEIGHTS_NAME,
     DistributedType,
     GradientAccumulationPlugin,
-    load,
     save,
 )
 
@@ -49,7 +48,6 @@ __all__ = [
     'gradients_applied',
     'leave_loader',
     'load_state',
-    'load_weights_only',
     'model_file',
     'models',
     'optimizers',
@@ -263,12 +261,6 @@ def model_file(index: int, safe_serialization: bool) -> str:
 
 def _optimizer_file(index: int) -> str:
     return f'{OPTIMIZER_NAME}.bin' if index == 0 else f'{OPTIMIZER_NAME}_{index}.bin'
-
-
-def load_weights_only(file: str | os.PathLike) -> Any:
-    """Load a file of ``save_state`` the way ``load_state`` does, without
-    executing code (``torch.load(weights_only=True)``)."""
-    return load(file)
 
 
 # ---------------------------------------------------------------- save / load

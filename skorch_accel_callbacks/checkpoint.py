@@ -16,6 +16,7 @@ from skorch_accel_callbacks import (
     base,
     compat,
     epoch_position,
+    fingerprint,
     format,
     sync,
     training_state,
@@ -231,8 +232,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     def resumed_from_(self) -> str | None:
         return None if self._resumed is None else self._resumed.name
 
-    def __getstate__(self) -> dict:
-        # a loader holds the training data; it is found again each epoch
+    def __getstate__(self) -> dict:  # a loader holds the training data
         return dict(self.__dict__, _train_loader=None, _epoch_start=None)
 
     # ------------------------------------------------------------ hooks
@@ -242,7 +242,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self._check_net(net)
         base.move_callback(net, self, 'last')
         self.folder_.claim(net)
-        self._data = training_state.data_fingerprint(X, y)
+        self._data = fingerprint.data_fingerprint(X, y)
         self._fit_began = False
         self._deferred = None
         self._poll.begin(net)

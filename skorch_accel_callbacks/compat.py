@@ -17,6 +17,7 @@ from typing import Any
 
 from skorch_accel_callbacks import accelerate_io, format, settings, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.readers import load_without_code, read_naming_fault
 from skorch_accel_callbacks.wrapping import bare_modules
 
 __all__ = [
@@ -89,7 +90,7 @@ def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_earl
     ``finished``: training ended with this checkpoint (``max_epochs``
     reached, or a callback stopped it: ``stopped_early``); ``data``: the
     fingerprint of the training data
-    (:func:`~skorch_accel_callbacks.training_state.data_fingerprint`);
+    (:func:`~skorch_accel_callbacks.fingerprint.data_fingerprint`);
     ``position``: ``{'step': optimizer steps, 'batches': training batches
     of the epoch under way}`` (0 batches at an epoch's end); ``loader``: the
     training loader of the epoch (for its number of rows).
@@ -241,10 +242,7 @@ def check_rank_files(path: str, manifest: dict[str, Any], rank: int) -> None:
             raise CorruptCheckpointError(
                 f"{os.path.join(path, name)} is missing: {path} has no state for rank {rank}")
     rng_file = os.path.join(path, accelerate_io.rng_file(rank))
-    try:
-        # accelerate's load_state silently skips random states it cannot read
-        accelerate_io.load_weights_only(rng_file)
-    except Exception as exc:  # pylint: disable=broad-except
-        raise CorruptCheckpointError(
-            f"{rng_file} cannot be loaded (weights_only): {type(exc).__name__}: {exc}"
-        ) from exc
+    # accelerate's load_state silently skips random states it cannot read
+    read_naming_fault([rng_file], lambda: load_without_code(rng_file),
+                      failed='cannot be loaded (weights_only)')
+

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.utils.data import IterableDataset
 
-from skorch_accel_callbacks import accelerate_io, training_state
+from skorch_accel_callbacks import accelerate_io, rng_state
 from skorch_accel_callbacks.format import position_name
 
 if TYPE_CHECKING:
@@ -38,26 +39,27 @@ if TYPE_CHECKING:
 __all__ = ['EpochStart', 'can_skip', 'check_can_skip', 'load_position', 'save_position']
 
 
+@dataclass(frozen=True)
 class EpochStart:
     """The random states of this rank as an epoch began, before its loader
     drew the epoch's order."""
 
-    def __init__(self, rng: dict[str, Any], generator: torch.Tensor | None, iteration: int) -> None:
-        self.rng = rng
-        self.generator = generator
-        self.iteration = iteration
+    #: the global random states (:func:`~skorch_accel_callbacks.rng_state.capture_rng`)
+    rng: dict[str, Any]
+    #: the state of the loader's shuffling generator, if it has one
+    generator: torch.Tensor | None
+    #: the loader's epoch counter
+    iteration: int
 
     @classmethod
     def capture(cls, loader: DataLoader) -> EpochStart:
-        generator = getattr(loader, 'synchronized_generator', None)
-        return cls(training_state.capture_rng(),
-                   None if generator is None else generator.get_state(),
-                   int(getattr(loader, 'iteration', 0)))
+        state = rng_state.loader_state(loader)
+        return cls(rng_state.capture_rng(), state.get('generator'), state['loader_iteration'])
 
     def restore(self, loader: DataLoader) -> None:
         """Give this process and ``loader`` these states back."""
-        training_state.restore_rng(self.rng)
-        training_state.apply_rank_state(
+        rng_state.restore_rng(self.rng)
+        rng_state.apply_loader_state(
             loader, {'loader_iteration': self.iteration,
                      **({} if self.generator is None else {'generator': self.generator})})
 

@@ -20,13 +20,14 @@ import warnings
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from skorch_accel_callbacks import accelerate_io, compat, format
+from skorch_accel_callbacks import compat, format
 from skorch_accel_callbacks.atomic import atomic_path, read_json
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, Found
 from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name
+from skorch_accel_callbacks.readers import load_without_code, read_naming_fault
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 
 __all__ = ['LoadableCheckpoint', 'checkpoint_files', 'export', 'exported_name', 'f_argument',
@@ -201,13 +202,7 @@ def _is_one_checkpoint(source: str | os.PathLike) -> bool:
 
 def _load_tensors(file: str) -> dict[str, torch.Tensor]:
     """A state dict from a model file, without running code from it."""
-    try:
-        if file.endswith('.safetensors'):
-            return load_file(file)
-        state = accelerate_io.load_weights_only(file)
-    except Exception as exc:  # pylint: disable=broad-except
-        raise CorruptCheckpointError(
-            f"{file} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+    state = read_naming_fault([file], lambda: load_without_code(file))
     if not (isinstance(state, dict)
             and all(isinstance(value, torch.Tensor) for value in state.values())):
         raise CorruptCheckpointError(f"{file} holds no state dict of tensors")

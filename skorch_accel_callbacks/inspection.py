@@ -14,12 +14,11 @@ import os
 from datetime import UTC, datetime
 from typing import Any
 
-from safetensors import safe_open
-
-from skorch_accel_callbacks import accelerate_io, atomic, compat, format, lock
+from skorch_accel_callbacks import atomic, compat, format, lock
 from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder
 from skorch_accel_callbacks.format import LOCK_NAME, PARTIAL_SUFFIX, POINTERS, PROBE_PREFIX
+from skorch_accel_callbacks.readers import kind_of, load_without_code
 
 __all__ = ['Verdict', 'checkpoint_bytes', 'describe', 'leftovers', 'lock_state', 'pointers',
            'verify']
@@ -188,22 +187,10 @@ class Verdict:
 def _load(file: str) -> dict[str, list[int]] | None:
     """Read ``file`` completely, as its reader would, without running code
     from it; the tensors of a state dict ``{name: shape}``, else None."""
-    if file.endswith('.safetensors'):
-        shapes = {}
-        with safe_open(file, framework='pt') as f:
-            for key in f.keys():
-                shapes[key] = list(f.get_tensor(key).shape)
-        return shapes
-    if file.endswith('.json'):
-        atomic.read_json(file)
-        return None
-    obj = accelerate_io.load_weights_only(file)  # torch.load(weights_only=True)
-    if isinstance(obj, dict):
+    obj = load_without_code(file)
+    if kind_of(file) != 'json' and isinstance(obj, dict):
         return {key: list(value.shape) for key, value in obj.items() if hasattr(value, 'shape')}
     return None
-
-
-_LOADABLE = ('.safetensors', '.json', '.bin', '.pkl', '.pt', '.pth')
 
 
 def verify(path: str | os.PathLike) -> Verdict:
@@ -243,7 +230,7 @@ def verify(path: str | os.PathLike) -> Verdict:
         if rel in at_fault:
             verdict.damaged.append(at_fault[rel])
             continue
-        if not rel.endswith(_LOADABLE):
+        if kind_of(rel) is None:
             continue
         try:
             shapes = _load(file)

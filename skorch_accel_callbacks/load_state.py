@@ -13,6 +13,7 @@ from skorch_accel_callbacks import (
     accelerate_io,
     epoch_position,
     restore,
+    rng_state,
     settings,
     sync,
     training_state,
@@ -252,11 +253,11 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                 self._continue_epoch(net, loader)
                 return
             restored = self._restore_callbacks(net)
-            training_state.apply_rank_state(loader, restored.rank_state)
+            rng_state.apply_loader_state(loader, restored.rank_state)
             # preparing the training loader drew from the global generator to
             # seed the sampler; the uninterrupted run had not drawn at this
             # point (nor, when this fit ends here, at its end)
-            training_state.restore_rng(restored.rng)
+            rng_state.restore_rng(restored.rng)
         if ends:
             raise KeyboardInterrupt
 
@@ -300,7 +301,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         restored = self._restore_callbacks(net)
         training_state.apply_epoch_caches(net, inside.caches, device=net.accelerator.device)
         if inside.rng_at_batch:
-            training_state.restore_rng(restored.rng)
+            rng_state.restore_rng(restored.rng)
 
     def on_epoch_end(self, net: Any, **kwargs: Any) -> None:
         if self._skipped:

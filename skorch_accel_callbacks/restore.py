@@ -23,16 +23,18 @@ from skorch_accel_callbacks import (
     accelerate_io,
     compat,
     epoch_position,
+    fingerprint,
     format,
+    rng_state,
     settings,
     sync,
     training_state,
 )
 from skorch_accel_callbacks.base import processes
-from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, is_committer
 from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name
-from skorch_accel_callbacks.readers import first_unloadable
+from skorch_accel_callbacks.readers import kind_of, read_naming_fault
 from skorch_accel_callbacks.storage import CheckpointStorage
 from skorch_accel_callbacks.wrapping import net_optimizers, own_registries
 
@@ -157,7 +159,7 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
         changed = compat.check_world_size(net, saved, path, checks.reseed)
         compat.check_compatible(net, saved, path)
         if checks.data:
-            compat.check_same_data(saved, training_state.data_fingerprint(X, y), path)
+            compat.check_same_data(saved, fingerprint.data_fingerprint(X, y), path)
         changed_params = settings.check_same_params(net, saved, path, checks.params)
         # the number of training rows is checked when the first epoch begins
         settings.check_epoch_settings(net, saved, path)
@@ -167,7 +169,7 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
         if reads_own_rank:
             compat.check_rank_files(path, saved, rank)
         hyperparameters = _load_accelerator_state(net, path, changed_params)
-        rng = training_state.capture_rng()
+        rng = rng_state.capture_rng()
         history = _read_own(path, format.HISTORY_NAME, training_state.load_history)
         callbacks = _read_own(
             path, (format.CALLBACKS_NAME, format.CALLBACK_TENSORS_NAME),
@@ -188,21 +190,18 @@ def _load_accelerator_state(net: Any, path: str, changed_params: Any) -> list:
     """``accelerator.load_state(path)``; the optimizers' settings to restore
     (the new values of the parameters allowed to change take effect)."""
     fresh = training_state.optimizer_hyperparameters(net_optimizers(net))
-    try:
-        accelerate_io.load_state(net.accelerator, path)
-    except Exception as exc:
-        at_fault = first_unloadable(_model_and_optimizer_files(path))
-        raise CheckpointError(
-            f"{at_fault[0] if at_fault else path} could not be loaded: "
-            f"{type(exc).__name__}: {exc}") from exc
+    read_naming_fault(_model_and_optimizer_files(path),
+                      lambda: accelerate_io.load_state(net.accelerator, path),
+                      error=CheckpointError, failed='could not be loaded', fallback=path)
     saved = training_state.optimizer_hyperparameters(net_optimizers(net))
     training_state.keep_new_optimizer_settings(net, changed_params, fresh, saved)
     return saved
 
 
 def _model_and_optimizer_files(folder: str) -> list[str]:
+    """The files of ``folder`` that ``load_state`` may have read."""
     return [os.path.join(folder, name) for name in sorted(os.listdir(folder))
-            if name.endswith(('.bin', '.pkl', '.pt', '.safetensors'))]
+            if kind_of(name) in ('safetensors', 'torch')]
 
 
 def _read_position(path: str, rank: int, with_caches: bool) -> InsideEpoch:
@@ -222,15 +221,9 @@ def _read_own(folder: str, names: str | list[str] | tuple[str, ...],
               load: Callable[[str], Any]) -> Any:
     """``load(folder)`` for this package's own files ``names``; an error names
     the file (JSON and safetensors readers do not always say which)."""
-    try:
-        return load(folder)
-    except Exception as exc:  # pylint: disable=broad-except
-        names = (names,) if isinstance(names, str) else names
-        files = [os.path.join(folder, name) for name in names]
-        at_fault = first_unloadable(files) if len(files) > 1 else None
-        raise CorruptCheckpointError(
-            f"{at_fault[0] if at_fault else ' or '.join(files)} cannot be loaded: "
-            f"{type(exc).__name__}: {exc}") from exc
+    names = (names,) if isinstance(names, str) else names
+    return read_naming_fault([os.path.join(folder, name) for name in names],
+                             lambda: load(folder))
 
 
 def _saved_step(net: Any, saved: dict, history: Any) -> int:
@@ -250,14 +243,14 @@ def _reseed(net: Any, restored: Restored) -> Restored:
     saved_size = restored.manifest['world_size']
     rank_state, inside = restored.rank_state, restored.inside
     origin, iteration, step, position = sync.broadcast(net, (
-        training_state.reseed_origin(restored.rng, rank_state),
+        rng_state.reseed_origin(restored.rng, rank_state),
         rank_state['loader_iteration'],
         accelerate_io.accumulation_step(net.accelerator),
         None if inside is None else (inside.batches, inside.start.iteration),
     ) if rank_state is not None else None)
     accelerate_io.set_accumulation_step(net.accelerator, step)
-    rng = training_state.derived_rng(origin, world_size, sync.process_index(net))
-    rank_state = training_state.derived_rank_state(origin, world_size, iteration)
+    rng = rng_state.derived_rng(origin, world_size, sync.process_index(net))
+    rank_state = rng_state.derived_rank_state(origin, world_size, iteration)
     message = (
         f"{restored.path} was written by {processes(saved_size)}, this run has "
         f"{world_size}: the model, optimizer, schedulers, history and callbacks "

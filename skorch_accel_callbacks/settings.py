@@ -10,19 +10,15 @@ continuing another training. Values are compared as :func:`describe` says
 them: the same in every run with the same value, without pickling.
 """
 
-import functools
-import math
 from collections.abc import Collection
 from typing import Any, NoReturn
 
-import numpy as np
-import torch
-
-from skorch_accel_callbacks import accelerate_io, format, training_state
+from skorch_accel_callbacks import accelerate_io, format
 from skorch_accel_callbacks.errors import CheckpointError
+from skorch_accel_callbacks.fingerprint import describe
 
-__all__ = ['check_epoch_settings', 'check_same_params', 'check_train_rows', 'describe',
-           'epoch_settings', 'train_batch_size', 'training_params']
+__all__ = ['check_epoch_settings', 'check_same_params', 'check_train_rows', 'epoch_settings',
+           'train_batch_size', 'training_params']
 
 
 # Net parameters that change nothing of what a resumed run trains: they
@@ -44,58 +40,10 @@ _UNCHECKED_PARAMS = frozenset({
 # callbacks have their own state in a checkpoint; names with a leading
 # underscore are skorch's bookkeeping (_params_to_validate)
 _UNCHECKED_PREFIXES = ('callbacks__', 'iterator_valid__', '_')
-# nesting of objects that a description follows, beyond which an object is
-# described by its type
-_DESCRIBE_DEPTH = 4
 
 
 def _checked(name: str) -> bool:
     return name not in _UNCHECKED_PARAMS and not name.startswith(_UNCHECKED_PREFIXES)
-
-
-def describe(value: Any, depth: int = 0) -> Any:
-    """A JSON value that stands for ``value`` and is the same in every run
-    with the same value: classes and functions by module and qualified name,
-    arrays and tensors by shape, dtype and a hash of some rows, other objects
-    by their type and (estimators) ``get_params()``, a ``repr`` without an
-    address, or public attributes.
-    Nothing is pickled, and no address (``<... at 0x...>``) is part of it."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {'float': repr(value)}
-    if isinstance(value, (list, tuple)):
-        return [describe(item, depth + 1) for item in value]
-    if isinstance(value, dict):
-        return {str(key): describe(item, depth + 1) for key, item in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted((describe(item, depth + 1) for item in value), key=repr)
-    if isinstance(value, functools.partial):
-        return {'partial': describe(value.func, depth + 1),
-                'args': describe(value.args, depth + 1),
-                'keywords': describe(value.keywords, depth + 1)}
-    if isinstance(value, type) or (callable(value) and hasattr(value, '__qualname__')):
-        return {'callable': f"{value.__module__}.{value.__qualname__}"}
-    kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    data = training_state.describe_data(value)
-    if data is not None:
-        return {'type': kind, 'data': data}
-    if isinstance(value, torch.nn.Module) or depth >= _DESCRIBE_DEPTH:
-        # a module instance's layout and weights are the checkpoint's models
-        return {'type': kind}
-    if hasattr(value, 'get_params'):
-        return {'type': kind, 'params': describe(value.get_params(deep=False), depth + 1)}
-    text = repr(value)
-    if ' at 0x' not in text:  # a repr that says the value (torch.float32, an enum)
-        return {'type': kind, 'repr': text}
-    attrs = getattr(value, '__dict__', None)
-    if isinstance(attrs, dict):
-        return {'type': kind, 'attrs': {
-            key: describe(item, depth + 1) for key, item in sorted(attrs.items())
-            if not key.startswith('_')}}
-    return {'type': kind}
 
 
 def training_params(net: Any) -> dict[str, Any]:

@@ -2,31 +2,31 @@
 
 - the skorch history (JSON);
 - the state of the net's callbacks by name (JSON, tensors in safetensors);
-- per rank: the training loader's shuffling generator and epoch counter,
-  which accelerate creates when the loader is prepared and does not save.
+- per rank: the training loader's shuffling generator and epoch counter
+  (:func:`~skorch_accel_callbacks.rng_state.loader_state`), which
+  accelerate creates when the loader is prepared and does not save, and the
+  callbacks' scratch space of the epoch under way.
 
-Nothing here is pickled, so loading executes no code. The files are written
-into a checkpoint's partial folder, which nobody reads before it is
-committed, and the commit flushes every file of the folder to disk: so they
-are written plainly, without a temporary name and a flush of their own each.
+The callbacks' states and caches are pairs of JSON and safetensors files
+(:mod:`~skorch_accel_callbacks.json_tensors`). Nothing here is pickled, so
+loading executes no code. The files are written into a checkpoint's partial
+folder, which nobody reads before it is committed, and the commit flushes
+every file of the folder to disk: so they are written plainly, without a
+temporary name and a flush of their own each.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-import random
 import time
 import warnings
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from skorch.callbacks import (
     BatchScoring,
     Callback,
@@ -40,7 +40,6 @@ from skorch.callbacks import (
 from skorch.history import History
 
 from skorch_accel_callbacks import accelerate_io
-from skorch_accel_callbacks.atomic import read_json, write_json
 from skorch_accel_callbacks.format import (
     CALLBACK_TENSORS_NAME,
     CALLBACKS_NAME,
@@ -48,20 +47,14 @@ from skorch_accel_callbacks.format import (
     epoch_caches_names,
     rank_state_name,
 )
+from skorch_accel_callbacks.json_tensors import Encode, read_pair, write_pair
+from skorch_accel_callbacks.rng_state import loader_state
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
     from torch.utils.data import DataLoader
 
 __all__ = [
-    'capture_rng',
-    'restore_rng',
-    'reseed_origin',
-    'derived_rng',
-    'derived_rank_state',
-    'data_fingerprint',
-    'describe_data',
-    'fixed_rng',
     'keep_new_optimizer_settings',
     'epoch_completed',
     'optimizer_steps',
@@ -79,7 +72,6 @@ __all__ = [
     'unknown_batch_state',
     'save_rank_state',
     'load_rank_state',
-    'apply_rank_state',
 ]
 
 # Fitted attributes that are scratch space of one epoch, not state: saving
@@ -121,173 +113,6 @@ def save_history(folder: str | os.PathLike, net: NeuralNet) -> None:
 
 def load_history(folder: str | os.PathLike) -> History:
     return History.from_file(f"{folder}/{HISTORY_NAME}")
-
-
-# ---------------------------------------------------------------- data
-
-# rows hashed for a fingerprint, spread evenly over the data
-_SAMPLE_ROWS = 64
-
-
-def data_fingerprint(X: Any, y: Any = None) -> dict[str, Any]:
-    """A cheap fingerprint of the training data: lengths, shapes, dtypes and
-    a hash of a few rows spread over it (not of all of it: it is computed
-    at every ``fit``).
-
-    Arrays, tensors, pandas objects, dicts of those and (torch) datasets
-    are described; anything else by its type only. The rows of a data set
-    are read under :func:`fixed_rng`: one that draws random numbers when
-    it loads a row (augmentation) has the same fingerprint at every
-    launch, and the run's random states are left as they were.
-    """
-    with fixed_rng():
-        return {'X': _describe(X), 'y': _describe(y)}
-
-
-@contextmanager
-def fixed_rng(seed: int = 0) -> Iterator[None]:
-    """Inside, Python's, numpy's and torch's generators (CPU, and the current
-    CUDA device's once CUDA is initialized) start from ``seed``; after, they
-    are where they were before."""
-    python, numpy = random.getstate(), np.random.get_state()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.default_generator.manual_seed(seed)
-        if devices:
-            torch.cuda.manual_seed(seed)
-        try:
-            yield
-        finally:
-            random.setstate(python)
-            np.random.set_state(numpy)
-
-
-def describe_data(data: object) -> dict | None:
-    """The fingerprint of an array, tensor or pandas object (length, shape,
-    dtype, a hash of some rows); ``None`` for anything else."""
-    if hasattr(data, 'to_numpy'):  # pandas
-        data = data.to_numpy()
-    if isinstance(data, (np.ndarray, torch.Tensor)):
-        length = len(data) if data.ndim else 0
-        return {'len': length, 'shape': list(data.shape), 'dtype': str(data.dtype),
-                'sample': _digest(data[i] for i in _sample_rows(length))}
-    return None
-
-
-def _describe(data: Any) -> dict[str, Any] | None:
-    if data is None:
-        return None
-    if isinstance(data, dict):
-        return {str(key): _describe(value) for key, value in data.items()}
-    array = describe_data(data)
-    if array is not None:
-        return array
-    if hasattr(data, '__len__') and hasattr(data, '__getitem__'):
-        length = len(data)
-        return {'type': type(data).__qualname__, 'len': length,
-                'sample': _digest(data[i] for i in _sample_rows(length))}
-    return {'type': type(data).__qualname__}
-
-
-def _sample_rows(length: int) -> range | list[int]:
-    if length <= _SAMPLE_ROWS:
-        return range(length)
-    return np.linspace(0, length - 1, _SAMPLE_ROWS).astype(int).tolist()
-
-
-def _digest(rows: Iterable[Any]) -> str:
-    digest = hashlib.blake2b(digest_size=8)
-    for row in rows:
-        _feed(digest, row)
-    return digest.hexdigest()
-
-
-def _feed(digest: hashlib.blake2b, obj: Any) -> None:
-    if isinstance(obj, torch.Tensor):
-        obj = obj.detach().cpu().numpy()
-    if isinstance(obj, np.ndarray):
-        digest.update(str(obj.dtype).encode())
-        digest.update(np.ascontiguousarray(obj).tobytes())
-    elif isinstance(obj, dict):
-        for key, value in obj.items():
-            digest.update(repr(key).encode())
-            _feed(digest, value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            _feed(digest, value)
-    else:
-        digest.update(repr(obj).encode())
-
-
-# ---------------------------------------------------------------- RNG
-
-def capture_rng() -> dict[str, Any]:
-    """The global random states of this process (Python, numpy, torch, CUDA)."""
-    state = {
-        'python': random.getstate(),
-        'numpy': np.random.get_state(),
-        'torch': torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state['cuda'] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: Mapping[str, Any]) -> None:
-    random.setstate(state['python'])
-    np.random.set_state(state['numpy'])
-    torch.set_rng_state(state['torch'])
-    if 'cuda' in state:
-        torch.cuda.set_rng_state_all(state['cuda'])
-
-
-# ---------------------------------------------------------------- reseeding
-
-def reseed_origin(rng: Mapping[str, Any], rank_state: Mapping[str, Any]) -> int:
-    """A 64-bit number that stands for the random states a checkpoint's rank 0
-    was saved with (its global generators and its loader's shuffling state):
-    the origin from which another number of processes derives its own."""
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update(repr(rng['python']).encode())
-    _feed(digest, list(rng['numpy']))
-    _feed(digest, rng['torch'])
-    _feed(digest, rank_state.get('generator'))
-    return int.from_bytes(digest.digest(), 'little')
-
-
-def _derived_seed(origin: int, world_size: int, purpose: str) -> int:
-    digest = hashlib.blake2b(f"{origin}:{world_size}:{purpose}".encode(), digest_size=8)
-    return int.from_bytes(digest.digest(), 'little')
-
-
-def derived_rng(origin: int, world_size: int, rank: int) -> dict[str, Any]:
-    """The global random states of ``rank`` in a run of ``world_size``
-    processes resumed from a checkpoint of ``origin``, in the form
-    :func:`capture_rng` returns: different on every rank, the same at every
-    resume of that checkpoint on that many processes."""
-    seed = _derived_seed(origin, world_size, f"rank{rank}")
-    state = {
-        'python': random.Random(seed).getstate(),
-        'numpy': np.random.RandomState([seed & 0xFFFFFFFF, seed >> 32]).get_state(),
-        'torch': torch.Generator().manual_seed(seed).get_state(),
-    }
-    if torch.cuda.is_available():
-        current = torch.cuda.get_rng_state_all()
-        torch.cuda.manual_seed_all(seed)
-        state['cuda'] = torch.cuda.get_rng_state_all()
-        torch.cuda.set_rng_state_all(current)
-    return state
-
-
-def derived_rank_state(origin: int, world_size: int, loader_iteration: int) -> dict[str, Any]:
-    """The loader state of every rank of such a run: the epoch counter goes
-    on, and the shuffling generator, which accelerate keeps the same on all
-    ranks, is derived from ``origin`` and ``world_size``."""
-    seed = _derived_seed(origin, world_size, 'loader')
-    return {'loader_iteration': loader_iteration,
-            'generator': torch.Generator().manual_seed(seed).get_state()}
 
 
 # ---------------------------------------------------------------- optimizer
@@ -354,13 +179,9 @@ def save_rank_state(folder: str | os.PathLike, rank: int, loader: DataLoader | N
     its own, seeded when the loader is prepared; ``save_state`` writes no
     file for it with map-style data sets.
     """
-    tensors = {}
-    metadata = {'loader_iteration': '0'}
-    if loader is not None:
-        metadata['loader_iteration'] = str(getattr(loader, 'iteration', 0))
-        generator = getattr(loader, 'synchronized_generator', None)
-        if generator is not None:
-            tensors['generator'] = generator.get_state()
+    state = loader_state(loader)
+    tensors = {'generator': state['generator']} if 'generator' in state else {}
+    metadata = {'loader_iteration': str(state['loader_iteration'])}
     # safetensors refuses an empty file
     tensors.setdefault('_', torch.zeros(0))
     save_file(tensors, f"{folder}/{rank_state_name(rank)}", metadata=metadata)
@@ -376,65 +197,7 @@ def load_rank_state(folder: str | os.PathLike, rank: int) -> dict[str, Any]:
     return state
 
 
-def apply_rank_state(loader: DataLoader | None, state: Mapping[str, Any]) -> None:
-    if loader is None:
-        return
-    loader.iteration = state['loader_iteration']
-    generator = getattr(loader, 'synchronized_generator', None)
-    if generator is not None and 'generator' in state:
-        generator.set_state(state['generator'])
-
-
 # ---------------------------------------------------------------- callbacks
-
-class _Encoder:
-    """JSON for scalars and containers; tensors go to a safetensors file."""
-
-    def __init__(self) -> None:
-        self.tensors = {}
-
-    def encode(self, value: Any, key: str) -> Any:
-        if value is None or isinstance(value, (bool, str)):
-            return value
-        if isinstance(value, (int, np.integer)):
-            return int(value)
-        if isinstance(value, (float, np.floating)):
-            value = float(value)
-            return value if math.isfinite(value) else {'__float__': repr(value)}
-        if isinstance(value, torch.Tensor):
-            self.tensors[key] = value.detach().cpu().clone().contiguous()
-            return {'__tensor__': key}
-        if isinstance(value, np.ndarray):
-            self.tensors[key] = torch.from_numpy(np.ascontiguousarray(value)).clone()
-            return {'__ndarray__': key}
-        if isinstance(value, (list, tuple)):
-            return {'__' + type(value).__name__ + '__': [
-                self.encode(v, f"{key}.{i}") for i, v in enumerate(value)]}
-        if isinstance(value, dict):
-            return {'__dict__': [
-                [self.encode(k, f"{key}.k{i}"), self.encode(v, f"{key}.{i}")]
-                for i, (k, v) in enumerate(value.items())]}
-        raise TypeError(type(value).__name__)
-
-
-def _decode(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    if not isinstance(obj, dict):
-        return obj
-    (kind, value), = obj.items()
-    if kind == '__float__':
-        return float(value)
-    if kind == '__tensor__':
-        return tensors[value]
-    if kind == '__ndarray__':
-        return tensors[value].numpy()
-    if kind == '__list__':
-        return [_decode(v, tensors) for v in value]
-    if kind == '__tuple__':
-        return tuple(_decode(v, tensors) for v in value)
-    if kind == '__dict__':
-        return {_decode(k, tensors): _decode(v, tensors) for k, v in value}
-    raise ValueError(f"unknown encoding {kind!r}")
-
 
 def _is_configuration(value: Any) -> bool:
     # classes and functions are set up by the user's code, not learned
@@ -479,37 +242,33 @@ def save_callback_states(
     scheduler of skorch's ``LRScheduler``) through it. An attribute that is
     neither data nor has a ``state_dict`` is left out with a warning.
     """
-    encoder = _Encoder()
-    states = {}
-    for name, callback in net.callbacks_:
-        if isinstance(callback, _SKIPPED) or any(callback is s for s in skip):
-            continue
-        encoded = {}
-        for attr, entry in _callback_state(callback).items():
-            key = f"{name}/{attr}"
-            try:
-                encoded[attr] = {kind: encoder.encode(value, key)
-                                 for kind, value in entry.items()}
-            except TypeError as exc:
-                warnings.warn(
-                    f"callback {name!r}: attribute {attr!r} of type {exc} cannot "
-                    "be saved without pickle and is not restored on resume; give "
-                    "the callback state_dict()/load_state_dict() methods to "
-                    "control what is saved", UserWarning, stacklevel=2)
-        states[name] = encoded
-    write_json(f"{folder}/{CALLBACKS_NAME}", states, atomic=False)
-    save_file(encoder.tensors or {'_': torch.zeros(0)}, f"{folder}/{CALLBACK_TENSORS_NAME}")
+    def states(encode: Encode) -> dict[str, dict[str, dict[str, Any]]]:
+        encoded_states = {}
+        for name, callback in net.callbacks_:
+            if isinstance(callback, _SKIPPED) or any(callback is s for s in skip):
+                continue
+            encoded = {}
+            for attr, entry in _callback_state(callback).items():
+                key = f"{name}/{attr}"
+                try:
+                    encoded[attr] = {kind: encode(value, key) for kind, value in entry.items()}
+                except TypeError as exc:
+                    # the caller of save_callback_states, past write_pair
+                    warnings.warn(
+                        f"callback {name!r}: attribute {attr!r} of type {exc} cannot "
+                        "be saved without pickle and is not restored on resume; give "
+                        "the callback state_dict()/load_state_dict() methods to "
+                        "control what is saved", UserWarning, stacklevel=4)
+            encoded_states[name] = encoded
+        return encoded_states
+
+    write_pair(f"{folder}/{CALLBACKS_NAME}", f"{folder}/{CALLBACK_TENSORS_NAME}", states)
 
 
 def load_callback_states(folder: str | os.PathLike) -> dict[str, dict[str, dict[str, Any]]]:
     """Read what :func:`save_callback_states` wrote: name -> attr -> entry."""
-    states = read_json(f"{folder}/{CALLBACKS_NAME}")
-    tensors = load_file(f"{folder}/{CALLBACK_TENSORS_NAME}")
-    return {
-        name: {attr: {kind: _decode(value, tensors) for kind, value in entry.items()}
-               for attr, entry in attrs.items()}
-        for name, attrs in states.items()
-    }
+    return read_pair(f"{folder}/{CALLBACKS_NAME}", f"{folder}/{CALLBACK_TENSORS_NAME}",
+                     depth=3)
 
 
 def apply_callback_states(
@@ -544,25 +303,23 @@ def save_epoch_caches(folder: str | os.PathLike, rank: int, net: NeuralNet) -> N
     predictions EpochScoring collects on the training batches), which a
     checkpoint in the middle of an epoch needs: at the epoch's end they are
     scored together."""
-    encoder = _Encoder()
-    caches = {}
-    for name, callback in net.callbacks_:
-        for cls, attrs in _TRANSIENT.items():
-            if isinstance(callback, cls):
-                caches[name] = {attr: encoder.encode(getattr(callback, attr, None),
-                                                     f"{name}/{attr}")
-                                for attr in attrs}
+    def caches(encode: Encode) -> dict[str, dict[str, Any]]:
+        encoded = {}
+        for name, callback in net.callbacks_:
+            for cls, attrs in _TRANSIENT.items():
+                if isinstance(callback, cls):
+                    encoded[name] = {attr: encode(getattr(callback, attr, None),
+                                                  f"{name}/{attr}")
+                                     for attr in attrs}
+        return encoded
+
     json_name, tensors_name = epoch_caches_names(rank)
-    write_json(f"{folder}/{json_name}", caches, atomic=False)
-    save_file(encoder.tensors or {'_': torch.zeros(0)}, f"{folder}/{tensors_name}")
+    write_pair(f"{folder}/{json_name}", f"{folder}/{tensors_name}", caches)
 
 
 def load_epoch_caches(folder: str | os.PathLike, rank: int) -> dict[str, dict[str, Any]]:
     json_name, tensors_name = epoch_caches_names(rank)
-    caches = read_json(f"{folder}/{json_name}")
-    tensors = load_file(f"{folder}/{tensors_name}")
-    return {name: {attr: _decode(value, tensors) for attr, value in attrs.items()}
-            for name, attrs in caches.items()}
+    return read_pair(f"{folder}/{json_name}", f"{folder}/{tensors_name}", depth=2)
 
 
 def apply_epoch_caches(

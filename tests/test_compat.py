@@ -21,9 +21,9 @@ from skorch_accel_callbacks import (
     AccelerateCheckpoint,
     AccelerateLoadInitState,
     CheckpointError,
-    settings,
+    fingerprint,
 )
-from skorch_accel_callbacks.training_state import data_fingerprint
+from skorch_accel_callbacks.fingerprint import data_fingerprint
 
 # 160 rows: 128 training rows, 4 batches of 32 an epoch
 N_ROWS = 160
@@ -233,12 +233,12 @@ def test_parameter_values_are_described_without_addresses():
     values = [np.float32(0.5), np.float32(0.25), torch.float16, torch.float32, split,
               ValidSplit(4), functools.partial(max, 1), float('nan'), torch.tensor([1., 2.]),
               torch.tensor([1., 3.]), torch.optim.SGD, torch.optim.Adam]
-    described = [settings.describe(value) for value in values]
+    described = [fingerprint.describe(value) for value in values]
     # JSON, the same after a round trip, and every value told apart
     assert json.loads(json.dumps(described)) == described
     assert len({json.dumps(d, sort_keys=True) for d in described}) == len(values)
     assert '0x' not in json.dumps(described)
-    assert settings.describe(split) == settings.describe(ValidSplit(3))
+    assert fingerprint.describe(split) == fingerprint.describe(ValidSplit(3))
 
 
 @pytest.mark.parametrize('check_params', ['lr', 1, None, ('lr', 2)])
