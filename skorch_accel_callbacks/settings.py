@@ -6,7 +6,8 @@ A checkpoint's manifest records them (:func:`training_params`,
 :func:`~skorch_accel_callbacks.compat.build_manifest`); a resume with other
 values is refused, naming each (:func:`check_same_params`,
 :func:`check_epoch_settings`, :func:`check_train_rows`), instead of silently
-continuing another training. Values are compared as :func:`describe` says
+continuing another training. Values are compared as
+:func:`~skorch_accel_callbacks.fingerprint.describe` says
 them: the same in every run with the same value, without pickling.
 """
 
