@@ -1,0 +1,241 @@
+"""The lease of a remote checkpoint folder (skorch_accel_callbacks.lease),
+against a real S3 server (moto, over HTTP, through s3fs)."""
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+import skorch_accel_callbacks.lease as lease_module
+from s3server import filesystem, new_bucket, start_server
+from skorch_accel_callbacks.lease import LeaseLostError, ObjectLease
+from skorch_accel_callbacks.lock import FolderInUseError
+
+ROOT = Path(__file__).resolve().parents[1]
+ME = f"pid {os.getpid()} on host {socket.gethostname()}"
+
+
+@pytest.fixture(scope='module')
+def s3_endpoint():
+    server, endpoint = start_server()
+    yield endpoint
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_endpoint):
+    fs = filesystem(s3_endpoint)
+    return fs, f'{new_bucket(fs)}/run1/.lease.json'
+
+
+def stored(fs, path):
+    fs.invalidate_cache(path)
+    return json.loads(fs.cat_file(path))
+
+
+def write_dead_lease(fs, path, pid=999999, host='gone-host'):
+    """A lease as a killed holder leaves it: expired an hour ago."""
+    expired = datetime.now(UTC) - timedelta(hours=1)
+    record = {'holder': pid, 'host': host, 'token': 'dead', 'ttl_seconds': 60.0,
+              'acquired_at': (expired - timedelta(seconds=60)).isoformat(),
+              'expires_at': expired.isoformat()}
+    fs.pipe_file(path, json.dumps(record).encode())
+    return record
+
+
+def wait_for(condition, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, 'condition never held'
+        time.sleep(0.05)
+
+
+def test_acquire_writes_the_holder_and_release_removes_it(s3):
+    fs, path = s3
+    lease = ObjectLease(fs, path).acquire()
+    record = stored(fs, path)
+    assert f"pid {record['holder']} on host {record['host']}" == ME
+    assert lease.held and len(record['token']) == 32
+    acquired = datetime.fromisoformat(record['acquired_at'])
+    assert datetime.fromisoformat(record['expires_at']) - acquired == timedelta(seconds=60)
+    assert lease.acquire() is lease  # once per object
+    lease.release()
+    assert not lease.held and not fs.exists(path)
+    lease.release()  # idempotent
+    ObjectLease(fs, path).acquire().release()  # free again
+
+
+def test_a_second_job_is_refused_naming_the_holder(s3):
+    fs, path = s3
+    lease = ObjectLease(fs, path).acquire()
+    token = stored(fs, path)['token']
+    with pytest.raises(FolderInUseError, match='is in use by another running job') as info:
+        ObjectLease(fs, path).acquire()
+    assert ME in str(info.value) and f's3://{path}' in str(info.value)
+    assert stored(fs, path)['token'] == token  # untouched
+    lease.release()
+
+
+def test_an_expired_lease_is_taken_over_with_a_warning(s3):
+    fs, path = s3
+    write_dead_lease(fs, path)
+    with pytest.warns(UserWarning, match='from pid 999999 on host gone-host, which expired'):
+        lease = ObjectLease(fs, path).acquire()
+    assert stored(fs, path)['token'] not in ('dead', None)
+    assert stored(fs, path)['holder'] == os.getpid()
+    lease.release()
+    assert not fs.exists(path)
+
+
+def test_a_lease_within_the_clock_skew_is_not_taken_over(s3):
+    fs, path = s3
+    record = write_dead_lease(fs, path)
+    with pytest.raises(FolderInUseError, match='pid 999999 on host gone-host'):
+        ObjectLease(fs, path, clock_skew_seconds=2 * 3600).acquire()
+    assert stored(fs, path) == record
+
+
+def test_of_two_takers_of_an_expired_lease_exactly_one_wins(s3, monkeypatch):
+    fs, path = s3
+    write_dead_lease(fs, path)
+    # both read the expired lease before either writes (the real read, then
+    # a meeting): the conditional overwrite, If-Match on the expired lease's
+    # ETag, is what decides
+    both_read = threading.Barrier(2, timeout=60)
+    real_read = lease_module._read
+    dead_reads = []
+
+    def read_then_meet(fs_, path_):
+        found = real_read(fs_, path_)
+        if found is not None and found[0]['token'] == 'dead':
+            dead_reads.append(found[1])
+            both_read.wait()
+        return found
+
+    monkeypatch.setattr(lease_module, '_read', read_then_meet)
+    outcomes = []
+
+    def take():
+        lease = ObjectLease(fs, path)
+        try:
+            outcomes.append(('won', lease.acquire()))
+        except FolderInUseError as error:
+            outcomes.append(('refused', error))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        threads = [threading.Thread(target=take) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert len(dead_reads) == 2 and dead_reads[0] == dead_reads[1]
+    assert sorted(kind for kind, _ in outcomes) == ['refused', 'won'], outcomes
+    winner, = [lease for kind, lease in outcomes if kind == 'won']
+    error, = [error for kind, error in outcomes if kind == 'refused']
+    took_over = [w for w in caught if 'took over' in str(w.message)]
+    assert len(took_over) == 1
+    assert 'is in use by another running job' in str(error) and ME in str(error)
+    assert stored(fs, path)['token'] == winner._held.record['token']
+    winner.release()
+
+
+def test_renewal_keeps_a_short_lease_alive(s3):
+    fs, path = s3
+    lease = ObjectLease(fs, path, ttl_seconds=1.0, clock_skew_seconds=0).acquire()
+    first = stored(fs, path)
+    seen = {first['expires_at']}
+    wait_for(lambda: seen.add(stored(fs, path)['expires_at']) or len(seen) > 5)
+    now = stored(fs, path)
+    assert now['token'] == first['token']
+    assert datetime.fromisoformat(now['expires_at']) > datetime.fromisoformat(
+        first['expires_at']) + timedelta(seconds=1)  # more than one ttl on
+    with pytest.raises(FolderInUseError, match='is in use'):
+        ObjectLease(fs, path, ttl_seconds=1.0, clock_skew_seconds=0).acquire()
+    lease.check()
+    lease.release()
+    assert not fs.exists(path)
+
+
+def expire_and_take_over(fs, path):
+    """A holder that stops renewing (suspended); another job takes its lease."""
+    held = ObjectLease(fs, path, ttl_seconds=1.0, renew_every=0.999,
+                       clock_skew_seconds=0)
+    held.acquire()
+    held._held.stopped.set()  # as if the process were stopped: no renewals
+    expires = datetime.fromisoformat(stored(fs, path)['expires_at'])
+    wait_for(lambda: datetime.now(UTC) > expires)
+    with pytest.warns(UserWarning, match='took over'):
+        taker = ObjectLease(fs, path, clock_skew_seconds=0).acquire()
+    return held, taker
+
+
+def test_a_lease_taken_over_while_held_is_reported_lost_at_release(s3):
+    fs, path = s3
+    held, taker = expire_and_take_over(fs, path)
+    taker_token = stored(fs, path)['token']
+    assert taker_token != held._held.record['token']
+    with pytest.warns(UserWarning, match=f'lost the lease s3://{path}.*another job \\({ME}\\)'):
+        held.release()
+    assert stored(fs, path)['token'] == taker_token  # the taker's lease is not removed
+    taker.release()
+
+
+def test_check_raises_once_the_lease_was_taken_over(s3):
+    fs, path = s3
+    held, taker = expire_and_take_over(fs, path)
+    with pytest.raises(LeaseLostError, match='took it over'):
+        held.check()
+    assert not held.held
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        held.release()  # check() said it already
+    taker.release()
+
+
+def test_a_copy_of_a_held_lease_holds_nothing(s3):
+    fs, path = s3
+    lease = ObjectLease(fs, path).acquire()
+    copy = pickle.loads(pickle.dumps(lease))
+    assert lease.held and not copy.held
+    copy.release()  # releases nothing
+    assert fs.exists(path)
+    with pytest.raises(FolderInUseError, match=ME):
+        copy.acquire()
+    lease.release()
+    copy.acquire().release()
+
+
+def test_bad_renewal_settings_are_refused_before_writing(s3):
+    fs, path = s3
+    with pytest.raises(ValueError, match='renew_every=5 must be'):
+        ObjectLease(fs, path, ttl_seconds=5, renew_every=5).acquire()
+    assert not fs.exists(path)
+
+
+@pytest.mark.slow
+def test_a_job_that_exits_without_release_removes_its_lease_silently(s3, s3_endpoint):
+    fs, path = s3
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
+        from s3server import filesystem
+        from skorch_accel_callbacks.lease import ObjectLease
+        kept = ObjectLease(filesystem({s3_endpoint!r}), {path!r}).acquire()
+        print(kept.url, flush=True)
+    """)
+    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f's3://{path}' and done.stderr == ''
+    assert not fs.exists(path)
