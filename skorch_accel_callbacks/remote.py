@@ -96,13 +96,16 @@ class RemoteStorage:
         self._root = None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        # the checkpoints in the store when this job took it, and those it
+        # committed: a save of one of their names replaces it
+        self._known: set[str] = set()
         # the one-job lock in the store (lease.ObjectLease), taken in claim
         self._lease = None
         self._claimed = False
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _fs=None, _root=None, _executor=None, _pending=[],
-                    _lease=None, _claimed=False)
+                    _known=set(), _lease=None, _claimed=False)
 
     # ------------------------------------------------------------ paths
 
@@ -149,6 +152,7 @@ class RemoteStorage:
                     "would upload the same checkpoints; set save_on_each_node=False")
             if is_committer(net):
                 self._check_reachable()
+                self._known = set(self.committed())
         self.staging.claim(net)
         # until lease.ObjectLease takes the store's own lock here, the staging
         # folder's lock keeps a second job of this machine out
@@ -221,6 +225,14 @@ class RemoteStorage:
         with open(manifest, 'rb') as file:
             sealed = file.read()
         files = list(json.loads(sealed)['files'])
+        if name in self._known:
+            # an epoch trained again after resuming from an older checkpoint
+            # replaces it, as in a local folder; its manifest goes first, so
+            # that no reader takes the old manifest for the new files
+            try:
+                fs.rm_file(self._remote(name, format.MANIFEST_NAME))
+            except FileNotFoundError:
+                pass
         # one call: an async filesystem (s3fs) sends the files concurrently
         fs.put([os.path.join(local, rel) for rel in files],
                [self._remote(name, rel) for rel in files])
@@ -229,13 +241,13 @@ class RemoteStorage:
             fs.pipe_file(self._remote(name, format.MANIFEST_NAME), sealed, mode='create')
         except FileExistsError as exc:
             raise CheckpointError(
-                f"{target} exists already: {self.url(name)} was committed by another job, "
-                "or is one this run found damaged and did not resume from; remove it "
-                "or save into another dirname") from exc
+                f"{target} exists already: another job committed {self.url(name)} "
+                "while this one trained; only one job may save into a dirname") from exc
         pointer = json.dumps({'name': name}).encode()
         fs.pipe_file(self._remote(format.pointer_name('latest')), pointer)
         if best:
             fs.pipe_file(self._remote(format.pointer_name('best')), pointer)
+        self._known.add(name)
         for other in self.staging.committed():
             if other != name:
                 atomic.discard(self.staging.path(other))
@@ -362,56 +374,56 @@ class RemoteStorage:
     def _fetch(self, name: str) -> Found:
         """Checkpoint ``name`` checked in the store, downloaded unless the
         staging folder has it complete, and checked again there."""
-        sealed, files = self._check_remote(name)
+        fs, _ = self._filesystem()
+        sealed, files = _check_remote(fs, self._remote(name), self.url(name))
         local = self.staging.path(name)
-        manifest_file = os.path.join(local, format.MANIFEST_NAME)
-        if not (_holds(manifest_file, sealed) and not format.check(local)[1]):
-            self._download(name, sealed, files)
+        if not (_holds(os.path.join(local, format.MANIFEST_NAME), sealed)
+                and not format.check(local)[1]):
+            # a partial folder renamed into place once complete, as a save
+            _download(fs, self._remote(name), files, sealed, self.staging.start(name))
+            replaced = atomic.replace_folder(self.staging.partial_path(name), local)
+            if replaced is not None:
+                replaced.join()
         manifest, problems = format.check(local)
         if problems:
             raise problems[0].error
         return Found(local, manifest)
 
-    def _check_remote(self, name: str) -> tuple[bytes, list[str]]:
-        """The manifest's bytes and the files of checkpoint ``name`` in the
-        store; :class:`CorruptCheckpointError` naming the URL at fault."""
-        fs, _ = self._filesystem()
-        target = f"{self.url(name)}/{format.MANIFEST_NAME}"
-        try:
-            sealed = fs.cat_file(self._remote(name, format.MANIFEST_NAME))
-            files = json.loads(sealed)['files']
-            if not isinstance(files, dict):
-                raise TypeError("'files' is not an object")
-        except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{target} is missing") from exc
-        except (ValueError, TypeError, KeyError) as exc:
-            raise CorruptCheckpointError(f"{target} is not a manifest: {exc}") from exc
-        prefix = self._remote(name) + '/'
-        fs.invalidate_cache(self._remote(name))
-        sizes = {path[len(prefix):]: info['size']
-                 for path, info in fs.find(self._remote(name), detail=True).items()}
-        for rel, size in files.items():
-            rel = rel.replace(os.sep, '/')
-            if rel not in sizes:
-                raise CorruptCheckpointError(
-                    f"{self.url(name)}/{rel} is missing (listed in {target})")
-            if sizes[rel] != size:
-                raise CorruptCheckpointError(
-                    f"{self.url(name)}/{rel} has {sizes[rel]} bytes, {target} says {size}: "
-                    "the file is damaged")
-        return sealed, list(files)
 
-    def _download(self, name: str, sealed: bytes, files: list[str]) -> None:
-        """Download checkpoint ``name`` into the staging folder: its files
-        into a partial folder, the manifest last, then renamed into place."""
-        fs, _ = self._filesystem()
-        partial = self.staging.start(name)
-        locals_ = [os.path.join(partial, rel) for rel in files]
-        for folder in {os.path.dirname(path) for path in locals_}:
-            os.makedirs(folder, exist_ok=True)
-        fs.get([self._remote(name, rel) for rel in files], locals_)
-        with open(os.path.join(partial, format.MANIFEST_NAME), 'wb') as file:
-            file.write(sealed)
-        replaced = atomic.replace_folder(partial, self.staging.path(name))
-        if replaced is not None:
-            replaced.join()
+def _check_remote(fs: Any, remote: str, url: str) -> tuple[bytes, list[str]]:
+    """The manifest's bytes and the files of the checkpoint at ``remote``
+    (of URL ``url``) in the store; :class:`CorruptCheckpointError` naming
+    the URL at fault."""
+    target = f"{url}/{format.MANIFEST_NAME}"
+    try:
+        sealed = fs.cat_file(f"{remote}/{format.MANIFEST_NAME}")
+        files = json.loads(sealed)['files']
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not an object")
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"{target} is missing") from exc
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{target} is not a manifest: {exc}") from exc
+    fs.invalidate_cache(remote)
+    sizes = {path[len(remote) + 1:]: info['size']
+             for path, info in fs.find(remote, detail=True).items()}
+    for rel, size in files.items():
+        rel = rel.replace(os.sep, '/')
+        if rel not in sizes:
+            raise CorruptCheckpointError(f"{url}/{rel} is missing (listed in {target})")
+        if sizes[rel] != size:
+            raise CorruptCheckpointError(
+                f"{url}/{rel} has {sizes[rel]} bytes, {target} says {size}: "
+                "the file is damaged")
+    return sealed, list(files)
+
+
+def _download(fs: Any, remote: str, files: list[str], sealed: bytes, partial: str) -> None:
+    """Download the checkpoint at ``remote`` into the empty folder
+    ``partial``: its files, then the manifest ``sealed`` last."""
+    targets = [os.path.join(partial, rel) for rel in files]
+    for folder in {os.path.dirname(path) for path in targets}:
+        os.makedirs(folder, exist_ok=True)
+    fs.get([f"{remote}/{rel.replace(os.sep, '/')}" for rel in files], targets)
+    with open(os.path.join(partial, format.MANIFEST_NAME), 'wb') as file:
+        file.write(sealed)
