@@ -267,7 +267,7 @@ class RemoteStorage:
             return  # the newest is not in the store: keep what is there
         fs, _ = self._filesystem()
         names = self.committed()
-        kept = set(names[-keep_last:]) | set(keep) | {self._pointed('best')}
+        kept = set(names[-keep_last:]) | set(keep) | {self.pointed('best')}
         if keep_best:
             kept |= set([name for name in names if self._marked_best(name)][-keep_best:])
         for name in names:
@@ -299,12 +299,28 @@ class RemoteStorage:
         fs, _ = self._filesystem()
         return json.loads(fs.cat_file(self._remote(*parts)))
 
-    def _pointed(self, which: str) -> str | None:
+    def pointed(self, which: str) -> str | None:
+        """The name ``latest.json`` or ``best.json`` in the store points at, or None."""
         try:
             name = self._read_remote_json(format.pointer_name(which)).get('name')
         except (OSError, ValueError, AttributeError):
             return None
         return name if isinstance(name, str) and format.is_checkpoint_name(name) else None
+
+    def check(self, name: str) -> tuple[dict[str, Any], str | None]:
+        """The manifest of checkpoint ``name`` in the store (``{}`` if it
+        cannot be read) and why the checkpoint is not complete there (None
+        if it is), without downloading it."""
+        fs, _ = self._filesystem()
+        try:
+            sealed, _ = _check_remote(fs, self._remote(name), self.url(name))
+            return json.loads(sealed), None
+        except CorruptCheckpointError as exc:
+            try:
+                saved = self._read_remote_json(name, format.MANIFEST_NAME)
+            except (OSError, ValueError):
+                saved = {}
+            return (saved if isinstance(saved, dict) else {}), str(exc)
 
     def _marked_best(self, name: str) -> bool:
         try:
@@ -338,7 +354,7 @@ class RemoteStorage:
         which = os.fspath(which)
         names = self.committed()
         if which == 'best':
-            best = self._pointed('best')
+            best = self.pointed('best')
             if best is None:
                 if names:
                     raise CheckpointError(
@@ -353,7 +369,7 @@ class RemoteStorage:
             return self._fetch(which)
         if which != 'latest':
             return Found(which, format.read(which))
-        latest = self._pointed('latest')
+        latest = self.pointed('latest')
         problems = []
         for name in ([latest] if latest in names else []) + [
                 name for name in reversed(names) if name != latest]:
