@@ -154,6 +154,9 @@ class RemoteStorage:
                 self._check_reachable()
                 self._known = set(self.committed())
         self.staging.claim(net)
+        with sync.agree(net, f"finishing an upload into {self.dirname}"):
+            if is_committer(net):
+                self._finish_upload()
         # until lease.ObjectLease takes the store's own lock here, the staging
         # folder's lock keeps a second job of this machine out
         self._lease = None
@@ -179,6 +182,18 @@ class RemoteStorage:
                 "the credentials") from exc
         except OSError as exc:
             raise CheckpointError(f"cannot reach {self.dirname}: {exc}") from exc
+
+    def _finish_upload(self) -> None:
+        """Upload the checkpoint that a job of this machine committed into
+        the staging folder but was killed before it uploaded: the newest
+        staged one, if it is complete and newer than every one in the store
+        (names sort in training order). A store emptied by hand stays empty."""
+        staged = self.staging.committed()
+        if not (self._known and staged) or max(staged) <= max(self._known):
+            return
+        manifest, problems = format.check(self.staging.path(max(staged)))
+        if not problems:
+            self._upload(max(staged), bool(manifest.get('best')))
 
     def release(self) -> None:
         """End this job's claim: wait for nothing, stop the upload thread

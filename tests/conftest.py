@@ -7,6 +7,7 @@ named ``conftest`` cannot be imported: pytest owns the name, and
 tests/faults has one of its own).
 """
 
+import logging
 import tempfile
 import uuid
 
@@ -55,6 +56,8 @@ def s3_endpoint():
     """A local S3 server (moto), the same for the whole session: its URL."""
     # imported here: only the object-store tests need moto
     from moto.server import ThreadedMotoServer
+    # the server logs every request
+    logging.getLogger('werkzeug').setLevel(logging.WARNING)
     server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

@@ -145,6 +145,20 @@ def test_an_epoch_trained_again_replaces_its_checkpoint(s3_bucket):
     assert cp.folder_.find_checkpoint('epoch-0003').manifest['epoch'] == 3
 
 
+def test_the_next_job_of_the_machine_finishes_a_cut_upload(s3_bucket):
+    url = f's3://{s3_bucket}/run'
+    fit(url, max_epochs=2)
+    # killed while uploading epoch-0002: its files are there, not its manifest
+    manifest = f'{s3_bucket}/run/epoch-0002/manifest.json'
+    sealed = s3().cat_file(manifest)
+    s3().rm_file(manifest)
+    s3().pipe_file(f'{s3_bucket}/run/latest.json', b'{"name": "epoch-0001"}')
+    _, cp, load = fit(url, max_epochs=3)
+    assert load.loaded_from_.endswith('epoch-0002')
+    assert s3().cat_file(manifest) == sealed
+    assert cp.committed() == ['epoch-0002', 'epoch-0003']
+
+
 # ---------------------------------------------------------------- errors
 
 def test_a_missing_bucket_is_refused_before_training(s3_bucket):
@@ -202,7 +216,7 @@ def test_list_and_verify_a_url(s3_bucket):
 # ---------------------------------------------------------------- 2 processes
 
 @pytest.mark.slow
-def test_two_processes_resume_from_the_bucket_after_a_kill(s3_bucket, tmp_path):
+def test_two_processes_resume_after_a_kill_and_on_a_new_machine(s3_bucket, tmp_path):
     url = f's3://{s3_bucket}/run'
 
     def run(tag, expect_ok=True, dirname=url, **env):
@@ -216,11 +230,16 @@ def test_two_processes_resume_from_the_bucket_after_a_kill(s3_bucket, tmp_path):
     full = run('full', dirname=str(tmp_path / 'local'))
     killed = run('killed', expect_ok=False, KILL='batch:4:2')
     assert killed.returncodes == [-9, -9]
-    # a new machine: what was staged is gone
-    shutil.rmtree(default_staging(url))
+    # epoch-0003 was committed into the staging folder; its upload may have
+    # been cut short by the kill: the next job on this machine finishes it
     resumed = run('resumed')
-    assert [res['num_processes'] for res in full + resumed] == [2] * 4
-    assert all(res['loaded_from'].endswith('epoch-0003') for res in resumed)
+    assert all(res['loaded_from'] == os.path.join(default_staging(url), 'epoch-0003')
+               for res in resumed)
     assert_identical(final_state(tmp_path, 'full'), final_state(tmp_path, 'resumed'))
-    latest = json.loads(s3().cat_file(f'{s3_bucket}/run/latest.json'))
-    assert latest == {'name': 'epoch-0006'}
+    assert json.loads(s3().cat_file(f'{s3_bucket}/run/latest.json')) == {'name': 'epoch-0006'}
+    # a new machine: both ranks read what rank 0 downloaded
+    shutil.rmtree(default_staging(url))
+    again = run('again')
+    assert all(res['loaded_from'].endswith('epoch-0006') for res in again)
+    assert [res['num_processes'] for res in full + resumed + again] == [2] * 6
+    assert len({res['digest'] for res in full + again}) == 1
