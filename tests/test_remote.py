@@ -243,3 +243,18 @@ def test_two_processes_resume_after_a_kill_and_on_a_new_machine(s3_bucket, tmp_p
     assert all(res['loaded_from'].endswith('epoch-0006') for res in again)
     assert [res['num_processes'] for res in full + resumed + again] == [2] * 6
     assert len({res['digest'] for res in full + again}) == 1
+
+
+@pytest.mark.slow
+def test_a_refused_upload_fails_training_on_every_rank(s3_bucket, run_workers):
+    url = f's3://{s3_bucket}/run'
+    results = run_workers('remote_conflict.py', 'conflict', args=(url,))
+    assert [res['num_processes'] for res in results] == [2, 2]
+    assert results[0]['error'] == 'CheckpointError', results[0]
+    assert f'{url}/epoch-0001/manifest.json exists already' in results[0]['message']
+    assert results[1]['error'] == 'RankError', results[1]
+    assert 'rank 0' in results[1]['message']
+    # refused at the wait before the save of epoch 2: no rank trained on after it
+    assert [res['epochs'] for res in results] == [2, 2]
+    assert json.loads(s3().cat_file(f'{s3_bucket}/run/epoch-0001/manifest.json')) == {
+        'written by': 'another job'}
