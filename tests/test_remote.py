@@ -7,6 +7,7 @@ folder is a new machine that has only the bucket.
 
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import sys
 import fsspec
 import pytest
 import torch
+from sklearn.base import clone
 from skorch.callbacks import Callback
 
 from common import make_accelerator, make_data, make_net
@@ -157,6 +159,16 @@ def test_the_next_job_of_the_machine_finishes_a_cut_upload(s3_bucket):
     assert load.loaded_from_.endswith('epoch-0002')
     assert s3().cat_file(manifest) == sealed
     assert cp.committed() == ['epoch-0002', 'epoch-0003']
+
+
+def test_a_net_saving_into_a_store_pickles_and_clones(s3_bucket):
+    net, cp, _ = fit(f's3://{s3_bucket}/run', max_epochs=1, async_save=True)
+    assert cp.folder_._fs is not None  # it has talked to the store
+    copy = pickle.loads(pickle.dumps(net))
+    storage = dict(copy.callbacks_)['AccelerateCheckpoint'].folder_
+    assert isinstance(storage, RemoteStorage) and storage._fs is None
+    assert storage.committed() == ['epoch-0001']
+    clone(net)
 
 
 # ---------------------------------------------------------------- errors
