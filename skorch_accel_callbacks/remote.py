@@ -1,34 +1,32 @@
 """Checkpoints in an object store (``s3://bucket/run1``), through fsspec.
 
-An object store has no rename to commit with: a checkpoint is written and
-committed into a local staging folder
-(:class:`~skorch_accel_callbacks.folder.CheckpointFolder`) exactly as a
-local save is, so that training waits no longer, and then uploaded in the
-background: its files first, its manifest last with a create-only write
-(``If-None-Match: *`` on S3), then the pointers ``latest.json`` and
-``best.json``. A checkpoint in the store is complete exactly when its
-manifest is there and every file it lists is there with its listed size;
-an upload cut short leaves files without a manifest, which no reader takes
-for a checkpoint. A resume downloads the checkpoint it chose into the
-staging folder and reads it there, also on a new machine.
+A store has no rename to commit with: a checkpoint is committed into a
+local staging folder exactly as a local save is (training waits no
+longer), then uploaded in the background: its files, its manifest last
+with a create-only write (``If-None-Match: *`` on S3), then the pointers.
+In the store a checkpoint is complete exactly when its manifest is there
+and every file it lists has its listed size: an upload cut short leaves
+files without a manifest. A resume downloads the checkpoint it chose into
+the staging folder and reads it there, also on a new machine.
 
-fsspec (and the package of the store's protocol, s3fs for ``s3://``) is
-imported only when a store is used: ``pip install skorch-accel-callbacks[s3]``.
-Credentials and endpoint come from ``storage_options`` or from the
-protocol's usual configuration (for s3fs the ``AWS_*`` environment
-variables, ``AWS_ENDPOINT_URL`` included).
+fsspec (and the protocol's package, s3fs for ``s3://``) is imported only
+when a store is used: ``pip install skorch-accel-callbacks[s3]``. The
+credentials and endpoint come from ``storage_options`` or the protocol's
+usual configuration (for s3fs the ``AWS_*`` variables, ``AWS_ENDPOINT_URL``
+included).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import re
 import tempfile
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from skorch_accel_callbacks import accelerate_io, atomic, format, sync
@@ -37,14 +35,11 @@ from skorch_accel_callbacks.folder import CheckpointFolder, Found, is_committer
 
 __all__ = ['RemoteStorage', 'default_staging', 'is_remote']
 
-_PROTOCOL_RE = re.compile(r'^([A-Za-z][A-Za-z0-9+.-]*)://')
-
-
 def is_remote(dirname: str | os.PathLike[str]) -> bool:
     """Whether ``dirname`` is a URL of a store other than the local
     filesystem (``s3://...``; not a path, not ``file://...``)."""
-    match = _PROTOCOL_RE.match(os.fspath(dirname))
-    return match is not None and match.group(1).lower() != 'file'
+    protocol, separator, _ = os.fspath(dirname).partition('://')
+    return bool(separator) and protocol.isalnum() and protocol.lower() != 'file'
 
 
 def default_staging(url: str) -> str:
@@ -56,11 +51,7 @@ def default_staging(url: str) -> str:
 
 def _holds(path: str, data: bytes) -> bool:
     """Whether the file ``path`` exists and holds ``data``."""
-    try:
-        with open(path, 'rb') as file:
-            return file.read() == data
-    except FileNotFoundError:
-        return False
+    return os.path.isfile(path) and Path(path).read_bytes() == data
 
 
 class RemoteStorage:
@@ -96,8 +87,7 @@ class RemoteStorage:
         self._root = None
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
-        # the checkpoints in the store when this job took it, and those it
-        # committed: a save of one of their names replaces it
+        # in the store when this job took it, or committed by it: replaceable
         self._known: set[str] = set()
         # the one-job lock in the store (lease.ObjectLease), taken in claim
         self._lease = None
@@ -153,13 +143,14 @@ class RemoteStorage:
             if is_committer(net):
                 self._check_reachable()
                 self._known = set(self.committed())
+        # the staging folder's lock keeps a second job of this machine out
         self.staging.claim(net)
         with sync.agree(net, f"finishing an upload into {self.dirname}"):
             if is_committer(net):
+                # the call site of the store's own one-job lock, before this
+                # job changes the store: self._lease = lease.ObjectLease(fs,
+                # self._remote(format.LOCK_NAME)); self._lease.acquire()
                 self._finish_upload()
-        # until lease.ObjectLease takes the store's own lock here, the staging
-        # folder's lock keeps a second job of this machine out
-        self._lease = None
         self._claimed = True
 
     def _check_reachable(self) -> None:
@@ -196,8 +187,8 @@ class RemoteStorage:
             self._upload(max(staged), bool(manifest.get('best')))
 
     def release(self) -> None:
-        """End this job's claim: wait for nothing, stop the upload thread
-        once its work is done, release the staging folder."""
+        """End this job's claim: the upload thread ends once its work is
+        done (:meth:`wait` reports a failure), the staging folder is released."""
         self._claimed = False
         try:
             if self._executor is not None:
@@ -225,13 +216,11 @@ class RemoteStorage:
         self._submit(self._upload, name, best)
         return written
 
-    def _submit(self, work: Any, *args: Any) -> Future:
+    def _submit(self, work: Any, *args: Any) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix='checkpoint-upload')
-        future = self._executor.submit(work, *args)
-        self._pending.append(future)
-        return future
+        self._pending.append(self._executor.submit(work, *args))
 
     def _upload(self, name: str, best: bool) -> None:
         fs, _ = self._filesystem()
@@ -244,10 +233,8 @@ class RemoteStorage:
             # an epoch trained again after resuming from an older checkpoint
             # replaces it, as in a local folder; its manifest goes first, so
             # that no reader takes the old manifest for the new files
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 fs.rm_file(self._remote(name, format.MANIFEST_NAME))
-            except FileNotFoundError:
-                pass
         # one call: an async filesystem (s3fs) sends the files concurrently
         fs.put([os.path.join(local, rel) for rel in files],
                [self._remote(name, rel) for rel in files])
