@@ -45,7 +45,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     Parameters
     ----------
     dirname : str (default='checkpoints')
-      Folder that holds the checkpoints; one running job at a time.
+      Folder of the checkpoints, or a store's URL (``s3://bucket/run1``); one job at a time.
 
     monitor : str, callable or None (default=None)
       Which epochs are best: a boolean history column (``'valid_loss_best'``)
