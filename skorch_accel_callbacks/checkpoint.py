@@ -45,7 +45,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     Parameters
     ----------
     dirname : str (default='checkpoints')
-      Folder that holds the checkpoints; one running job at a time.
+      Folder of the checkpoints, or a store's URL (``s3://bucket/run1``); one job at a time.
 
     monitor : str, callable or None (default=None)
       Which epochs are best: a boolean history column (``'valid_loss_best'``)
@@ -319,7 +319,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             received = self._poll.at_train_end(net)
             if received is not None:
                 saved = self.last_saved_ or self.resumed_from_
-                self._stop(net, received, saved and self.folder_.path(saved))
+                self._stop(net, received, saved and self.folder_.url(saved))
         finally:
             self.close()
 
@@ -353,7 +353,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         base.say(net, self.sink,
             f"Training was interrupted (KeyboardInterrupt) in the end of epoch "
             f"{len(net.history)}, which is not saved: "
-            + (f"{self.folder_.path(last)} stands" if last else "no checkpoint was taken")
+            + (f"{self.folder_.url(last)} stands" if last else "no checkpoint was taken")
             + "; run the same command again to resume")
 
     def _take_resumed(self, net: Any) -> bool:
@@ -419,7 +419,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             base.say(net, self.sink, report.message())
         self.last_saved_ = name
         self._poll.saved()
-        return self.folder_.path(name)
+        return self.folder_.url(name)
 
     def wait_for_saves(self, net: Any) -> None:
         """Wait for the save in flight and the removal of retired

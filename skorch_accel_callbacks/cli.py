@@ -2,7 +2,8 @@
 
 ``list DIR``, ``verify DIR [NAME]`` and ``export DIR [NAME] OUT``: what is
 in a folder of checkpoints, whether its files are intact, and a checkpoint's
-model(s) as files for inference. ``list`` and ``verify`` only read the
+model(s) as files for inference. ``list`` and ``verify`` also take the URL
+of checkpoints in an object store (``s3://bucket/run1``). ``list`` and ``verify`` only read the
 folder; ``export`` only writes into ``OUT``.
 
 Exit codes, the same for every command: 0 done (``verify``: intact), 1 a
@@ -17,13 +18,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import warnings
 from collections.abc import Collection, Sequence
 from typing import Any, TextIO
 
 from skorch_accel_callbacks import export as exporting, inspection
+from skorch_accel_callbacks.atomic import discard
 from skorch_accel_callbacks.base import format_bytes
-from skorch_accel_callbacks.errors import CheckpointError
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder
 from skorch_accel_callbacks.format import (
     MANIFEST_NAME,
@@ -31,6 +34,7 @@ from skorch_accel_callbacks.format import (
     is_checkpoint_name,
     pointer_name,
 )
+from skorch_accel_callbacks.remote import RemoteStorage, is_remote
 
 __all__ = ['main']
 
@@ -77,12 +81,42 @@ def _took(row: dict[str, Any]) -> str:
 
 
 def _list(args: argparse.Namespace, out: TextIO) -> int:
+    if is_remote(args.dir):
+        store = RemoteStorage(args.dir)
+        rows = [inspection.describe_one(name, store.url(name), *store.check(name))
+                for name in store.committed()]
+        _print_rows(store.dirname, rows, out)
+        print('pointers: ' + '; '.join(
+            f"{pointer_name(which)} -> {store.pointed(which) or 'none'}"
+            for which in POINTERS), file=out)
+        return OK
     dirname = os.path.normpath(args.dir)
     _check_folder(dirname)
     if is_checkpoint_name(os.path.basename(dirname)):
         raise UsageError(f"{dirname} is one checkpoint: list the folder that holds it, "
                          f"or verify {dirname}")
-    rows = inspection.describe(dirname)
+    _print_rows(dirname, inspection.describe(dirname), out)
+    pointed = inspection.pointers(dirname)
+    print('pointers: ' + '; '.join(
+        f"{pointer_name(which)} -> {pointed[which] or 'none'}" for which in POINTERS), file=out)
+    left = inspection.leftovers(dirname)
+    print('left over:' + ('' if left else ' nothing'), file=out)
+    for name, what in left:
+        suffix = '/' if os.path.isdir(os.path.join(dirname, name)) else ''
+        print(f"  {name}{suffix}  {what}", file=out)
+    lock = inspection.lock_state(dirname)
+    if not lock['exists']:
+        state = 'none (no job has trained here)'
+    else:
+        holder = lock['holder'] or 'no job named in it'
+        state = {True: f"held by a running job: {holder}",
+                 False: f"free (last taken by {holder})",
+                 None: f"cannot be read (last taken by {holder})"}[lock['held']]
+    print(f"lock: {state}", file=out)
+    return OK
+
+
+def _print_rows(dirname: str, rows: list[dict[str, Any]], out: TextIO) -> None:
     print(f"{dirname}: {len(rows)} checkpoint(s), in training order", file=out)
     if rows:
         table = [('name', 'epoch', 'step', 'best', 'score', 'finished', 'world', 'size',
@@ -108,24 +142,6 @@ def _list(args: argparse.Namespace, out: TextIO) -> int:
                 print(f"  {row['name']} is DAMAGED: {row['problem']}", file=out)
         print("  (state: the manifest and the size of every file; verify loads every file)",
               file=out)
-    pointed = inspection.pointers(dirname)
-    print('pointers: ' + '; '.join(
-        f"{pointer_name(which)} -> {pointed[which] or 'none'}" for which in POINTERS), file=out)
-    left = inspection.leftovers(dirname)
-    print('left over:' + ('' if left else ' nothing'), file=out)
-    for name, what in left:
-        suffix = '/' if os.path.isdir(os.path.join(dirname, name)) else ''
-        print(f"  {name}{suffix}  {what}", file=out)
-    lock = inspection.lock_state(dirname)
-    if not lock['exists']:
-        state = 'none (no job has trained here)'
-    else:
-        holder = lock['holder'] or 'no job named in it'
-        state = {True: f"held by a running job: {holder}",
-                 False: f"free (last taken by {holder})",
-                 None: f"cannot be read (last taken by {holder})"}[lock['held']]
-    print(f"lock: {state}", file=out)
-    return OK
 
 
 # ---------------------------------------------------------------- verify
@@ -152,7 +168,52 @@ def _pointer_problems(dirname: str, names: Collection[str]) -> tuple[list[str], 
     return damaged, notes
 
 
+def _print_verdict(where: str, verdict: inspection.Verdict, out: TextIO) -> None:
+    if verdict.intact:
+        print(f"{where}: intact ({verdict.files} files, {format_bytes(verdict.bytes)})",
+              file=out)
+    else:
+        print(f"{where}: DAMAGED", file=out)
+        for line in verdict.damaged:
+            print(f"  {line}", file=out)
+    for line in verdict.notes:
+        print(f"  note: {line}", file=out)
+
+
+def _verify_remote(url: str, name: str | None, out: TextIO) -> int:
+    """Verify the checkpoints in the store at ``url``: each downloaded into
+    a temporary folder, verified there, and removed."""
+    with tempfile.TemporaryDirectory(prefix='skorch-accel-verify-') as staging:
+        store = RemoteStorage(url, local_dir=staging)
+        names = store.committed()
+        if name in POINTERS:
+            names = [store.pointed(name)]
+            if names[0] is None:
+                raise UsageError(f"no {name} checkpoint in {store.dirname}")
+        elif name is not None:
+            if name not in names:
+                raise UsageError(f"no checkpoint {name} in {store.dirname}")
+            names = [name]
+        elif not names:
+            raise UsageError(f"no checkpoints in {store.dirname}")
+        bad = 0
+        for found in names:
+            try:
+                verdict = inspection.verify(store.find_checkpoint(found).path)
+            except CorruptCheckpointError as exc:
+                verdict = inspection.Verdict(store.url(found))
+                verdict.damaged.append(str(exc))
+            bad += not verdict.intact
+            _print_verdict(store.url(found), verdict, out)
+            discard(store.path(found))
+    if len(names) > 1:
+        print(f"{len(names)} checkpoints: {len(names) - bad} intact, {bad} damaged", file=out)
+    return DAMAGED if bad else OK
+
+
 def _verify(args: argparse.Namespace, out: TextIO) -> int:
+    if is_remote(args.dir):
+        return _verify_remote(args.dir, args.name, out)
     dirname, name = _split(args.dir, args.name)
     _check_folder(dirname)
     folder = CheckpointFolder(dirname)
@@ -176,16 +237,8 @@ def _verify(args: argparse.Namespace, out: TextIO) -> int:
     bad = 0
     for path in paths:
         verdict = inspection.verify(path)
-        if verdict.intact:
-            print(f"{path}: intact ({verdict.files} files, {format_bytes(verdict.bytes)})",
-                  file=out)
-        else:
-            bad += 1
-            print(f"{path}: DAMAGED", file=out)
-            for line in verdict.damaged:
-                print(f"  {line}", file=out)
-        for line in verdict.notes:
-            print(f"  note: {line}", file=out)
+        bad += not verdict.intact
+        _print_verdict(path, verdict, out)
     for line in damaged:
         print(f"DAMAGED: {line}", file=out)
     for line in notes:

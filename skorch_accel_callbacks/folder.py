@@ -75,6 +75,10 @@ class CheckpointFolder:
     def path(self, name: str) -> str:
         return os.path.join(self.dirname, name)
 
+    def url(self, name: str) -> str:
+        """Where checkpoint ``name`` is kept, for messages: its path."""
+        return self.path(name)
+
     def partial_path(self, name: str) -> str:
         return self.path(name) + format.PARTIAL_SUFFIX
 
@@ -335,8 +339,8 @@ class CheckpointFolder:
         except (OSError, ValueError, AttributeError):
             return False  # not a complete checkpoint: nothing to keep
 
-    def wait_for_removals(self) -> None:
-        """Wait until the retired checkpoints' files are removed."""
+    def wait(self) -> None:
+        """Wait until the retired and replaced checkpoints' files are removed."""
         for thread in self._removals:
             thread.join()
         self._removals = []

@@ -20,8 +20,8 @@ from skorch_accel_callbacks.folder import CheckpointFolder
 from skorch_accel_callbacks.format import LOCK_NAME, PARTIAL_SUFFIX, POINTERS, PROBE_PREFIX
 from skorch_accel_callbacks.readers import kind_of, load_without_code
 
-__all__ = ['Verdict', 'checkpoint_bytes', 'describe', 'leftovers', 'lock_state', 'pointers',
-           'verify']
+__all__ = ['Verdict', 'checkpoint_bytes', 'describe', 'describe_one', 'leftovers',
+           'lock_state', 'pointers', 'verify']
 
 
 def checkpoint_bytes(saved: dict[str, Any]) -> int | None:
@@ -99,27 +99,35 @@ def describe(dirname: str | os.PathLike) -> list[dict[str, Any]]:
                 saved = atomic.read_json(os.path.join(path, format.MANIFEST_NAME))
             except (OSError, ValueError):
                 saved = {}
-        if not isinstance(saved, dict):
-            saved = {}
-        rows.append({
-            'name': name,
-            'path': path,
-            'epoch': saved.get('epoch'),
-            'step': (saved.get('position') or {}).get('step'),
-            'batches_into_epoch': format.batches_into_epoch(saved),
-            'best': bool(saved.get('best')),
-            'finished': bool(saved.get('finished')),
-            'stopped_early': format.stopped_early(saved) if saved else False,
-            'world_size': saved.get('world_size'),
-            'bytes': checkpoint_bytes(saved),
-            'saved_at': _saved_at(path, saved),
-            'save_seconds': saved.get('save_seconds'),
-            'blocked_seconds': saved.get('blocked_seconds'),
-            'score': _score(path),
-            'problem': problem,
-        })
+        rows.append(describe_one(name, path, saved, problem))
     never = datetime.min.replace(tzinfo=UTC)
     return sorted(rows, key=lambda row: (row['saved_at'] or never, row['name']))
+
+
+def describe_one(name: str, path: str, saved: Any, problem: str | None) -> dict[str, Any]:
+    """The row of :func:`describe` of checkpoint ``name`` at ``path`` (a
+    folder, or the URL of one in an object store: no score, and no time
+    but the manifest's), of manifest ``saved`` (``{}`` if none can be read)
+    and ``problem``."""
+    if not isinstance(saved, dict):
+        saved = {}
+    return {
+        'name': name,
+        'path': path,
+        'epoch': saved.get('epoch'),
+        'step': (saved.get('position') or {}).get('step'),
+        'batches_into_epoch': format.batches_into_epoch(saved),
+        'best': bool(saved.get('best')),
+        'finished': bool(saved.get('finished')),
+        'stopped_early': format.stopped_early(saved) if saved else False,
+        'world_size': saved.get('world_size'),
+        'bytes': checkpoint_bytes(saved),
+        'saved_at': _saved_at(path, saved),
+        'save_seconds': saved.get('save_seconds'),
+        'blocked_seconds': saved.get('blocked_seconds'),
+        'score': _score(path),
+        'problem': problem,
+    }
 
 
 def pointers(dirname: str | os.PathLike) -> dict[str, str | None]:

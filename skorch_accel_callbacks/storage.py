@@ -6,8 +6,11 @@ storage (an object store) plugs in without a change to either. A storage
 holds named checkpoints; one is written into a partial place
 (:meth:`~CheckpointStorage.start`), becomes a checkpoint at once and
 completely when committed (:meth:`~CheckpointStorage.commit`), and is read
-back by name or by a pointer (``'latest'``, ``'best'``). Today's one kind
-is a local folder, :class:`~skorch_accel_callbacks.folder.CheckpointFolder`.
+back by name or by a pointer (``'latest'``, ``'best'``). A local folder is
+a :class:`~skorch_accel_callbacks.folder.CheckpointFolder`; an object store
+(any fsspec URL but ``file://``) a
+:class:`~skorch_accel_callbacks.remote.RemoteStorage`, staged in a local
+folder and uploaded in the background.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 from typing import Any, Protocol, runtime_checkable
 
 from skorch_accel_callbacks.folder import CheckpointFolder, Found
+from skorch_accel_callbacks.remote import RemoteStorage, is_remote
 
 __all__ = ['CheckpointStorage', 'Found', 'open_storage']
 
@@ -35,6 +39,9 @@ class CheckpointStorage(Protocol):
     def path(self, name: str) -> str:
         """Where the committed checkpoint ``name`` is read from."""
 
+    def url(self, name: str) -> str:
+        """Where the committed checkpoint ``name`` is kept, as messages name it."""
+
     def partial_path(self, name: str) -> str:
         """Where every rank writes the files of checkpoint ``name``."""
 
@@ -49,8 +56,9 @@ class CheckpointStorage(Protocol):
                keep: tuple[str | None, ...] | list[str | None] = ()) -> None:
         """Remove the checkpoints a retention policy does not keep."""
 
-    def wait_for_removals(self) -> None:
-        """Wait until the retired checkpoints are gone."""
+    def wait(self) -> None:
+        """Wait for the storage's background work (removals, uploads) and
+        raise what failed."""
 
     def committed(self) -> list[str]:
         """Names of the committed checkpoints, oldest first."""
@@ -63,6 +71,18 @@ class CheckpointStorage(Protocol):
         """Path of the checkpoint ``which`` names, or None."""
 
 
-def open_storage(dirname: str | os.PathLike) -> CheckpointStorage:
-    """The storage of the checkpoints of ``dirname`` (a local folder)."""
+def open_storage(dirname: str | os.PathLike, local_dir: str | os.PathLike | None = None,
+                 storage_options: dict[str, Any] | None = None) -> CheckpointStorage:
+    """The storage of the checkpoints of ``dirname``.
+
+    A path or a ``file://`` URL is a local folder; any other fsspec URL
+    (``s3://bucket/run1``) an object store, staged in ``local_dir`` (None:
+    a folder of the system's temporary folder named after the URL) and
+    opened with the fsspec ``storage_options``.
+    """
+    if is_remote(dirname):
+        return RemoteStorage(os.fspath(dirname), local_dir, storage_options)
+    dirname = os.fspath(dirname)
+    if dirname.lower().startswith('file://'):
+        dirname = dirname[len('file://'):]
     return CheckpointFolder(dirname)

@@ -148,7 +148,7 @@ class SyncWriter:
     def save(self, net: Any, request: SaveRequest) -> SaveReport:
         started = time.monotonic()
         content = self.stage(net, request).content
-        path = self.storage.path(request.name)
+        path = self.storage.url(request.name)
         report = None
         with sync.agree(net, f"committing checkpoint {path}"):
             if content is not None:
@@ -156,14 +156,16 @@ class SyncWriter:
         return report or SaveReport(path, request.finished)
 
     def wait(self, net: Any) -> None:
-        """Nothing is written after :meth:`save` returned."""
-        self.storage.wait_for_removals()
+        """Wait for the storage's background work (removals, an upload);
+        it raises on every rank if it failed."""
+        with sync.agree(net, f"finishing the background work of {self.storage.dirname}"):
+            self.storage.wait()
 
     def busy(self) -> bool:
         return False
 
     def close(self) -> None:
-        self.storage.wait_for_removals()
+        self.storage.wait()
 
     def stage(self, net: Any, request: SaveRequest,
               stager: HostStager | None = None) -> StagedSave:
@@ -210,7 +212,7 @@ class SyncWriter:
                                       best=request.best, started=started)
         self.storage.retire(self.retention.keep_last, self.retention.keep_best,
                             keep=request.keep)
-        return SaveReport(self.storage.path(request.name), request.finished,
+        return SaveReport(self.storage.url(request.name), request.finished,
                           written['bytes'], written['save_seconds'],
                           written.get('blocked_seconds'))
 
@@ -265,7 +267,7 @@ class BackgroundWriter:
             future = self._executor.submit(
                 self._write_and_commit, request, content, staged.large, started)
         self._in_flight = _InFlight(
-            SaveReport(self.storage.path(request.name), request.finished), future)
+            SaveReport(self.storage.url(request.name), request.finished), future)
 
     def _write_and_commit(self, request: SaveRequest, content: dict,
                           staged: Staged | None, started: float) -> SaveReport:
@@ -274,15 +276,15 @@ class BackgroundWriter:
         return self.writer.commit(request, content, started)
 
     def wait(self, net: Any) -> SaveReport | None:
-        report = None
-        if self._in_flight is not None:
-            report, future = self._in_flight
-            self._in_flight = None
-            with sync.agree(net, f"writing checkpoint {report.path} in the background"):
-                if future is not None:
-                    report = future.result()
-        # after the commit: it starts them
-        self.storage.wait_for_removals()
+        report, future = self._in_flight or (None, None)
+        self._in_flight = None
+        what = (f"writing checkpoint {report.path} in the background" if report is not None
+                else f"finishing the background work of {self.storage.dirname}")
+        with sync.agree(net, what):
+            if future is not None:
+                report = future.result()
+            # after the commit: it starts them (removals, an upload)
+            self.storage.wait()
         return report
 
     def busy(self) -> bool:
@@ -299,5 +301,5 @@ class BackgroundWriter:
                 self._executor.shutdown(wait=True)
                 self._executor = None
             self._stager.free()
-            self.storage.wait_for_removals()
+            self.storage.wait()
 

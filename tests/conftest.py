@@ -7,6 +7,10 @@ named ``conftest`` cannot be imported: pytest owns the name, and
 tests/faults has one of its own).
 """
 
+import logging
+import tempfile
+import uuid
+
 import pytest
 
 from launcher import launch
@@ -45,3 +49,39 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section('figures recorded by tests')
         for line in lines:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope='session')
+def s3_endpoint():
+    """A local S3 server (moto), the same for the whole session: its URL."""
+    # imported here: only the object-store tests need moto
+    from moto.server import ThreadedMotoServer
+    # the server logs every request
+    logging.getLogger('werkzeug').setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f'http://{host}:{port}'
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, monkeypatch, tmp_path):
+    """A fresh, empty bucket of the local S3 server, its name; the test (and
+    the processes it launches) reach the server through the ``AWS_*``
+    environment, and stage checkpoints under its own temporary folder."""
+    import fsspec
+    for key, value in S3_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv('AWS_ENDPOINT_URL', s3_endpoint)
+    temp = tmp_path / 'tmp'
+    temp.mkdir()
+    monkeypatch.setenv('TMPDIR', str(temp))
+    monkeypatch.setattr(tempfile, 'tempdir', str(temp))
+    name = f'test-{uuid.uuid4().hex[:12]}'
+    fsspec.filesystem('s3').mkdir(name)
+    return name
+
+
+S3_ENV = {'AWS_ACCESS_KEY_ID': 'testing', 'AWS_SECRET_ACCESS_KEY': 'testing',
+          'AWS_DEFAULT_REGION': 'us-east-1'}

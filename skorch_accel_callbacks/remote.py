@@ -1,0 +1,447 @@
+"""Checkpoints in an object store (``s3://bucket/run1``), through fsspec.
+
+A store has no rename to commit with: a checkpoint is committed into a
+local staging folder exactly as a local save is (training waits no
+longer), then uploaded in the background: its files, its manifest last
+with a create-only write (``If-None-Match: *`` on S3), then the pointers.
+In the store a checkpoint is complete exactly when its manifest is there
+and every file it lists has its listed size: an upload cut short leaves
+files without a manifest. A resume downloads the checkpoint it chose into
+the staging folder and reads it there, also on a new machine.
+
+fsspec (and the protocol's package, s3fs for ``s3://``) is imported only
+when a store is used: ``pip install skorch-accel-callbacks[s3]``. The
+credentials and endpoint come from ``storage_options`` or the protocol's
+usual configuration (for s3fs the ``AWS_*`` variables, ``AWS_ENDPOINT_URL``
+included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from skorch_accel_callbacks import accelerate_io, atomic, format, sync
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.folder import CheckpointFolder, Found, is_committer
+
+__all__ = ['RemoteStorage', 'default_staging', 'is_remote']
+
+def is_remote(dirname: str | os.PathLike[str]) -> bool:
+    """Whether ``dirname`` is a URL of a store other than the local
+    filesystem (``s3://...``; not a path, not ``file://...``)."""
+    protocol, separator, _ = os.fspath(dirname).partition('://')
+    return bool(separator) and protocol.isalnum() and protocol.lower() != 'file'
+
+
+def default_staging(url: str) -> str:
+    """The staging folder of ``url`` when none is given: the same on every
+    process of a machine, and another for each URL."""
+    digest = hashlib.sha1(url.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), 'skorch-accel-staging', digest)
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """Whether the file ``path`` exists and holds ``data``."""
+    return os.path.isfile(path) and Path(path).read_bytes() == data
+
+
+class RemoteStorage:
+    """The checkpoints under the URL ``dirname``, staged in a local folder.
+
+    Implements :class:`~skorch_accel_callbacks.storage.CheckpointStorage`.
+    The writers write and commit into the staging folder (:meth:`path`,
+    :meth:`partial_path` and :meth:`start` are the staging folder's); the
+    upload runs on one background thread, at most one at a time, and
+    :meth:`wait` raises what failed. After an upload the staging folder
+    keeps only that checkpoint. A copy (pickle, deepcopy) holds no
+    connection, claim or upload in progress.
+
+    Parameters
+    ----------
+    dirname : str
+      The URL of the folder of checkpoints, e.g. ``s3://bucket/run1``.
+    local_dir : str or None (default=None)
+      The staging folder; None: a folder under the system's temporary
+      folder named after the URL (:func:`default_staging`).
+    storage_options : dict or None (default=None)
+      Arguments of the fsspec filesystem (``key``, ``secret``,
+      ``endpoint_url``, ...).
+    """
+
+    def __init__(self, dirname: str, local_dir: str | os.PathLike[str] | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.dirname = os.fspath(dirname).rstrip('/')
+        self.local_dir = os.fspath(local_dir or default_staging(self.dirname))
+        self.storage_options = dict(storage_options or {})
+        self.staging = CheckpointFolder(self.local_dir)
+        self._fs = None
+        self._root = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        # in the store when this job took it, or committed by it: replaceable
+        self._known: set[str] = set()
+        # the one-job lock in the store (lease.ObjectLease), taken in claim
+        self._lease = None
+        self._claimed = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__, _fs=None, _root=None, _executor=None, _pending=[],
+                    _known=set(), _lease=None, _claimed=False)
+
+    # ------------------------------------------------------------ paths
+
+    def path(self, name: str) -> str:
+        """Where checkpoint ``name`` is read from: its staged copy."""
+        return self.staging.path(name)
+
+    def url(self, name: str) -> str:
+        """Where checkpoint ``name`` is kept: its URL."""
+        return f"{self.dirname}/{name}"
+
+    def partial_path(self, name: str) -> str:
+        return self.staging.partial_path(name)
+
+    def _filesystem(self) -> tuple[Any, str]:
+        """The fsspec filesystem and the path of ``dirname`` in it."""
+        if self._fs is None:
+            # imported here: fsspec is optional (the [s3] extra)
+            import fsspec
+            self._fs, self._root = fsspec.core.url_to_fs(self.dirname, **self.storage_options)
+        return self._fs, self._root
+
+    def _remote(self, *parts: str) -> str:
+        return '/'.join((self._filesystem()[1], *(part.replace(os.sep, '/') for part in parts)))
+
+    # ------------------------------------------------------------ claiming
+
+    def claim(self, net: Any) -> None:
+        """Check that the store can be reached and take the staging folder,
+        on every rank; acts once until :meth:`release`.
+
+        Raises on every rank :class:`CheckpointError` naming the URL when
+        fsspec or the protocol's package is missing, the bucket does not
+        exist, the credentials are refused, or ``save_on_each_node`` would
+        have several processes upload; the errors of
+        :meth:`CheckpointFolder.claim` for the staging folder.
+        """
+        if self._claimed:
+            return
+        with sync.agree(net, f"opening {self.dirname}"):
+            if accelerate_io.save_on_each_node(net.accelerator) and sync.is_distributed(net):
+                raise CheckpointError(
+                    f"save_on_each_node=True with checkpoints in {self.dirname}: each node "
+                    "would upload the same checkpoints; set save_on_each_node=False")
+            if is_committer(net):
+                self._check_reachable()
+                self._known = set(self.committed())
+        # the staging folder's lock keeps a second job of this machine out
+        self.staging.claim(net)
+        with sync.agree(net, f"finishing an upload into {self.dirname}"):
+            if is_committer(net):
+                # the call site of the store's own one-job lock, before this
+                # job changes the store: self._lease = lease.ObjectLease(fs,
+                # self._remote(format.LOCK_NAME)); self._lease.acquire()
+                self._finish_upload()
+        self._claimed = True
+
+    def _check_reachable(self) -> None:
+        try:
+            fs, root = self._filesystem()
+        except (ImportError, ValueError) as exc:
+            raise CheckpointError(
+                f"cannot open {self.dirname}: {exc} (pip install "
+                "skorch-accel-callbacks[s3] for s3://)") from exc
+        bucket = root.split('/', 1)[0]
+        try:
+            fs.invalidate_cache()
+            fs.info(bucket)
+        except FileNotFoundError as exc:
+            raise CheckpointError(
+                f"cannot save into {self.dirname}: the bucket {bucket} does not exist") from exc
+        except PermissionError as exc:
+            raise CheckpointError(
+                f"cannot save into {self.dirname}: access refused ({exc}); check "
+                "the credentials") from exc
+        except OSError as exc:
+            raise CheckpointError(f"cannot reach {self.dirname}: {exc}") from exc
+
+    def _finish_upload(self) -> None:
+        """Upload the checkpoint that a job of this machine committed into
+        the staging folder but was killed before it uploaded: the newest
+        staged one, if it is complete and newer than every one in the store
+        (names sort in training order). A store emptied by hand stays empty."""
+        staged = self.staging.committed()
+        if not (self._known and staged) or max(staged) <= max(self._known):
+            return
+        manifest, problems = format.check(self.staging.path(max(staged)))
+        if not problems:
+            self._upload(max(staged), bool(manifest.get('best')))
+
+    def release(self) -> None:
+        """End this job's claim: the upload thread ends once its work is
+        done (:meth:`wait` reports a failure), the staging folder is released."""
+        self._claimed = False
+        try:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+        finally:
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
+            self.staging.release()
+
+    # ------------------------------------------------------------ writing
+
+    def start(self, name: str) -> str:
+        return self.staging.start(name)
+
+    def commit(self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
+               started: float | None = None) -> dict[str, Any]:
+        """Commit checkpoint ``name`` into the staging folder and start its
+        upload (:meth:`wait` waits for it); return the manifest written."""
+        if self._pending:
+            raise RuntimeError(f"the upload before {self.url(name)} was not waited for")
+        written = self.staging.commit(name, sealed, durable=durable, best=best,
+                                      started=started)
+        self._submit(self._upload, name, best)
+        return written
+
+    def _submit(self, work: Any, *args: Any) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1,
+                                                thread_name_prefix='checkpoint-upload')
+        self._pending.append(self._executor.submit(work, *args))
+
+    def _upload(self, name: str, best: bool) -> None:
+        fs, _ = self._filesystem()
+        local = self.staging.path(name)
+        manifest = os.path.join(local, format.MANIFEST_NAME)
+        with open(manifest, 'rb') as file:
+            sealed = file.read()
+        files = list(json.loads(sealed)['files'])
+        if name in self._known:
+            # an epoch trained again after resuming from an older checkpoint
+            # replaces it, as in a local folder; its manifest goes first, so
+            # that no reader takes the old manifest for the new files
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(self._remote(name, format.MANIFEST_NAME))
+        # one call: an async filesystem (s3fs) sends the files concurrently
+        fs.put([os.path.join(local, rel) for rel in files],
+               [self._remote(name, rel) for rel in files])
+        target = self.url(name) + '/' + format.MANIFEST_NAME
+        try:
+            fs.pipe_file(self._remote(name, format.MANIFEST_NAME), sealed, mode='create')
+        except FileExistsError as exc:
+            raise CheckpointError(
+                f"{target} exists already: another job committed {self.url(name)} "
+                "while this one trained; only one job may save into a dirname") from exc
+        pointer = json.dumps({'name': name}).encode()
+        fs.pipe_file(self._remote(format.pointer_name('latest')), pointer)
+        if best:
+            fs.pipe_file(self._remote(format.pointer_name('best')), pointer)
+        self._known.add(name)
+        for other in self.staging.committed():
+            if other != name:
+                atomic.discard(self.staging.path(other))
+
+    def retire(self, keep_last: int, keep_best: int | None = None,
+               keep: Iterable[str | None] = ()) -> None:
+        """Remove from the store all but the ``keep_last`` newest checkpoints,
+        the best one (or the ``keep_best`` newest marked best) and those in
+        ``keep``, once the upload before it succeeded: a checkpoint's
+        manifest first, then its files."""
+        upload = self._pending[-1] if self._pending else None
+        self._submit(self._retire, upload, keep_last, keep_best, tuple(keep))
+
+    def _retire(self, upload: Future | None, keep_last: int, keep_best: int | None,
+                keep: tuple[str | None, ...]) -> None:
+        if upload is not None and upload.exception() is not None:
+            return  # the newest is not in the store: keep what is there
+        fs, _ = self._filesystem()
+        names = self.committed()
+        kept = set(names[-keep_last:]) | set(keep) | {self.pointed('best')}
+        if keep_best:
+            kept |= set([name for name in names if self._marked_best(name)][-keep_best:])
+        for name in names:
+            if name in kept:
+                continue
+            try:
+                fs.rm_file(self._remote(name, format.MANIFEST_NAME))
+                fs.rm(self._remote(name), recursive=True)
+            except OSError as exc:
+                warnings.warn(f"could not remove old checkpoint {self.url(name)}: {exc}",
+                              UserWarning)
+
+    def wait(self) -> None:
+        """Wait for the upload, the retirement and the staging folder's
+        removals; raise the first that failed."""
+        pending, self._pending = self._pending, []
+        error = None
+        for future in pending:
+            exc = future.exception()
+            if exc is not None and error is None:
+                error = exc
+        self.staging.wait()
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------ reading
+
+    def _read_remote_json(self, *parts: str) -> Any:
+        fs, _ = self._filesystem()
+        return json.loads(fs.cat_file(self._remote(*parts)))
+
+    def pointed(self, which: str) -> str | None:
+        """The name ``latest.json`` or ``best.json`` in the store points at, or None."""
+        try:
+            name = self._read_remote_json(format.pointer_name(which)).get('name')
+        except (OSError, ValueError, AttributeError):
+            return None
+        return name if isinstance(name, str) and format.is_checkpoint_name(name) else None
+
+    def check(self, name: str) -> tuple[dict[str, Any], str | None]:
+        """The manifest of checkpoint ``name`` in the store (``{}`` if it
+        cannot be read) and why the checkpoint is not complete there (None
+        if it is), without downloading it."""
+        fs, _ = self._filesystem()
+        try:
+            sealed, _ = _check_remote(fs, self._remote(name), self.url(name))
+            return json.loads(sealed), None
+        except CorruptCheckpointError as exc:
+            try:
+                saved = self._read_remote_json(name, format.MANIFEST_NAME)
+            except (OSError, ValueError):
+                saved = {}
+            return (saved if isinstance(saved, dict) else {}), str(exc)
+
+    def _marked_best(self, name: str) -> bool:
+        try:
+            return bool(self._read_remote_json(name, format.MANIFEST_NAME).get('best'))
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def committed(self) -> list[str]:
+        """Names of the checkpoints in the store with a manifest, oldest
+        first: in the order of their names, which is the order of their
+        commits since the create-only manifest never lets a name be
+        committed twice."""
+        fs, root = self._filesystem()
+        fs.invalidate_cache()
+        try:
+            manifests = fs.glob(self._remote('*', format.MANIFEST_NAME))
+        except FileNotFoundError:
+            return []
+        names = {path[len(root) + 1:].split('/', 1)[0] for path in manifests}
+        return sorted(name for name in names if format.is_checkpoint_name(name))
+
+    def find_checkpoint(self, which: str | os.PathLike[str] = 'latest') -> Found | None:
+        """The checkpoint ``which`` names (``'latest'``, ``'best'``, a name in
+        the store, or a local path), downloaded into the staging folder and
+        checked there, with its manifest; None if there is none.
+
+        As :meth:`CheckpointFolder.find_checkpoint`: for ``'latest'`` a
+        damaged checkpoint (a file missing or of another size than its
+        manifest lists) is skipped with a warning naming its URL.
+        """
+        which = os.fspath(which)
+        names = self.committed()
+        if which == 'best':
+            best = self.pointed('best')
+            if best is None:
+                if names:
+                    raise CheckpointError(
+                        f"no best checkpoint in {self.dirname}: only checkpoints saved "
+                        "because of `monitor` are best ones")
+                return None
+            return self._fetch(best)
+        if format.is_checkpoint_name(which):
+            if which not in names:
+                raise FileNotFoundError(
+                    f"no checkpoint {which} in {self.dirname}; it has {names or 'none'}")
+            return self._fetch(which)
+        if which != 'latest':
+            return Found(which, format.read(which))
+        latest = self.pointed('latest')
+        problems = []
+        for name in ([latest] if latest in names else []) + [
+                name for name in reversed(names) if name != latest]:
+            try:
+                return self._fetch(name)
+            except CorruptCheckpointError as exc:
+                warnings.warn(f"skipping checkpoint {self.url(name)}: {exc}", UserWarning)
+                problems.append(str(exc))
+        if problems:
+            raise CheckpointError(
+                f"{self.dirname} holds checkpoints but none is complete: " + '; '.join(problems))
+        return None
+
+    def find(self, which: str | os.PathLike[str] = 'latest') -> str | None:
+        found = self.find_checkpoint(which)
+        return None if found is None else found.path
+
+    def _fetch(self, name: str) -> Found:
+        """Checkpoint ``name`` checked in the store, downloaded unless the
+        staging folder has it complete, and checked again there."""
+        fs, _ = self._filesystem()
+        sealed, files = _check_remote(fs, self._remote(name), self.url(name))
+        local = self.staging.path(name)
+        if not (_holds(os.path.join(local, format.MANIFEST_NAME), sealed)
+                and not format.check(local)[1]):
+            # a partial folder renamed into place once complete, as a save
+            _download(fs, self._remote(name), files, sealed, self.staging.start(name))
+            replaced = atomic.replace_folder(self.staging.partial_path(name), local)
+            if replaced is not None:
+                replaced.join()
+        manifest, problems = format.check(local)
+        if problems:
+            raise problems[0].error
+        return Found(local, manifest)
+
+
+def _check_remote(fs: Any, remote: str, url: str) -> tuple[bytes, list[str]]:
+    """The manifest's bytes and the files of the checkpoint at ``remote``
+    (of URL ``url``) in the store; :class:`CorruptCheckpointError` naming
+    the URL at fault."""
+    target = f"{url}/{format.MANIFEST_NAME}"
+    try:
+        sealed = fs.cat_file(f"{remote}/{format.MANIFEST_NAME}")
+        files = json.loads(sealed)['files']
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not an object")
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"{target} is missing") from exc
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{target} is not a manifest: {exc}") from exc
+    fs.invalidate_cache(remote)
+    sizes = {path[len(remote) + 1:]: info['size']
+             for path, info in fs.find(remote, detail=True).items()}
+    for rel, size in files.items():
+        rel = rel.replace(os.sep, '/')
+        if rel not in sizes:
+            raise CorruptCheckpointError(f"{url}/{rel} is missing (listed in {target})")
+        if sizes[rel] != size:
+            raise CorruptCheckpointError(
+                f"{url}/{rel} has {sizes[rel]} bytes, {target} says {size}: "
+                "the file is damaged")
+    return sealed, list(files)
+
+
+def _download(fs: Any, remote: str, files: list[str], sealed: bytes, partial: str) -> None:
+    """Download the checkpoint at ``remote`` into the empty folder
+    ``partial``: its files, then the manifest ``sealed`` last."""
+    targets = [os.path.join(partial, rel) for rel in files]
+    for folder in {os.path.dirname(path) for path in targets}:
+        os.makedirs(folder, exist_ok=True)
+    fs.get([f"{remote}/{rel.replace(os.sep, '/')}" for rel in files], targets)
+    with open(os.path.join(partial, format.MANIFEST_NAME), 'wb') as file:
+        file.write(sealed)

@@ -1,0 +1,272 @@
+"""Checkpoints in an object store: a real S3 API (moto's server, s3fs).
+
+Each test gets a fresh bucket of one local S3 server (tests/conftest.py
+``s3_bucket``) and stages under its own temporary folder; deleting that
+folder is a new machine that has only the bucket.
+"""
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import fsspec
+import pytest
+import torch
+from sklearn.base import clone
+from skorch.callbacks import Callback
+
+from common import make_accelerator, make_data, make_net
+from launcher import launch
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
+from skorch_accel_callbacks.folder import CheckpointFolder
+from skorch_accel_callbacks.remote import RemoteStorage, default_staging
+from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
+from testutil import assert_identical, final_state, read_results
+
+FILES = {'callbacks.json', 'callbacks.safetensors', 'history.json', 'loader_state_0.safetensors',
+         'manifest.json', 'model.safetensors', 'optimizer.bin', 'random_states_0.pkl'}
+
+
+def s3():
+    return fsspec.filesystem('s3')
+
+
+def listing(prefix):
+    fs = s3()
+    fs.invalidate_cache()
+    return sorted(path[len(prefix) + 1:] for path in fs.find(prefix))
+
+
+def fit(dirname, max_epochs, callbacks=(), **cp_kwargs):
+    cp = AccelerateCheckpoint(dirname=dirname, **cp_kwargs)
+    load = AccelerateLoadInitState(cp)
+    torch.manual_seed(0)
+    net = make_net(make_accelerator(), callbacks=[cp, load, *callbacks], max_epochs=max_epochs)
+    net.fit(*make_data(n=160))
+    return net, cp, load
+
+
+def state(net):
+    """What assert_identical compares: parameters, optimizer state, losses."""
+    return {'params': {'module': net.module_.state_dict()},
+            'optimizers': {'optimizer': net.optimizer_.state_dict()},
+            'history': [{key: row.get(key) for key in ('train_loss', 'valid_loss', 'event_lr')}
+                        for row in net.history]}
+
+
+# ---------------------------------------------------------------- opening
+
+def test_open_storage_takes_a_url_as_a_store(tmp_path):
+    storage = open_storage('s3://bucket/run1')
+    assert isinstance(storage, RemoteStorage) and isinstance(storage, CheckpointStorage)
+    assert storage.local_dir == default_staging('s3://bucket/run1')
+    assert storage.url('epoch-0001') == 's3://bucket/run1/epoch-0001'
+    assert storage.path('epoch-0001') == os.path.join(storage.local_dir, 'epoch-0001')
+    staged = open_storage('s3://bucket/run1/', local_dir=tmp_path, storage_options={'anon': True})
+    assert (staged.local_dir, staged.storage_options) == (str(tmp_path), {'anon': True})
+    for local in (tmp_path, str(tmp_path), f'file://{tmp_path}'):
+        folder = open_storage(local)
+        assert isinstance(folder, CheckpointFolder) and folder.dirname == str(tmp_path)
+
+
+# ---------------------------------------------------------------- saving
+
+def test_fit_commits_into_the_bucket(s3_bucket):
+    url = f's3://{s3_bucket}/run'
+    _, cp, _ = fit(url, max_epochs=3)
+    files = listing(f'{s3_bucket}/run')
+    assert files == sorted(['latest.json'] + [f'{name}/{file}' for name in (
+        'epoch-0002', 'epoch-0003') for file in FILES])
+    assert json.loads(s3().cat_file(f'{s3_bucket}/run/latest.json')) == {'name': 'epoch-0003'}
+    manifest = json.loads(s3().cat_file(f'{s3_bucket}/run/epoch-0003/manifest.json'))
+    for rel, size in manifest['files'].items():
+        assert s3().info(f'{s3_bucket}/run/epoch-0003/{rel}')['size'] == size
+    assert cp.committed() == ['epoch-0002', 'epoch-0003']
+    # the staging folder keeps only the newest checkpoint
+    staged = CheckpointFolder(cp.folder_.local_dir).committed()
+    assert staged == ['epoch-0003']
+
+
+def test_resume_from_the_bucket_alone_is_bit_identical(s3_bucket, tmp_path):
+    full, _, _ = fit(str(tmp_path / 'local'), max_epochs=4)
+    url = f's3://{s3_bucket}/run'
+    _, cp, _ = fit(url, max_epochs=2)
+    # a new machine: nothing staged
+    shutil.rmtree(cp.folder_.local_dir)
+    resumed, cp, load = fit(url, max_epochs=4)
+    assert load.loaded_from_ == os.path.join(cp.folder_.local_dir, 'epoch-0002')
+    assert_identical(state(full), state(resumed))
+    assert cp.committed() == ['epoch-0002', 'epoch-0003', 'epoch-0004']
+
+
+def test_retention_removes_from_the_bucket(s3_bucket):
+    _, cp, _ = fit(f's3://{s3_bucket}/run', max_epochs=3, keep_last=1)
+    assert listing(f'{s3_bucket}/run') == sorted(
+        ['latest.json'] + [f'epoch-0003/{file}' for file in FILES])
+
+
+def test_async_save_uploads(s3_bucket):
+    _, cp, _ = fit(f's3://{s3_bucket}/run', max_epochs=2, async_save=True)
+    assert cp.committed() == ['epoch-0001', 'epoch-0002']
+    assert json.loads(s3().cat_file(f'{s3_bucket}/run/latest.json')) == {'name': 'epoch-0002'}
+
+
+class AnotherWriter(Callback):
+    """Commits epoch-0001 into the bucket before this job's save does."""
+
+    def __init__(self, manifest):
+        self.manifest = manifest
+
+    def on_epoch_end(self, net, **kwargs):
+        s3().pipe_file(self.manifest, b'{"written by": "another job"}')
+
+
+def test_a_manifest_committed_by_another_job_is_not_overwritten(s3_bucket):
+    manifest = f'{s3_bucket}/run/epoch-0001/manifest.json'
+    with pytest.raises(CheckpointError, match=f's3://{s3_bucket}/run/epoch-0001') as info:
+        fit(f's3://{s3_bucket}/run', max_epochs=1, callbacks=[AnotherWriter(manifest)])
+    # the create-only write was refused by the server
+    assert isinstance(info.value.__cause__, FileExistsError)
+    assert s3().cat_file(manifest) == b'{"written by": "another job"}'
+    assert not s3().exists(f'{s3_bucket}/run/latest.json')
+
+
+def test_an_epoch_trained_again_replaces_its_checkpoint(s3_bucket):
+    url = f's3://{s3_bucket}/run'
+    _, cp, _ = fit(url, max_epochs=3)
+    # resuming from epoch-0002 trains epoch 3 again
+    cp = AccelerateCheckpoint(dirname=url)
+    torch.manual_seed(0)
+    net = make_net(make_accelerator(), max_epochs=3,
+                   callbacks=[cp, AccelerateLoadInitState(cp, resume='epoch-0002')])
+    net.fit(*make_data(n=160))
+    assert cp.committed() == ['epoch-0002', 'epoch-0003']
+    assert cp.folder_.find_checkpoint('epoch-0003').manifest['epoch'] == 3
+
+
+def test_the_next_job_of_the_machine_finishes_a_cut_upload(s3_bucket):
+    url = f's3://{s3_bucket}/run'
+    fit(url, max_epochs=2)
+    # killed while uploading epoch-0002: its files are there, not its manifest
+    manifest = f'{s3_bucket}/run/epoch-0002/manifest.json'
+    sealed = s3().cat_file(manifest)
+    s3().rm_file(manifest)
+    s3().pipe_file(f'{s3_bucket}/run/latest.json', b'{"name": "epoch-0001"}')
+    _, cp, load = fit(url, max_epochs=3)
+    assert load.loaded_from_.endswith('epoch-0002')
+    assert s3().cat_file(manifest) == sealed
+    assert cp.committed() == ['epoch-0002', 'epoch-0003']
+
+
+def test_a_net_saving_into_a_store_pickles_and_clones(s3_bucket):
+    net, cp, _ = fit(f's3://{s3_bucket}/run', max_epochs=1, async_save=True)
+    assert cp.folder_._fs is not None  # it has talked to the store
+    copy = pickle.loads(pickle.dumps(net))
+    storage = dict(copy.callbacks_)['AccelerateCheckpoint'].folder_
+    assert isinstance(storage, RemoteStorage) and storage._fs is None
+    assert storage.committed() == ['epoch-0001']
+    clone(net)
+
+
+# ---------------------------------------------------------------- errors
+
+def test_a_missing_bucket_is_refused_before_training(s3_bucket):
+    url = f's3://{s3_bucket}-missing/run'
+    with pytest.raises(CheckpointError, match=f'{url}.*bucket {s3_bucket}-missing does not'):
+        fit(url, max_epochs=1)
+
+
+def test_a_missing_protocol_package_is_refused_before_training(s3_bucket):
+    url = 'gs://bucket/run'  # gcsfs is not installed
+    with pytest.raises(CheckpointError, match=f'cannot open {url}.*gcsfs'):
+        fit(url, max_epochs=1)
+
+
+def test_a_damaged_checkpoint_in_the_bucket_is_skipped_for_latest(s3_bucket):
+    url = f's3://{s3_bucket}/run'
+    _, cp, _ = fit(url, max_epochs=3)
+    shutil.rmtree(cp.folder_.local_dir)
+    model = f'{s3_bucket}/run/epoch-0003/model.safetensors'
+    s3().pipe_file(model, s3().cat_file(model)[:-10])
+    with pytest.warns(UserWarning, match=f'skipping checkpoint {url}/epoch-0003: '
+                                         f'{url}/epoch-0003/model.safetensors has'):
+        _, cp, load = fit(url, max_epochs=3)
+    assert load.loaded_from_.endswith('epoch-0002')
+    # epoch 3, trained again, replaced the damaged one
+    assert cp.folder_.find_checkpoint('latest').path.endswith('epoch-0003')
+
+
+# ---------------------------------------------------------------- the command
+
+def command(*args):
+    return subprocess.run([sys.executable, '-m', 'skorch_accel_callbacks', *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.mark.slow
+def test_list_and_verify_a_url(s3_bucket):
+    url = f's3://{s3_bucket}/run'
+    fit(url, max_epochs=2)
+    listed = command('list', url)
+    assert listed.returncode == 0, listed.stderr
+    assert f'{url}: 2 checkpoint(s)' in listed.stdout
+    assert 'latest.json -> epoch-0002' in listed.stdout
+    verified = command('verify', url)
+    assert verified.returncode == 0, verified.stderr
+    assert f'{url}/epoch-0001: intact' in verified.stdout
+    assert f'{url}/epoch-0002: intact' in verified.stdout
+    model = f'{s3_bucket}/run/epoch-0001/model.safetensors'
+    s3().pipe_file(model, b'0' * len(s3().cat_file(model)))
+    damaged = command('verify', url, 'epoch-0001')
+    assert damaged.returncode == 1, damaged.stdout + damaged.stderr
+    assert f'{url}/epoch-0001: DAMAGED' in damaged.stdout
+
+
+# ---------------------------------------------------------------- 2 processes
+
+@pytest.mark.slow
+def test_two_processes_resume_after_a_kill_and_on_a_new_machine(s3_bucket, tmp_path):
+    url = f's3://{s3_bucket}/run'
+
+    def run(tag, expect_ok=True, dirname=url, **env):
+        result = launch('resume.py', dirname, tag, nproc=2,
+                        env=dict(env, RESULT_DIR=str(tmp_path)))
+        if expect_ok:
+            result.check()
+            return read_results(tmp_path, tag, 2)
+        return result
+
+    full = run('full', dirname=str(tmp_path / 'local'))
+    killed = run('killed', expect_ok=False, KILL='batch:4:2')
+    assert killed.returncodes == [-9, -9]
+    # epoch-0003 was committed into the staging folder; its upload may have
+    # been cut short by the kill: the next job on this machine finishes it
+    resumed = run('resumed')
+    assert all(res['loaded_from'] == os.path.join(default_staging(url), 'epoch-0003')
+               for res in resumed)
+    assert_identical(final_state(tmp_path, 'full'), final_state(tmp_path, 'resumed'))
+    assert json.loads(s3().cat_file(f'{s3_bucket}/run/latest.json')) == {'name': 'epoch-0006'}
+    # a new machine: both ranks read what rank 0 downloaded
+    shutil.rmtree(default_staging(url))
+    again = run('again')
+    assert all(res['loaded_from'].endswith('epoch-0006') for res in again)
+    assert [res['num_processes'] for res in full + resumed + again] == [2] * 6
+    assert len({res['digest'] for res in full + again}) == 1
+
+
+@pytest.mark.slow
+def test_a_refused_upload_fails_training_on_every_rank(s3_bucket, run_workers):
+    url = f's3://{s3_bucket}/run'
+    results = run_workers('remote_conflict.py', 'conflict', args=(url,))
+    assert [res['num_processes'] for res in results] == [2, 2]
+    assert results[0]['error'] == 'CheckpointError', results[0]
+    assert f'{url}/epoch-0001/manifest.json exists already' in results[0]['message']
+    assert results[1]['error'] == 'RankError', results[1]
+    assert 'rank 0' in results[1]['message']
+    # refused at the wait before the save of epoch 2: no rank trained on after it
+    assert [res['epochs'] for res in results] == [2, 2]
+    assert json.loads(s3().cat_file(f'{s3_bucket}/run/epoch-0001/manifest.json')) == {
+        'written by': 'another job'}
