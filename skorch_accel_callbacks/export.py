@@ -112,7 +112,7 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
 
 def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of checkpoint ``path`` if its model files and history
-    are intact (listed, of their listed sizes): an incomplete checkpoint, of
+    are intact (listed, of their listed sizes and checksums): an incomplete checkpoint, of
     a missing or damaged optimizer or random-state file, cannot be resumed
     from, but its model can be exported; a warning names the files at fault.
 
@@ -120,39 +120,23 @@ def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
     fault, and :class:`CorruptCheckpointError` naming the model file or
     history that is missing or damaged.
     """
-    try:
-        return format.read(path)
-    except CorruptCheckpointError as exc:
-        incomplete = exc
-    sealed = os.path.join(path, format.MANIFEST_NAME)
-    try:
-        saved = read_json(sealed)
-    except (OSError, ValueError):
-        raise incomplete from None
-    fmt = saved.get('format_version') if isinstance(saved, dict) else None
-    if not (type(fmt) is int and 1 <= fmt <= format.FORMAT_VERSION
-            and isinstance(saved.get('files'), dict)):
-        raise incomplete
+    saved, problems = format.check(path)
+    if saved is None:
+        raise problems[0].error
+    if not problems:
+        return saved
     files = saved['files']
     needed = [file for _, file in compat.model_files(saved, path)]
     needed.append(format.HISTORY_NAME)
-    problems = {}
-    for rel, size in files.items():
-        file = os.path.join(path, rel)
-        if not os.path.isfile(file):
-            problems[rel] = f"{file} is missing (listed in {sealed})"
-        elif os.path.getsize(file) != size:
-            problems[rel] = (f"{file} has {os.path.getsize(file)} bytes, {sealed} says "
-                             f"{size}: the file is damaged")
-        else:
-            continue
-        if rel in needed:
-            raise CorruptCheckpointError(problems[rel])
+    for problem in problems:
+        if problem.file in needed:
+            raise problem.error
+    sealed = os.path.join(path, format.MANIFEST_NAME)
     if format.HISTORY_NAME not in files:
         raise CorruptCheckpointError(
             f"{os.path.join(path, format.HISTORY_NAME)} is not listed in {sealed}")
     warnings.warn(f"{path} is not a complete checkpoint, it cannot be resumed from: "
-                  + '; '.join(problems.values())
+                  + '; '.join(str(problem.error) for problem in problems)
                   + "; its model files and history are intact and are exported", UserWarning)
     return saved
 

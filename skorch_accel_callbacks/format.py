@@ -24,7 +24,10 @@ long the save took (``save_seconds``; with ``async_save`` also
 format change, the net's hyper-parameters that change training
 (``params``) and what the position inside an epoch depends on
 (``epoch_settings``), so that a resume with other values is refused instead
-of silently continuing another training.
+of silently continuing another training; and, also without a format
+change, a checksum of every listed file (``checksums``: relative path ->
+``"xxh3_64:<16 hex digits>"``), which :func:`check` verifies when it is
+there, so that a byte changed inside a file of the same size is found.
 
 This module imports nothing of the package but ``atomic`` and ``errors``:
 every other module may use it.
@@ -33,9 +36,12 @@ every other module may use it.
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, BinaryIO
+
+import xxhash
 
 from skorch_accel_callbacks import atomic
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
@@ -43,6 +49,7 @@ from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointErro
 __all__ = [
     'CALLBACKS_NAME',
     'CALLBACK_TENSORS_NAME',
+    'CHECKSUM_ALGORITHM',
     'FORMAT_VERSION',
     'HISTORY_NAME',
     'LOCK_NAME',
@@ -54,6 +61,8 @@ __all__ = [
     'batches_into_epoch',
     'check',
     'checkpoint_name',
+    'checksum_file',
+    'checksum_stream',
     'epoch_caches_names',
     'is_checkpoint_name',
     'pointer_name',
@@ -146,23 +155,31 @@ def _file_sizes(folder: str) -> dict[str, int]:
 def write(folder: str, content: dict[str, Any], durable: bool,
           started: float | None = None) -> dict[str, Any]:
     """Seal ``folder``: flush its files (if ``durable``), then write the
-    manifest ``content`` listing each file with its size, atomically; return
-    what was written.
+    manifest ``content`` listing each file with its size and checksum,
+    atomically; return what was written.
 
-    ``files``, ``bytes`` (the total size of the files) and ``saved_at``
-    (UTC, ISO 8601) are added; with ``started`` (a :func:`time.monotonic`
-    stamp of when the save began) also ``save_seconds``, measured once the
-    files are flushed. ``content`` must hold JSON values only: anything
-    else raises ``TypeError`` and writes no manifest.
+    ``files``, ``checksums`` (:func:`checksum_file` of each listed file),
+    ``bytes`` (the total size of the files) and ``saved_at`` (UTC, ISO
+    8601) are added; with ``started`` (a :func:`time.monotonic` stamp of
+    when the save began) also ``save_seconds``, measured once the files are
+    flushed. ``content`` must hold JSON values only: anything else raises
+    ``TypeError`` and writes no manifest.
     """
     files = _file_sizes(folder)
     files.pop(MANIFEST_NAME, None)
-    if durable:
-        atomic.fsync_files([os.path.join(folder, rel) for rel in files])
+    paths = {rel: os.path.join(folder, rel) for rel in files}
+    # the files were just written: they are read back from the page cache
+    # while the fsyncs wait for the disk, which costs the save little of
+    # the time that reading them after the fsyncs would
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        flushed = pool.submit(atomic.fsync_files, list(paths.values())) if durable else None
+        checksums = {rel: checksum_file(path) for rel, path in paths.items()}
+        if flushed is not None:
+            flushed.result()
     sealed = dict(content)
     if started is not None:
         sealed['save_seconds'] = round(time.monotonic() - started, 3)
-    sealed.update(files=files, bytes=sum(files.values()),
+    sealed.update(files=files, checksums=checksums, bytes=sum(files.values()),
                   saved_at=datetime.now(UTC).isoformat(timespec='milliseconds'))
     atomic.write_json(os.path.join(folder, MANIFEST_NAME), sealed)
     return sealed
@@ -176,13 +193,19 @@ class Problem:
     error: CheckpointError
     #: the listed file at fault (relative), or None for the folder or manifest
     file: str | None = None
+    #: the file has its listed size, but not its checksum
+    checksum_differs: bool = False
 
 
 def check(folder: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, list[Problem]]:
     """``(manifest, problems)`` of a committed folder: the manifest is None
     when it is missing, unreadable, malformed or of a newer format (one
-    problem says why); else a problem per listed file that is missing or has
-    another size than when it was written, in the manifest's order."""
+    problem says why); else a problem per listed file that is missing, has
+    another size than when it was written or (when the manifest records
+    checksums) another checksum, in the manifest's order.
+
+    Checking the checksums reads every listed file once.
+    """
     path = os.path.join(folder, MANIFEST_NAME)
     if not os.path.isdir(folder):
         return None, [Problem(CorruptCheckpointError(f"{folder} is not a folder"))]
@@ -195,32 +218,61 @@ def check(folder: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, list[P
         error = CorruptCheckpointError(str(exc))
         error.__cause__ = exc
         return None, [Problem(error)]
+    problem = _manifest_problem(path, manifest)
+    if problem is not None:
+        return None, [problem]
+    checksums = manifest.get('checksums') or {}
+    problems = []
+    for rel, size in manifest['files'].items():
+        problem = _file_problem(folder, rel, path, size, checksums.get(rel))
+        if problem is not None:
+            problems.append(problem)
+    return manifest, problems
+
+
+def _manifest_problem(path: str, manifest: Any) -> Problem | None:
+    """Why the JSON of the manifest ``path`` cannot be checked, or None."""
     if not isinstance(manifest, dict):
-        return None, [Problem(CorruptCheckpointError(
-            f"{path} is not a manifest (not a JSON object)"))]
+        return Problem(CorruptCheckpointError(
+            f"{path} is not a manifest (not a JSON object)"))
     fmt = manifest.get('format_version')
     if type(fmt) is not int or fmt < 1:
-        return None, [Problem(CorruptCheckpointError(
-            f"{path} has format_version {fmt!r}, not a format number"))]
+        return Problem(CorruptCheckpointError(
+            f"{path} has format_version {fmt!r}, not a format number"))
     if fmt > FORMAT_VERSION:
-        return None, [Problem(CheckpointError(
+        return Problem(CheckpointError(
             f"{path} has checkpoint format {fmt}; this version of "
-            f"skorch-accel-callbacks reads format {FORMAT_VERSION} and older: upgrade it"))]
-    files = manifest.get('files')
-    if not isinstance(files, dict):
-        return None, [Problem(CorruptCheckpointError(f"{path} lists no files"))]
-    problems = []
-    for rel, size in files.items():
-        file = os.path.join(folder, rel)
-        if not os.path.isfile(file):
-            problems.append(Problem(CorruptCheckpointError(
-                f"{file} is missing (listed in {path})"), rel))
-            continue
-        actual = os.path.getsize(file)
-        if actual != size:
-            problems.append(Problem(CorruptCheckpointError(
-                f"{file} has {actual} bytes, {path} says {size}: the file is damaged"), rel))
-    return manifest, problems
+            f"skorch-accel-callbacks reads format {FORMAT_VERSION} and older: upgrade it"))
+    if not isinstance(manifest.get('files'), dict):
+        return Problem(CorruptCheckpointError(f"{path} lists no files"))
+    checksums = manifest.get('checksums', {})
+    if not (isinstance(checksums, dict)
+            and all(isinstance(value, str) for value in checksums.values())):
+        return Problem(CorruptCheckpointError(
+            f"{path} has checksums {checksums!r}, not a mapping of files to checksums"))
+    return None
+
+
+def _file_problem(folder: str | os.PathLike[str], rel: str, manifest: str, size: Any,
+                  checksum: str | None) -> Problem | None:
+    """What is wrong with the listed file ``rel`` (the manifest says
+    ``size`` and ``checksum``), or None."""
+    file = os.path.join(folder, rel)
+    if not os.path.isfile(file):
+        return Problem(CorruptCheckpointError(f"{file} is missing (listed in {manifest})"), rel)
+    actual = os.path.getsize(file)
+    if actual != size:
+        return Problem(CorruptCheckpointError(
+            f"{file} has {actual} bytes, {manifest} says {size}: the file is damaged"), rel)
+    # a checksum of another algorithm (none is written today) cannot be
+    # checked here: the file counts as one of a manifest without checksums
+    if checksum is not None and checksum.startswith(f'{CHECKSUM_ALGORITHM}:'):
+        actual = checksum_file(file)
+        if actual != checksum:
+            return Problem(CorruptCheckpointError(
+                f"{file} has checksum {actual}, {manifest} says {checksum}: "
+                "the file is damaged"), rel, checksum_differs=True)
+    return None
 
 
 def read(folder: str | os.PathLike[str]) -> dict[str, Any]:
@@ -228,7 +280,8 @@ def read(folder: str | os.PathLike[str]) -> dict[str, Any]:
 
     Raises :class:`CorruptCheckpointError` naming the file at fault when the
     manifest is missing, unreadable or malformed, or when a file it lists
-    is missing or has another size than when it was written; and
+    is missing or has another size or checksum than when it was written
+    (which reads every file); and
     :class:`CheckpointError` if it is of a newer format than this version
     reads (the first problem :func:`check` finds).
     """
@@ -249,3 +302,29 @@ def batches_into_epoch(manifest: dict[str, Any]) -> int:
     """The training batches of the epoch under way when the checkpoint was
     taken: 0 at an epoch's end (and in formats before 3)."""
     return (manifest.get('position') or {}).get('batches', 0)
+
+
+# ---------------------------------------------------------------- checksums
+
+#: the algorithm of the checksums in a manifest (``benchmarks/bench_checksum.py``:
+#: the fastest of those measured; a checksum finds damage, not tampering)
+CHECKSUM_ALGORITHM = 'xxh3_64'
+_CHUNK_BYTES = 1 << 22
+
+
+def checksum_stream(stream: BinaryIO) -> str:
+    """The checksum of what is left to read of the binary ``stream``, as a
+    manifest records it: ``"xxh3_64:<16 hex digits>"``."""
+    hasher = xxhash.xxh3_64()
+    buffer = bytearray(_CHUNK_BYTES)
+    view = memoryview(buffer)
+    # one buffer, filled again: no new bytes object for every chunk
+    while size := stream.readinto(buffer):
+        hasher.update(view[:size])
+    return f'{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}'
+
+
+def checksum_file(path: str | os.PathLike[str]) -> str:
+    """The checksum of the file ``path`` (:func:`checksum_stream`)."""
+    with open(path, 'rb', buffering=0) as stream:
+        return checksum_stream(stream)

@@ -209,10 +209,11 @@ def verify(path: str | os.PathLike) -> Verdict:
     and load without running code (safetensors, JSON,
     ``torch.load(weights_only=True)``); each model file must hold tensors of
     the names and shapes of the manifest's model layout. Files the manifest
-    does not list are noted. Unlike resuming, which checks sizes and the
-    files it loads, this reads every file: it finds a damaged file whose
-    size did not change (a flipped byte in a header), not a flipped bit
-    inside a tensor.
+    does not list are noted. Like resuming, it checks the checksums the
+    manifest records (a flipped bit inside a tensor); a file that also
+    fails to load is reported as such. Unlike resuming, it loads every file:
+    it finds a damaged file whose size did not change (a flipped byte in a
+    header) also in a checkpoint saved without checksums.
     """
     verdict = Verdict(path)
     sealed = os.path.join(path, format.MANIFEST_NAME)
@@ -220,7 +221,7 @@ def verify(path: str | os.PathLike) -> Verdict:
     if saved is None:
         verdict.damaged.append(str(problems[0].error))
         return verdict
-    at_fault = {problem.file: str(problem.error) for problem in problems}
+    at_fault = {problem.file: problem for problem in problems}
     files = saved['files']
     verdict.files = len(files)
     verdict.bytes = checkpoint_bytes(saved) or 0
@@ -234,22 +235,9 @@ def verify(path: str | os.PathLike) -> Verdict:
         verdict.damaged.append(str(exc))
 
     for rel in sorted(files):
-        file = os.path.join(path, rel)
-        if rel in at_fault:
-            verdict.damaged.append(at_fault[rel])
-            continue
-        if kind_of(rel) is None:
-            continue
-        try:
-            shapes = _load(file)
-        except Exception as exc:  # pylint: disable=broad-except
-            verdict.damaged.append(
-                f"{file} does not load without running code: {type(exc).__name__}: {exc}")
-            continue
-        if rel in layouts:
-            problem = _layout_problem(layouts[rel], shapes)
-            if problem:
-                verdict.damaged.append(f"{file}: {problem}")
+        damage = _damage(os.path.join(path, rel), at_fault.get(rel), layouts.get(rel))
+        if damage:
+            verdict.damaged.append(damage)
 
     for root, _, names in os.walk(path):
         for name in names:
@@ -258,6 +246,26 @@ def verify(path: str | os.PathLike) -> Verdict:
                 verdict.notes.append(
                     f"{os.path.join(path, rel)} is not listed in {sealed} (added later?)")
     return verdict
+
+
+def _damage(file: str, problem: format.Problem | None,
+            layout: tuple[str, dict[str, Any] | None] | None) -> str | None:
+    """Why the listed ``file`` is damaged, or None: ``problem`` is what
+    :func:`format.check` found, ``layout`` a model file's in the manifest.
+    A file whose checksum differs is loaded all the same: that it does not
+    load says more."""
+    if problem is not None and not problem.checksum_differs:
+        return str(problem.error)
+    if kind_of(file) is None:
+        return None if problem is None else str(problem.error)
+    try:
+        shapes = _load(file)
+    except Exception as exc:  # pylint: disable=broad-except
+        return f"{file} does not load without running code: {type(exc).__name__}: {exc}"
+    if problem is not None:
+        return str(problem.error)
+    wrong = None if layout is None else _layout_problem(layout, shapes)
+    return wrong and f"{file}: {wrong}"
 
 
 def _layout_problem(
