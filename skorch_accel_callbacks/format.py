@@ -52,6 +52,7 @@ __all__ = [
     'CHECKSUM_ALGORITHM',
     'FORMAT_VERSION',
     'HISTORY_NAME',
+    'LEASE_NAME',
     'LOCK_NAME',
     'MANIFEST_NAME',
     'PARTIAL_SUFFIX',
@@ -86,6 +87,8 @@ PARTIAL_SUFFIX = '.partial'
 POINTERS = ('latest', 'best')
 # the one job that uses a folder of checkpoints holds a lock on this file
 LOCK_NAME = '.lock'
+# the one-job lease of a folder in an object store (lease.ObjectLease)
+LEASE_NAME = '.lease.json'
 # files of the check that save_on_each_node committers do not share a folder
 PROBE_PREFIX = '.node-probe-'
 _CHECKPOINT_NAME_RE = re.compile(r'^epoch-(\d+)(-step-\d+)?$')

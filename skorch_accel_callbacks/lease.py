@@ -30,7 +30,7 @@ from typing import Any, Self
 
 from skorch_accel_callbacks.lock import FolderInUseError
 
-__all__ = ['LeaseLostError', 'ObjectLease']
+__all__ = ['LeaseLostError', 'ObjectLease', 'take_lease']
 
 # a lease that keeps being created and removed under us (by jobs that take
 # and release it) is looked at this often before giving up
@@ -179,7 +179,7 @@ class ObjectLease:
 
     def _new_record(self) -> dict[str, Any]:
         now = datetime.now(UTC)
-        return {'holder': os.getpid(), 'host': socket.gethostname(),
+        return {'holder': os.getpid(), 'host': socket.gethostname(), 'boot_id': _boot_id(),
                 'token': uuid.uuid4().hex, 'acquired_at': now.isoformat(),
                 'expires_at': _expiry(now, self.ttl_seconds), 'ttl_seconds': self.ttl_seconds}
 
@@ -197,7 +197,9 @@ class ObjectLease:
             raise FolderInUseError(
                 f"lease {self.url} of checkpoint folder {self._folder()} cannot be read "
                 f"({previous!r:.200}): if no job uses that folder, remove it") from None
-        if datetime.now(UTC) <= expires_at + timedelta(seconds=self.clock_skew_seconds):
+        gone = _holder_is_gone(previous)
+        live = datetime.now(UTC) <= expires_at + timedelta(seconds=self.clock_skew_seconds)
+        if live and not gone:
             raise FolderInUseError(self._refusal(holder, previous['expires_at']))
         try:
             new_etag = _write(self.fs, self.path, record, IfMatch=etag)
@@ -207,9 +209,10 @@ class ObjectLease:
             raise
         warnings.warn(
             f"took over the lease {self.url} of checkpoint folder {self._folder()} from "
-            f"{holder}, which expired at {previous['expires_at']} without being renewed: "
-            "that job was killed or cut off from the store; if it still runs, it will "
-            "find its lease lost")
+            + (f"{holder}, a process of this machine that is gone (killed)" if gone else
+               f"{holder}, which expired at {previous['expires_at']} without being renewed: "
+               "that job was killed or cut off from the store; if it still runs, it will "
+               "find its lease lost"))
         return new_etag
 
     def _folder(self) -> str:
@@ -383,3 +386,39 @@ def _current_holder(fs: Any, path: str) -> str:
         return f"another job ({_describe(found[0])})"
     except (KeyError, TypeError):
         return 'another job'
+
+
+def _boot_id() -> str | None:
+    """This machine's boot: a process id names a process within one boot."""
+    try:
+        with open('/proc/sys/kernel/random/boot_id') as file:
+            return file.read().strip() or None
+    except OSError:
+        return None
+
+
+def _holder_is_gone(record: dict[str, Any]) -> bool:
+    """Whether the lease's holder was a process of this machine, in this
+    boot, that no longer exists: a killed job restarted on its machine need
+    not wait for the lease to expire. A host name alone could be another
+    machine's, so without the same boot id the lease runs its course."""
+    boot_id, pid = _boot_id(), record.get('holder')
+    if boot_id is None or record.get('boot_id') != boot_id or type(pid) is not int:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # exists, another user's
+    return False
+
+
+def take_lease(fs: Any, path: str) -> ObjectLease | None:
+    """The acquired lease at ``path`` of a store with S3's conditional
+    writes (through s3fs), or None for another store, which a lease cannot
+    guard (the job holds its local staging folder's lock only)."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if not set(protocols) & {'s3', 's3a'}:
+        return None
+    return ObjectLease(fs, path).acquire()

@@ -32,6 +32,7 @@ from typing import Any
 from skorch_accel_callbacks import accelerate_io, atomic, format, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, Found, is_committer
+from skorch_accel_callbacks.lease import take_lease
 
 __all__ = ['RemoteStorage', 'default_staging', 'is_remote']
 
@@ -147,9 +148,8 @@ class RemoteStorage:
         self.staging.claim(net)
         with sync.agree(net, f"finishing an upload into {self.dirname}"):
             if is_committer(net):
-                # the call site of the store's own one-job lock, before this
-                # job changes the store: self._lease = lease.ObjectLease(fs,
-                # self._remote(format.LOCK_NAME)); self._lease.acquire()
+                # one job at a time in the store, before this one changes it
+                self._lease = take_lease(self._filesystem()[0], self._remote(format.LEASE_NAME))
                 self._finish_upload()
         self._claimed = True
 
@@ -239,6 +239,9 @@ class RemoteStorage:
         fs.put([os.path.join(local, rel) for rel in files],
                [self._remote(name, rel) for rel in files])
         target = self.url(name) + '/' + format.MANIFEST_NAME
+        if self._lease is not None:
+            # another job that took over an expired lease owns the store now
+            self._lease.check()
         try:
             fs.pipe_file(self._remote(name, format.MANIFEST_NAME), sealed, mode='create')
         except FileExistsError as exc:

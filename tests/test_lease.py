@@ -97,6 +97,47 @@ def test_an_expired_lease_is_taken_over_with_a_warning(s3):
     assert not fs.exists(path)
 
 
+def live_lease_of(fs, path, pid, boot_id):
+    """A lease renewed a moment ago by ``pid`` of the boot ``boot_id``."""
+    now = datetime.now(UTC)
+    record = {'holder': pid, 'host': socket.gethostname(), 'boot_id': boot_id,
+              'token': 'killed', 'ttl_seconds': 3600.0, 'acquired_at': now.isoformat(),
+              'expires_at': (now + timedelta(hours=1)).isoformat()}
+    fs.pipe_file(path, json.dumps(record).encode())
+    return record
+
+
+def gone_pid():
+    """The pid of a process of this machine that has ended."""
+    child = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
+                           capture_output=True, text=True, check=True)
+    pid = int(child.stdout)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    return pid
+
+
+def test_a_live_lease_of_a_killed_process_of_this_machine_is_taken_at_once(s3):
+    """The same command restarted after a kill does not wait for the expiry."""
+    fs, path = s3
+    boot_id = Path('/proc/sys/kernel/random/boot_id').read_text().strip()
+    pid = gone_pid()
+    live_lease_of(fs, path, pid, boot_id)
+    with pytest.warns(UserWarning, match=f'from pid {pid} on host .*, a process of this '
+                                         'machine that is gone'):
+        lease = ObjectLease(fs, path).acquire()
+    assert stored(fs, path)['token'] != 'killed'
+    lease.release()
+
+
+def test_a_live_lease_of_another_boot_is_refused_whatever_its_pid(s3):
+    fs, path = s3
+    record = live_lease_of(fs, path, gone_pid(), 'another-boot')
+    with pytest.raises(FolderInUseError, match='is in use by another running job'):
+        ObjectLease(fs, path).acquire()
+    assert stored(fs, path) == record
+
+
 def test_a_lease_within_the_clock_skew_is_not_taken_over(s3):
     fs, path = s3
     record = write_dead_lease(fs, path)
