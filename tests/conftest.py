@@ -55,13 +55,11 @@ def pytest_terminal_summary(terminalreporter):
 def s3_endpoint():
     """A local S3 server (moto), the same for the whole session: its URL."""
     # imported here: only the object-store tests need moto
-    from moto.server import ThreadedMotoServer
+    from s3server import start_server
     # the server logs every request
     logging.getLogger('werkzeug').setLevel(logging.WARNING)
-    server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f'http://{host}:{port}'
+    server, endpoint = start_server()
+    yield endpoint
     server.stop()
 
 

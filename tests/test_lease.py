@@ -17,19 +17,12 @@ from pathlib import Path
 import pytest
 
 import skorch_accel_callbacks.lease as lease_module
-from s3server import filesystem, new_bucket, start_server
+from s3server import filesystem, new_bucket
 from skorch_accel_callbacks.lease import LeaseLostError, ObjectLease
 from skorch_accel_callbacks.lock import FolderInUseError
 
 ROOT = Path(__file__).resolve().parents[1]
 ME = f"pid {os.getpid()} on host {socket.gethostname()}"
-
-
-@pytest.fixture(scope='module')
-def s3_endpoint():
-    server, endpoint = start_server()
-    yield endpoint
-    server.stop()
 
 
 @pytest.fixture
