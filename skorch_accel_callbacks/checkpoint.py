@@ -26,7 +26,7 @@ from skorch_accel_callbacks.base import FolderStateCallback
 from skorch_accel_callbacks.errors import TrainingPreempted
 from skorch_accel_callbacks.export import LoadableCheckpoint
 from skorch_accel_callbacks.preemption import StepPoll, check_signals
-from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
+from skorch_accel_callbacks.storage import CheckpointStorage
 from skorch_accel_callbacks.wrapping import own_registries
 from skorch_accel_callbacks.writer import BackgroundWriter, Retention, SaveRequest, SyncWriter
 
@@ -92,6 +92,13 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
       Write checkpoints in a background thread; training waits only while
       the states are copied to host memory. One save is in flight at a time.
 
+    local_dir : str or None (default=None)
+      With a store's URL: the local folder saves are staged in (a node-local
+      disk; None: one under the system's temporary folder).
+
+    storage_options : dict or None (default=None)
+      With a store's URL: fsspec's options for its filesystem (endpoint, profile).
+
     Attributes
     ----------
     folder_ : CheckpointStorage
@@ -125,8 +132,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
       When training begins: models not the net's in the accelerator,
       ``save_on_each_node`` committers sharing one folder; another job's lock.
     OSError
-      A save failed (on that rank; the others raise
-      :class:`~skorch_accel_callbacks.RankError`).
+      A save failed (on that rank; the others raise ``RankError``).
     TrainingPreempted
       On every rank, once the checkpoint at a ``save_on_signal`` is committed.
 
@@ -134,10 +140,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     --------
     >>> from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
     >>> cp = AccelerateCheckpoint(dirname='run1')
-    >>> net = AcceleratedNet(
-    ...     MyModule, accelerator=Accelerator(),
-    ...     callbacks=[cp, AccelerateLoadInitState(cp)],
-    ... )
+    >>> net = AcceleratedNet(MyModule, callbacks=[cp, AccelerateLoadInitState(cp)])
     >>> net.fit(X, y)  # killed? run the same command again to resume
 
     Lose at most 500 steps to a crash, none to a preemption (SLURM's too):
@@ -145,31 +148,21 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     >>> cp = AccelerateCheckpoint(dirname='run1', every_n_steps=500,
     ...                           save_on_signal=('SIGTERM', 'SIGUSR1'))
 
-    Save every epoch for resuming, and keep the best 2 by validation loss:
+    Keep the best 2 by validation loss, in a bucket; load the newest into a plain net:
 
-    >>> cp = AccelerateCheckpoint(dirname='run1', monitor='valid_loss_best', keep_best=2)
-
-    The model of the newest checkpoint, in a net without accelerate:
-
+    >>> cp = AccelerateCheckpoint('s3://bucket/run1', monitor='valid_loss_best', keep_best=2)
     >>> NeuralNetClassifier(MyModule).initialize().load_params(checkpoint=cp)
 
     """
 
     def __init__(
-            self,
-            dirname: str | os.PathLike = 'checkpoints',
-            monitor: Any = None,
-            every_n_epochs: int = 1,
-            keep_last: int = 2,
-            event_name: str | None = 'event_acp',
-            sink: Any = noop,
-            safe_serialization: bool = True,
-            durable: bool = True,
-            async_save: bool = False,
-            every_n_steps: int | None = None,
-            every_n_seconds: float | None = None,
-            save_on_signal: tuple = ('SIGTERM',),
-            keep_best: int | None = None,
+            self, dirname: str | os.PathLike = 'checkpoints', monitor: Any = None,
+            every_n_epochs: int = 1, keep_last: int = 2, event_name: str | None = 'event_acp',
+            sink: Any = noop, safe_serialization: bool = True, durable: bool = True,
+            async_save: bool = False, every_n_steps: int | None = None,
+            every_n_seconds: float | None = None, save_on_signal: tuple = ('SIGTERM',),
+            keep_best: int | None = None, local_dir: str | os.PathLike | None = None,
+            storage_options: dict | None = None,
     ) -> None:
         self.dirname = dirname
         self.monitor = monitor
@@ -184,12 +177,14 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self.every_n_seconds = every_n_seconds
         self.save_on_signal = save_on_signal
         self.keep_best = keep_best
+        self.local_dir = local_dir
+        self.storage_options = storage_options
 
     def initialize(self) -> AccelerateCheckpoint:
         self._check_arguments()
         self.signals_ = check_signals(self.save_on_signal, type(self).__name__)
         self.close()
-        self.folder_: CheckpointStorage = open_storage(self.dirname)
+        self.folder_: CheckpointStorage = self.open_storage()
         writer = SyncWriter(self.folder_, Retention(self.keep_last, self.keep_best),
                             self.durable, self.safe_serialization)
         self.writer_ = BackgroundWriter(writer) if self.async_save else writer
@@ -221,6 +216,11 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"{owner}: {name} must be True or False, got {getattr(self, name)!r}")
+        if not (self.local_dir is None or isinstance(self.local_dir, (str, os.PathLike))):
+            raise ValueError(f"{owner}: local_dir must be a folder or None, got {self.local_dir!r}")
+        if not (self.storage_options is None or isinstance(self.storage_options, dict)):
+            raise ValueError(f"{owner}: storage_options must be a dict or None, "
+                             f"got {self.storage_options!r}")
         if not (self.event_name is None or isinstance(self.event_name, str)):
             raise ValueError(
                 f"{owner}: event_name must be a string or None, got {self.event_name!r}")

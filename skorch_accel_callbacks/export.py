@@ -298,7 +298,13 @@ class LoadableCheckpoint:
 
     def _reader(self) -> CheckpointStorage:
         storage = getattr(self, 'folder_', None)
-        return storage if storage is not None else open_storage(self.dirname)
+        return storage if storage is not None else self.open_storage()
+
+    def open_storage(self) -> CheckpointStorage:
+        """A new storage object of ``dirname`` (with a store's URL, staged in
+        ``local_dir`` and opened with ``storage_options``)."""
+        return open_storage(self.dirname, getattr(self, 'local_dir', None),
+                            getattr(self, 'storage_options', None))
 
     def committed(self) -> list[str]:
         """Names of the committed checkpoint folders, oldest commit first."""

@@ -29,7 +29,7 @@ from skorch_accel_callbacks.base import (
 from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
 from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder
-from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
+from skorch_accel_callbacks.storage import CheckpointStorage
 from skorch_accel_callbacks.wrapping import net_optimizers
 
 __all__ = ['AccelerateLoadInitState']
@@ -190,7 +190,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                     and getattr(callback, 'folder_', None) is not None
                     and os.path.realpath(callback.dirname) == wanted):
                 return callback.folder_
-        return open_storage(self.checkpoint.dirname)
+        return self.checkpoint.open_storage()
 
     # pylint: disable=arguments-differ
     def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:

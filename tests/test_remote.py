@@ -90,6 +90,31 @@ def test_fit_commits_into_the_bucket(s3_bucket):
     assert staged == ['epoch-0003']
 
 
+def test_local_dir_and_storage_options_reach_the_store(s3_bucket, s3_endpoint, tmp_path,
+                                                       monkeypatch):
+    """Without the AWS_ENDPOINT_URL of the environment, the callback's
+    storage_options alone reach the server, and saves stage in local_dir."""
+    monkeypatch.delenv('AWS_ENDPOINT_URL')
+    options = {'client_kwargs': {'endpoint_url': s3_endpoint},
+               'key': 'testing', 'secret': 'testing'}
+    url = f's3://{s3_bucket}/run'
+    _, cp, _ = fit(url, max_epochs=2, local_dir=str(tmp_path / 'staging'),
+                   storage_options=options)
+    assert cp.folder_.local_dir == str(tmp_path / 'staging')
+    assert CheckpointFolder(str(tmp_path / 'staging')).committed() == ['epoch-0002']
+    assert 'epoch-0002/manifest.json' in listing(f'{s3_bucket}/run')
+    resumed, _, load = fit(url, max_epochs=3, local_dir=str(tmp_path / 'other-staging'),
+                           storage_options=options)
+    assert load.loaded_from_ == str(tmp_path / 'other-staging' / 'epoch-0002')
+    assert len(resumed.history) == 3
+
+
+@pytest.mark.parametrize('argument, value', [('local_dir', 3), ('storage_options', 'anon')])
+def test_bad_store_arguments_are_refused_at_initialize(argument, value):
+    with pytest.raises(ValueError, match=f'{argument} must be'):
+        AccelerateCheckpoint(dirname='s3://bucket/run', **{argument: value}).initialize()
+
+
 def test_resume_from_the_bucket_alone_is_bit_identical(s3_bucket, tmp_path):
     full, _, _ = fit(str(tmp_path / 'local'), max_epochs=4)
     url = f's3://{s3_bucket}/run'
