@@ -22,6 +22,7 @@ from common import make_accelerator, make_data, make_net
 from launcher import launch
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder
+from skorch_accel_callbacks.lock import FolderInUseError
 from skorch_accel_callbacks.remote import RemoteStorage, default_staging
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 from testutil import assert_identical, final_state, read_results
@@ -202,6 +203,28 @@ def test_a_missing_bucket_is_refused_before_training(s3_bucket):
     url = f's3://{s3_bucket}-missing/run'
     with pytest.raises(CheckpointError, match=f'{url}.*bucket {s3_bucket}-missing does not'):
         fit(url, max_epochs=1)
+
+
+def test_a_second_job_on_the_url_is_refused_by_the_lease(s3_bucket, tmp_path):
+    """Another machine (its own staging folder) cannot take a store in use:
+    the lease, not the staging lock, refuses it, naming the holder."""
+    url = f's3://{s3_bucket}/run'
+    fit(url, max_epochs=1)
+    holder = make_net(make_accelerator(), max_epochs=1).initialize()
+    first = open_storage(url, local_dir=tmp_path / 'machine-a')
+    first.claim(holder)
+    try:
+        assert 'run/.lease.json' in listing(s3_bucket)
+        with pytest.raises(FolderInUseError, match=f'{url} is in use by another running job '
+                                                   rf'\(pid {os.getpid()} on host'):
+            fit(url, max_epochs=2, local_dir=str(tmp_path / 'machine-b'))
+        # refused before any step: the store holds what the first fit left
+        assert AccelerateCheckpoint(dirname=url).committed() == ['epoch-0001']
+    finally:
+        first.release()
+    assert 'run/.lease.json' not in listing(s3_bucket)
+    resumed, _, _ = fit(url, max_epochs=2, local_dir=str(tmp_path / 'machine-b'))
+    assert len(resumed.history) == 2
 
 
 def test_a_missing_protocol_package_is_refused_before_training(s3_bucket):
