@@ -311,6 +311,7 @@ def test_two_nodes(tmp_path, per_node):
             'random_states_0.pkl', 'random_states_1.pkl']
 
 
+@pytest.mark.slow
 def test_folder_per_node_is_required_with_save_on_each_node(tmp_path):
     """save_on_each_node with one shared folder: two committers would race."""
     result = run(tmp_path, 'clash', nproc=1, nnodes=2, expect_ok=False,

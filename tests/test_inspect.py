@@ -333,6 +333,7 @@ def test_training_under_fsdp_or_deepspeed_fails_naming_it(tmp_path, accelerator,
 
 # ---------------------------------------------------------------- the command
 
+@pytest.mark.slow
 def test_list_shows_each_checkpoint_leftovers_and_the_lock(tmp_path, trained):
     folder = copy_folder(trained['dirname'], tmp_path / 'ck')
     os.mkdir(os.path.join(folder, 'epoch-0004.partial'))
@@ -415,6 +416,7 @@ def test_list_verify_and_the_save_message_say_one_size(trained):
     assert format_bytes(on_disk) != format_bytes(saved['bytes'])
 
 
+@pytest.mark.slow
 def test_verify_intact_then_damaged_names_each_file(tmp_path, trained):
     folder = copy_folder(trained['dirname'], tmp_path / 'ck')
     before = tree(folder)
@@ -469,6 +471,7 @@ def test_verify_and_list_usage_errors_exit_2(tmp_path, trained):
     assert proc.returncode == 2 and 'invalid choice' in proc.stderr
 
 
+@pytest.mark.slow
 def test_export_command_then_load_params(tmp_path, trained):
     out = tmp_path / 'model'
     proc = cli('export', trained['dirname'], 'best', out)
@@ -512,6 +515,7 @@ def test_no_best_checkpoint_is_a_usage_error_for_verify_and_export(tmp_path):
     assert not (tmp_path / 'out').exists()
 
 
+@pytest.mark.slow
 def test_export_into_a_file_names_it_and_exits_2(tmp_path, trained):
     target = tmp_path / 'model.safetensors'
     target.write_bytes(b'mine')
@@ -566,6 +570,7 @@ def test_export_refuses_a_checkpoint_whose_model_file_is_missing(tmp_path, train
     assert not (tmp_path / 'out').exists()
 
 
+@pytest.mark.slow
 def test_help_documents_the_exit_codes():
     proc = cli('--help')
     assert proc.returncode == 0
@@ -587,6 +592,7 @@ def test_console_script_is_declared():
 
 # ---------------------------------------------------------------- 2 processes
 
+@pytest.mark.slow
 def test_checkpoint_of_two_processes_in_every_kind_of_net(tmp_path, run_workers):
     dirname = str(tmp_path / 'ck')
     results = run_workers('inspect_export.py', 'load', nproc=2, args=[dirname])

@@ -190,7 +190,8 @@ def test_resuming_never_changes_max_epochs(tmp_path):
 
 # ---------------------------------------------------------------- a signal at the end
 
-@pytest.mark.parametrize('nproc, who', [(1, 0), pytest.param(2, 1, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize('nproc, who', [(1, 0), (2, 1)])
 def test_a_sigterm_during_the_end_of_training_stops_with_the_last_save(
         run_workers, tmp_path, nproc, who):
     results = run_workers('lifecycle.py', 'sigterm_at_train_end', nproc=nproc,
@@ -206,6 +207,7 @@ def test_a_sigterm_during_the_end_of_training_stops_with_the_last_save(
     assert manifest['finished'] and not manifest['stopped_early']
 
 
+@pytest.mark.slow
 def test_signals_after_a_fit_that_failed_save_and_stop(run_workers, tmp_path):
     # the failed fit's watch stays set; a later fit's must not hand a signal
     # on to it (it took the next for a second one and ended the process)

@@ -4,9 +4,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from skorch_accel_callbacks import inspection, lock
 
 
+@pytest.mark.slow
 def test_locks_held_at_exit_end_without_a_message(tmp_path):
     # two holds of one PrefixLock (two callbacks of one job on one fn_prefix):
     # at exit the lock file is finalized before the second lock's release

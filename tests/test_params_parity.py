@@ -76,6 +76,7 @@ def start_holder(cwd: Path, prefix: str, markers: Path) -> subprocess.Popen:
     return holder
 
 
+@pytest.mark.slow
 def test_jobs_of_other_prefixes_share_a_folder_and_leave_no_lock_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """skorch's run (dirname='', fn_prefix='') and one with another prefix run
