@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PY) examples/resume_demo.py
 
 test: $(STAMP)
-	@echo "make test: about 22 minutes on 2 cores; near the end the last slow launches print nothing for minutes"
+	@echo "make test: about 28 minutes on 2 cores; near the end the last slow launches print nothing for minutes"
 	$(PY) -m pytest -n 2 --dist loadfile --durations=10 tests
 
 test-quick: $(STAMP)
