@@ -181,10 +181,9 @@ class CheckpointFolder:
     def pointed(self, which: str) -> str | None:
         """The name ``latest.json`` or ``best.json`` points at, or None."""
         try:
-            name = atomic.read_json(self._pointer(which)).get('name')
-        except (OSError, ValueError, AttributeError):
+            return format.pointed_name(atomic.read_json(self._pointer(which)))
+        except (OSError, ValueError):
             return None
-        return name if isinstance(name, str) and format.is_checkpoint_name(name) else None
 
     def newest_first(self) -> list[str]:
         """The names of the committed checkpoints, the one ``latest.json``

@@ -66,6 +66,7 @@ __all__ = [
     'checksum_stream',
     'epoch_caches_names',
     'is_checkpoint_name',
+    'pointed_name',
     'pointer_name',
     'position_name',
     'probe_name',
@@ -111,6 +112,12 @@ def is_checkpoint_name(name: str) -> bool:
 def pointer_name(which: str) -> str:
     """The file of the pointer ``which`` (one of :data:`POINTERS`)."""
     return f'{which}.json'
+
+
+def pointed_name(pointer: object) -> str | None:
+    """The checkpoint a pointer's JSON content names, or None if it names none."""
+    name = pointer.get('name') if isinstance(pointer, dict) else None
+    return name if isinstance(name, str) and is_checkpoint_name(name) else None
 
 
 def probe_name(rank: int) -> str:

@@ -36,6 +36,7 @@ from skorch_accel_callbacks.lease import take_lease
 
 __all__ = ['RemoteStorage', 'default_staging', 'is_remote']
 
+
 def is_remote(dirname: str | os.PathLike[str]) -> bool:
     """Whether ``dirname`` is a URL of a store other than the local
     filesystem (``s3://...``; not a path, not ``file://...``)."""
@@ -307,10 +308,9 @@ class RemoteStorage:
     def pointed(self, which: str) -> str | None:
         """The name ``latest.json`` or ``best.json`` in the store points at, or None."""
         try:
-            name = self._read_remote_json(format.pointer_name(which)).get('name')
-        except (OSError, ValueError, AttributeError):
+            return format.pointed_name(self._read_remote_json(format.pointer_name(which)))
+        except (OSError, ValueError):
             return None
-        return name if isinstance(name, str) and format.is_checkpoint_name(name) else None
 
     def check(self, name: str) -> tuple[dict[str, Any], str | None]:
         """The manifest of checkpoint ``name`` in the store (``{}`` if it
