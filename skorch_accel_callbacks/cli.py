@@ -2,9 +2,10 @@
 
 ``list DIR``, ``verify DIR [NAME]`` and ``export DIR [NAME] OUT``: what is
 in a folder of checkpoints, whether its files are intact, and a checkpoint's
-model(s) as files for inference. ``list`` and ``verify`` also take the URL
-of checkpoints in an object store (``s3://bucket/run1``). ``list`` and ``verify`` only read the
-folder; ``export`` only writes into ``OUT``.
+model(s) as files for inference. Each also takes the URL of checkpoints in
+an object store (``s3://bucket/run1``; ``verify`` and ``export`` download
+into a temporary folder). ``list`` and ``verify`` only read the folder;
+``export`` only writes into ``OUT``.
 
 Exit codes, the same for every command: 0 done (``verify``: intact), 1 a
 checkpoint is damaged or cannot be used (``verify`` names each damaged file;
@@ -251,27 +252,43 @@ def _verify(args: argparse.Namespace, out: TextIO) -> int:
 # ---------------------------------------------------------------- export
 
 def _export(args: argparse.Namespace, out: TextIO) -> int:
-    dirname, name = _split(args.dir, args.name)
-    _check_folder(dirname)
-    which = name or 'latest'
-    if which == 'best':
-        # a usage error, not the CheckpointError of a folder without a best one
-        CheckpointFolder(dirname).named(which)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         try:
-            path = exporting.find_exportable(dirname, which)
-            files = exporting.export(path, args.out)
+            if is_remote(args.dir):
+                source, files = _export_remote(args.dir, args.name, args.out)
+            else:
+                source, files = _export_local(args.dir, args.name, args.out)
         finally:
             # export warns again about the checkpoint it was given
             for message in dict.fromkeys(str(warning.message) for warning in caught):
                 print(f"warning: {message}", file=sys.stderr)
-    print(f"exported the model(s) of {path} into {args.out}:", file=out)
+    print(f"exported the model(s) of {source} into {args.out}:", file=out)
     for key, file in files.items():
         print(f"  {file}  ({key})", file=out)
     arguments = ', '.join(f"{key}={file!r}" for key, file in files.items())
     print(f"load them with net.load_params({arguments}, use_safetensors=True)", file=out)
     return OK
+
+
+def _export_local(dirname: str, name: str | None, out_dir: str) -> tuple[str, dict[str, str]]:
+    dirname, name = _split(dirname, name)
+    _check_folder(dirname)
+    which = name or 'latest'
+    if which == 'best':
+        # a usage error, not the CheckpointError of a folder without a best one
+        CheckpointFolder(dirname).named(which)
+    path = exporting.find_exportable(dirname, which)
+    return path, exporting.export(path, out_dir)
+
+
+def _export_remote(url: str, name: str | None, out_dir: str) -> tuple[str, dict[str, str]]:
+    """Export from the store at ``url``: the checkpoint downloaded into a
+    temporary folder, exported, and removed."""
+    with tempfile.TemporaryDirectory(prefix='skorch-accel-export-') as staging:
+        found = exporting.fetch_checkpoint(url, name or 'latest', staging)
+        files = exporting.export(found.path, out_dir)
+    return f"{url.rstrip('/')}/{os.path.basename(found.path)}", files
 
 
 # ---------------------------------------------------------------- main

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import warnings
 from typing import Any
 
@@ -28,10 +29,11 @@ from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointErro
 from skorch_accel_callbacks.folder import CheckpointFolder, Found
 from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name
 from skorch_accel_callbacks.readers import load_without_code, read_naming_fault
+from skorch_accel_callbacks.remote import RemoteStorage, is_remote
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 
 __all__ = ['LoadableCheckpoint', 'checkpoint_files', 'export', 'exported_name', 'f_argument',
-           'find_checkpoint', 'find_exportable']
+           'fetch_checkpoint', 'find_checkpoint', 'find_exportable']
 
 
 def f_argument(module_name: str) -> str:
@@ -92,6 +94,25 @@ def _found(source: str | os.PathLike, which: str | os.PathLike) -> Found:
     found = CheckpointFolder(source).find_checkpoint(which)
     if found is None:
         raise FileNotFoundError(f"no checkpoint in {source}")
+    return found
+
+
+def fetch_checkpoint(url: str, which: str | os.PathLike, local_dir: str | os.PathLike,
+                     storage_options: dict[str, Any] | None = None) -> Found:
+    """Checkpoint ``which`` (``'latest'``, ``'best'`` or a name) of the
+    store at ``url``, downloaded into ``local_dir`` and checked there.
+
+    Raises
+    ------
+    FileNotFoundError
+      The store holds no checkpoint (of that name).
+    CheckpointError, CorruptCheckpointError
+      As :meth:`RemoteStorage.find_checkpoint`: the URL cannot be opened, no
+      checkpoint is the best one, the checkpoint named is damaged.
+    """
+    found = RemoteStorage(url, local_dir, storage_options).find_checkpoint(which)
+    if found is None:
+        raise FileNotFoundError(f"no checkpoint in {url}")
     return found
 
 
@@ -196,6 +217,7 @@ def _load_tensors(file: str) -> dict[str, torch.Tensor]:
 
 def export(
         source: str | os.PathLike, out: str | os.PathLike, which: str | os.PathLike = 'latest',
+        storage_options: dict[str, Any] | None = None,
 ) -> dict[str, str]:
     """Write the model(s) of a checkpoint into ``out`` as safetensors files
     that skorch's ``net.load_params`` reads, in any net: with or without
@@ -214,7 +236,9 @@ def export(
     ----------
     source : str or path-like
       A folder of checkpoints or one checkpoint folder (see
-      :func:`find_checkpoint`).
+      :func:`find_checkpoint`), or the URL of checkpoints in an object store
+      (``s3://bucket/run1``): the checkpoint is downloaded into a temporary
+      folder, checked (every file of it must be intact), exported and removed.
 
     out : str or path-like
       The folder to write into; it is created if needed, and must not be a
@@ -223,6 +247,10 @@ def export(
     which : str (default='latest')
       Which checkpoint of a folder of checkpoints: ``'latest'``,
       ``'best'``, a checkpoint name or a checkpoint folder.
+
+    storage_options : dict or None (default=None)
+      With a URL, the arguments of its fsspec filesystem (as
+      ``AccelerateCheckpoint``'s).
 
     Returns
     -------
@@ -253,12 +281,17 @@ def export(
     {'f_params': 'model/params.safetensors', 'f_history': 'model/history.json'}
     >>> net = NeuralNetClassifier(MyModule).initialize()
     >>> net.load_params(**files, use_safetensors=True)
+    >>> export('s3://bucket/run1', 'model', which='best')
 
     """
     out = os.fspath(out)
     if os.path.lexists(out) and not os.path.isdir(out):
         raise FileExistsError(f"{out} exists and is not a folder: export into a new "
                               "folder, or one an earlier export wrote")
+    if is_remote(source):
+        with tempfile.TemporaryDirectory(prefix='skorch-accel-export-') as staging:
+            found = fetch_checkpoint(os.fspath(source), which, staging, storage_options)
+            return export(found.path, out)
     path, saved = _exported_checkpoint(source, which)
     inside = os.path.relpath(os.path.realpath(out), os.path.realpath(path))
     if not (inside == os.pardir or inside.startswith(os.pardir + os.sep)):
@@ -368,4 +401,9 @@ class LoadableCheckpoint:
         >>> net.load_params(**cp.get_formatted_files(net, which='best'))
 
         """
+        if is_remote(self.dirname):
+            found = self._reader().find_checkpoint(which)
+            if found is None:
+                raise FileNotFoundError(f"no checkpoint in {self.dirname}")
+            return checkpoint_files(found.path)
         return checkpoint_files(find_checkpoint(self.dirname, which))

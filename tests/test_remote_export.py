@@ -1,0 +1,89 @@
+"""Reading checkpoints from an object store for inference: ``export`` (the
+function and the command) and ``load_params(checkpoint=...)`` with a URL,
+against the local S3 server (tests/conftest.py ``s3_bucket``)."""
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from skorch import NeuralNetClassifier
+
+from common import MLP, make_accelerator, make_data, make_net
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, cli
+from skorch_accel_callbacks.export import export
+from skorch_accel_callbacks.remote import default_staging
+
+pytestmark = pytest.mark.slow
+
+X, y = make_data(n=160)
+
+
+@pytest.fixture
+def trained(s3_bucket):
+    """A net trained 3 epochs into ``s3://<bucket>/run``, its staging
+    folder deleted (the checkpoints are in the bucket only), the URL and the
+    predictions of each epoch's model."""
+    url = f's3://{s3_bucket}/run'
+    probas = []
+
+    cp = AccelerateCheckpoint(dirname=url, keep_last=3)
+    torch.manual_seed(0)
+    net = make_net(make_accelerator(), callbacks=[cp, AccelerateLoadInitState(cp)],
+                   max_epochs=3)
+    net.initialize()
+    for _ in range(3):
+        net.partial_fit(X, y, epochs=1)
+        probas.append(net.predict_proba(X))
+    shutil.rmtree(default_staging(url))
+    return url, probas
+
+
+def plain_net():
+    return NeuralNetClassifier(MLP, train_split=None).initialize()
+
+
+def predictions(files):
+    net = plain_net()
+    net.load_params(**files, use_safetensors=True)
+    return net.predict_proba(X)
+
+
+def leftovers():
+    """The export folders left under the temporary folder."""
+    return sorted(path.name for path in Path(tempfile.gettempdir()).glob('skorch-accel-export-*'))
+
+
+def test_export_and_load_params_from_a_url(trained, tmp_path, monkeypatch, s3_endpoint):
+    url, probas = trained
+    files = export(url, tmp_path / 'newest')
+    assert set(files) == {'f_params', 'f_history'}
+    np.testing.assert_allclose(predictions(files), probas[-1], rtol=0, atol=0)
+    assert leftovers() == []
+
+    net = plain_net()
+    net.load_params(checkpoint=AccelerateCheckpoint(dirname=url))
+    np.testing.assert_allclose(net.predict_proba(X), probas[-1], rtol=0, atol=0)
+    assert len(net.history) == 3
+
+    # only the options reach the server: without them the default endpoint
+    # (real AWS) would be asked, which this machine cannot reach
+    monkeypatch.delenv('AWS_ENDPOINT_URL')
+    files = export(url, tmp_path / 'second', which='epoch-0002', storage_options={
+        'key': 'testing', 'secret': 'testing', 'client_kwargs': {'endpoint_url': s3_endpoint}})
+    np.testing.assert_allclose(predictions(files), probas[1], rtol=0, atol=0)
+
+
+def test_the_export_command_on_a_url(trained, tmp_path, capsys):
+    url, probas = trained
+    out = tmp_path / 'out'
+    assert cli.main(['export', url, 'epoch-0001', str(out)]) == cli.OK
+    printed = capsys.readouterr().out
+    assert f'exported the model(s) of {url}/epoch-0001 into {out}' in printed
+    np.testing.assert_allclose(predictions({'f_params': out / 'params.safetensors'}),
+                               probas[0], rtol=0, atol=0)
+    assert cli.main(['export', url, 'epoch-0009', str(out)]) == cli.USAGE
+    assert f'no checkpoint epoch-0009 in {url}' in capsys.readouterr().err
+    assert leftovers() == []
