@@ -86,7 +86,8 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
       ``initialize``).
 
     loaded_from_ : str or None
-      Path of the checkpoint the net was resumed from.
+      Path of the checkpoint the net was resumed from; its URL when it was
+      read from an object store (through its staged copy).
 
     resumed_ : Resumed or None
       What the net was resumed from (path, name, optimizer steps, batches
@@ -217,7 +218,8 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             reseed=self.on_world_size_change == 'reseed'), X, y)
         net.history = restored.history
         self._pending, self._inside = restored, restored.inside
-        path = self.loaded_from_ = restored.path
+        path = restored.path
+        self.loaded_from_ = self._named(path)
         done = restored.epochs_done
         self._last_epoch = done if restored.stopped_early else max(done, net.max_epochs)
         self.resumed_ = Resumed(
@@ -228,11 +230,17 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             last_epoch=self._last_epoch)
         say(net, self.sink, self._resumed_message(restored))
 
+    def _named(self, path: str) -> str:
+        """How the checkpoint read at ``path`` is named: its URL if it is
+        a store's staged copy, else its path."""
+        name = CheckpointFolder.name_of(path)
+        return self._storage.url(name) if self._storage.path(name) == path else path
+
     def _resumed_message(self, restored: restore.Restored) -> str:
         done, left = restored.epochs_done, self._last_epoch - restored.epochs_done
         where = (f"at batch {restored.inside.batches} of epoch {done + 1}" if restored.inside
                  else f"after epoch {done}")
-        source = restored.path
+        source = self.loaded_from_
         if restored.reseeded_from is not None:
             source += (f" (written by {processes(restored.reseeded_from)}, "
                        "random states derived anew)")

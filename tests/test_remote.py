@@ -106,7 +106,8 @@ def test_local_dir_and_storage_options_reach_the_store(s3_bucket, s3_endpoint, t
     assert 'epoch-0002/manifest.json' in listing(f'{s3_bucket}/run')
     resumed, _, load = fit(url, max_epochs=3, local_dir=str(tmp_path / 'other-staging'),
                            storage_options=options)
-    assert load.loaded_from_ == str(tmp_path / 'other-staging' / 'epoch-0002')
+    assert load.loaded_from_ == f'{url}/epoch-0002'
+    assert CheckpointFolder(str(tmp_path / 'other-staging')).committed() == ['epoch-0003']
     assert len(resumed.history) == 3
 
 
@@ -123,7 +124,8 @@ def test_resume_from_the_bucket_alone_is_bit_identical(s3_bucket, tmp_path):
     # a new machine: nothing staged
     shutil.rmtree(cp.folder_.local_dir)
     resumed, cp, load = fit(url, max_epochs=4)
-    assert load.loaded_from_ == os.path.join(cp.folder_.local_dir, 'epoch-0002')
+    assert load.loaded_from_ == f'{url}/epoch-0002'
+    assert load.resumed_.path == os.path.join(cp.folder_.local_dir, 'epoch-0002')
     assert_identical(state(full), state(resumed))
     assert cp.committed() == ['epoch-0002', 'epoch-0003', 'epoch-0004']
 
@@ -279,12 +281,12 @@ def test_list_and_verify_a_url(s3_bucket):
 def test_two_processes_resume_after_a_kill_and_on_a_new_machine(s3_bucket, tmp_path):
     url = f's3://{s3_bucket}/run'
 
-    def run(tag, expect_ok=True, dirname=url, **env):
-        result = launch('resume.py', dirname, tag, nproc=2,
+    def run(tag, expect_ok=True, dirname=url, nproc=2, **env):
+        result = launch('resume.py', dirname, tag, nproc=nproc,
                         env=dict(env, RESULT_DIR=str(tmp_path)))
         if expect_ok:
             result.check()
-            return read_results(tmp_path, tag, 2)
+            return read_results(tmp_path, tag, nproc)
         return result
 
     full = run('full', dirname=str(tmp_path / 'local'))
@@ -293,8 +295,7 @@ def test_two_processes_resume_after_a_kill_and_on_a_new_machine(s3_bucket, tmp_p
     # epoch-0003 was committed into the staging folder; its upload may have
     # been cut short by the kill: the next job on this machine finishes it
     resumed = run('resumed')
-    assert all(res['loaded_from'] == os.path.join(default_staging(url), 'epoch-0003')
-               for res in resumed)
+    assert all(res['loaded_from'] == f'{url}/epoch-0003' for res in resumed)
     assert_identical(final_state(tmp_path, 'full'), final_state(tmp_path, 'resumed'))
     assert json.loads(s3().cat_file(f'{s3_bucket}/run/latest.json')) == {'name': 'epoch-0006'}
     # a new machine: both ranks read what rank 0 downloaded
@@ -303,6 +304,13 @@ def test_two_processes_resume_after_a_kill_and_on_a_new_machine(s3_bucket, tmp_p
     assert all(res['loaded_from'].endswith('epoch-0006') for res in again)
     assert [res['num_processes'] for res in full + resumed + again] == [2] * 6
     assert len({res['digest'] for res in full + again}) == 1
+    # one process on another new machine: the random states derived anew
+    shutil.rmtree(default_staging(url))
+    (alone,) = run('alone', nproc=1, MAX_EPOCHS='7',
+                   LOAD_OPTIONS=json.dumps({'on_world_size_change': 'reseed'}))
+    assert alone['num_processes'] == 1
+    assert alone['loaded_from'] == f'{url}/epoch-0006'
+    assert alone['history'][:6] == again[0]['history'] and len(alone['history']) == 7
 
 
 @pytest.mark.slow
