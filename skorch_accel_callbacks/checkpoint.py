@@ -125,9 +125,9 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     TypeError, ValueError
       At ``initialize``: an argument of the wrong type or range. When
       training begins: a net without an accelerator, or one with
-      ``automatic_checkpoint_naming`` or an FSDP, DeepSpeed, Megatron-LM or
-      XLA back-end. When the first epoch begins: ``every_n_steps`` or
-      ``every_n_seconds`` with an ``IterableDataset``.
+      ``automatic_checkpoint_naming``, an FSDP1, DeepSpeed, Megatron-LM or XLA
+      back-end, or FSDP2 with ``async_save``. When the first epoch begins:
+      ``every_n_steps`` or ``every_n_seconds`` with an ``IterableDataset``.
     CheckpointError, FolderInUseError
       When training begins: models not the net's in the accelerator,
       ``save_on_each_node`` committers sharing one folder; another job's lock.
@@ -388,8 +388,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     def _check_net(self, net: Any) -> None:
         # the back-end before the model layout, which would blame the
         # modules of a back-end that shards or wraps them itself
-        accelerate_io.check_checkpointable(
-            net, type(self).__name__ + ('(async_save=True)' if self.async_save else ''))
+        accelerate_io.check_checkpointable(net, type(self).__name__, self.async_save)
         with own_registries(net):
             compat.model_layout(net)
 
