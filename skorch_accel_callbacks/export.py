@@ -22,12 +22,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from skorch_accel_callbacks import compat, format
+from skorch_accel_callbacks import compat, consolidate, format
 from skorch_accel_callbacks.atomic import atomic_path, read_json
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, Found
 from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name
-from skorch_accel_callbacks.readers import load_without_code, read_naming_fault
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 
 __all__ = ['LoadableCheckpoint', 'checkpoint_files', 'export', 'exported_name', 'f_argument',
@@ -185,8 +184,9 @@ def _is_one_checkpoint(source: str | os.PathLike) -> bool:
 
 
 def _load_tensors(file: str) -> dict[str, torch.Tensor]:
-    """A state dict from a model file, without running code from it."""
-    state = read_naming_fault([file], lambda: load_without_code(file))
+    """A state dict from a model file or sharded model folder, without
+    running code from it."""
+    state = consolidate.read_model(file)
     if not (isinstance(state, dict)
             and all(isinstance(value, torch.Tensor) for value in state.values())):
         raise CorruptCheckpointError(f"{file} holds no state dict of tensors")
@@ -324,7 +324,7 @@ class LoadableCheckpoint:
     @property
     def f_history_(self) -> str:
         """Path of the history of the newest complete checkpoint."""
-        return self.get_formatted_files(None)['f_history']
+        return checkpoint_files(find_checkpoint(self.dirname))['f_history']
 
     def get_formatted_files(self, net: Any, which: str = 'latest') -> dict[str, str]:
         """The files of a checkpoint as arguments of skorch's ``load_params``.
@@ -335,6 +335,12 @@ class LoadableCheckpoint:
         optimizer nor the rest of the training state: resuming is
         :class:`AccelerateLoadInitState`'s). With a torch older than 2.13,
         pass ``use_safetensors=True`` to ``load_params``.
+
+        A model that FSDP2 saved sharded is merged in this process
+        (:mod:`~skorch_accel_callbacks.consolidate`) and comes as an
+        in-memory file of torch's format: load it without
+        ``use_safetensors=True``, in one process (in a job of several,
+        :func:`export` it first and load the exported files).
 
         Parameters
         ----------
@@ -360,6 +366,8 @@ class LoadableCheckpoint:
           checkpoint is of a newer format.
         CorruptCheckpointError
           The checkpoint chosen is damaged (the message names the file).
+        RuntimeError
+          A model is sharded and this process is one of a job of several.
 
         Examples
         --------
@@ -368,4 +376,5 @@ class LoadableCheckpoint:
         >>> net.load_params(**cp.get_formatted_files(net, which='best'))
 
         """
-        return checkpoint_files(find_checkpoint(self.dirname, which))
+        files = checkpoint_files(find_checkpoint(self.dirname, which))
+        return {key: consolidate.loadable(file) for key, file in files.items()}

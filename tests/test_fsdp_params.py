@@ -1,0 +1,143 @@
+"""FSDP2 and a net's parameters: a sharded model read in one process
+(:mod:`skorch_accel_callbacks.consolidate`), and, in a 2-process FSDP2
+job, ``ParamsCheckpoint``/``save_params`` writing the full parameters,
+``load_params(checkpoint=...)`` and ``export`` of its sharded checkpoint
+into plain nets, and the clear errors where a plain module is needed.
+
+The sharded folders of the quick tests are written in this process by
+``torch.distributed.checkpoint.save(no_dist=True)``, as accelerate's
+``save_state`` writes each model under FSDP2 (``{'model': state_dict}``);
+``single_file_per_rank=False`` gives each tensor a piece file of its own.
+"""
+
+import io
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from common import MLP
+from skorch_accel_callbacks import CorruptCheckpointError
+from skorch_accel_callbacks.consolidate import check_sharded_model, loadable, read_model
+
+
+def plain_state(seed=0):
+    torch.manual_seed(seed)
+    return MLP().state_dict()
+
+
+def save_sharded(folder, state):
+    with warnings.catch_warnings():
+        # that it saves in this one process, as asked
+        warnings.simplefilter('ignore', UserWarning)
+        dcp.save({'model': state}, no_dist=True,
+                 storage_writer=dcp.FileSystemWriter(folder, single_file_per_rank=False))
+    return str(folder)
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """A sharded model of MLP's parameters, one piece file per tensor: (folder, state)."""
+    state = plain_state()
+    return save_sharded(tmp_path / 'pytorch_model_fsdp_0', state), state
+
+
+def pieces(folder):
+    return sorted(name for name in os.listdir(folder) if name.endswith('.distcp'))
+
+
+def test_a_sharded_model_reads_as_its_plain_state_dict(sharded):
+    folder, state = sharded
+    assert len(pieces(folder)) == len(state) > 1
+    read = read_model(folder)
+    assert read.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(read[key], value), key
+    # what load_params takes: an in-memory file of torch's format
+    net_file = loadable(folder)
+    assert isinstance(net_file, io.BytesIO)
+    loaded = torch.load(net_file, weights_only=True)
+    module = MLP()
+    module.load_state_dict(loaded)
+    for key, value in state.items():
+        assert torch.equal(module.state_dict()[key], value), key
+
+
+def test_a_model_file_is_read_as_it_is(tmp_path):
+    # FULL_STATE_DICT: accelerate writes one torch file
+    state = plain_state()
+    path = str(tmp_path / 'pytorch_model_fsdp.bin')
+    torch.save(state, path)
+    assert loadable(path) == path
+    read = read_model(path)
+    assert all(torch.equal(read[key], value) for key, value in state.items())
+
+
+def test_a_missing_piece_is_named(sharded):
+    folder, _ = sharded
+    missing = os.path.join(folder, pieces(folder)[1])
+    os.remove(missing)
+    with pytest.raises(CorruptCheckpointError, match=rf"^{missing} is missing: "
+                       rf"{folder}/\.metadata lists it$"):
+        read_model(folder)
+
+
+def test_a_piece_cut_short_is_named(sharded):
+    folder, _ = sharded
+    cut = os.path.join(folder, pieces(folder)[0])
+    size = os.path.getsize(cut)
+    with open(cut, 'r+b') as f:
+        f.truncate(size - 1)
+    with pytest.raises(CorruptCheckpointError, match=rf"^{cut} is cut short: {size - 1} bytes"):
+        read_model(folder)
+
+
+def test_damaged_or_missing_metadata_is_named(sharded):
+    folder, _ = sharded
+    metadata = os.path.join(folder, '.metadata')
+    with open(metadata, 'r+b') as f:
+        f.truncate(os.path.getsize(metadata) // 2)
+    with pytest.raises(CorruptCheckpointError, match=rf"^{metadata} cannot be loaded: "):
+        read_model(folder)
+    os.remove(metadata)
+    with pytest.raises(CorruptCheckpointError, match=rf"^{metadata} is missing: "
+                       r".* is not a sharded model"):
+        read_model(folder)
+
+
+class _Payload:
+    """Unpickled, creates the folder ``path``: proof that code ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.makedirs, (self.path,)
+
+
+def test_metadata_that_would_run_code_is_refused(sharded, tmp_path):
+    folder, _ = sharded
+    metadata = os.path.join(folder, '.metadata')
+    ran = tmp_path / 'code-ran'
+    with open(metadata, 'wb') as f:
+        pickle.dump(_Payload(str(ran)), f)
+    # the payload works: a plain unpickling (what the library does) runs it
+    with open(metadata, 'rb') as f:
+        pickle.load(f)
+    assert ran.is_dir()
+    ran.rmdir()
+    with pytest.raises(CorruptCheckpointError, match=rf"^{metadata} cannot be loaded: "
+                       r"UnpicklingError: os\.makedirs is not part of"):
+        read_model(folder)
+    assert not ran.exists()
+
+
+def test_an_entry_other_than_a_tensor_is_refused(tmp_path):
+    # the library reads it with torch.load(weights_only=False)
+    folder = save_sharded(tmp_path / 'model', dict(plain_state(), note=[1, 2]))
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"\.metadata: 'model\.note' is not a tensor"):
+        check_sharded_model(folder)
