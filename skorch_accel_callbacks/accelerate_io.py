@@ -46,6 +46,7 @@ __all__ = [
     'check_plain_state',
     'dataloaders',
     'gradients_applied',
+    'is_fsdp2',
     'leave_loader',
     'load_state',
     'model_file',
@@ -198,6 +199,11 @@ def accelerator_of_this_process(settings: Mapping[str, Any]) -> Accelerator:
         settings['mixed_precision'] = 'no'
         return Accelerator(**settings)
 
+
+
+def is_fsdp2(accelerator: Accelerator) -> bool:
+    """Whether the accelerator shards its model with FSDP2 (``fully_shard``)."""
+    return accelerator.distributed_type == DistributedType.FSDP and bool(accelerator.is_fsdp2)
 
 
 def save_on_each_node(accelerator: Accelerator) -> bool:

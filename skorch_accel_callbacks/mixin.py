@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Self
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from skorch.callbacks import LRScheduler
 from skorch.hf import AccelerateMixin
 
 from skorch_accel_callbacks import accelerate_io, sync
@@ -108,6 +109,15 @@ class AccelerateFixesMixin:
       are moved to the device but not prepared: DDP refuses modules without
       trainable parameters ("DistributedDataParallel is not needed when a
       module doesn't have any parameter that requires a gradient").
+    - Under FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``) the
+      module and its optimizer are prepared in one call, as
+      ``fully_shard`` needs (skorch prepared them one at a time, which
+      accelerate refuses); a criterion without trainable parameters is
+      placed, not prepared. The net must have one module and one optimizer
+      (anything else is refused at ``initialize``). Unwrapping after
+      training leaves the module sharded (``fully_shard`` changed the
+      module itself), so ``partial_fit`` goes on training it. ``predict``
+      must run on every process: the forward gathers the parameters.
     - ``accelerator._dataloaders`` keeps at most the latest training and the
       latest evaluation loader of the net, instead of growing by two per fit
       and one per predict and holding every data set alive.
@@ -137,7 +147,8 @@ class AccelerateFixesMixin:
     Examples
     --------
     >>> from skorch import NeuralNetClassifier
-    >>> from skorch.hf import AccelerateMixin
+    >>> from skorch.callbacks import LRScheduler
+from skorch.hf import AccelerateMixin
     >>> from skorch_accel_callbacks import AccelerateFixesMixin
     >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
     ...     pass
@@ -182,17 +193,53 @@ class AccelerateFixesMixin:
     def _initialize_accelerator(self) -> Self:
         if self._wrapped_with_accelerator:
             return self
-        all_criteria = self._criteria
-        self._criteria = [
-            name for name in all_criteria
-            if self._place_or_keep_criterion(getattr(self, name + '_'))
-        ]
-        try:
-            super()._initialize_accelerator()
-        finally:
-            self._criteria = all_criteria
+        if accelerate_io.is_fsdp2(self.accelerator):
+            self._prepare_for_fsdp2()
+        else:
+            all_criteria = self._criteria
+            self._criteria = [
+                name for name in all_criteria
+                if self._place_or_keep_criterion(getattr(self, name + '_'))
+            ]
+            try:
+                super()._initialize_accelerator()
+            finally:
+                self._criteria = all_criteria
         self._prune_accelerator_registries()
         return self
+
+    def _prepare_for_fsdp2(self) -> None:
+        """Prepare the one module and its optimizer in one call, as FSDP2
+        needs (``fully_shard`` replaces the parameters the optimizer holds);
+        skorch prepares them one at a time, which accelerate refuses."""
+        modules = [name for name in self._modules
+                   if isinstance(getattr(self, name + '_'), torch.nn.Module)]
+        optimizers = [name for name in self._optimizers
+                      if isinstance(getattr(self, name + '_'), torch.optim.Optimizer)]
+        trained_criteria = [name for name in self._criteria
+                            if self._place_or_keep_criterion(getattr(self, name + '_'))]
+        if len(modules) != 1 or len(optimizers) != 1 or trained_criteria:
+            raise ValueError(
+                "under FSDP2 the net must have exactly one module with trainable "
+                "parameters and one optimizer (accelerate shards one model per "
+                f"Accelerator.prepare); this net has the modules {modules}, the "
+                f"optimizers {optimizers} and the criteria with trainable parameters "
+                f"{trained_criteria}")
+        [module], [optimizer] = modules, optimizers
+        prepared = self.accelerator.prepare(
+            getattr(self, module + '_'), getattr(self, optimizer + '_'))
+        setattr(self, module + '_', prepared[0])
+        setattr(self, optimizer + '_', prepared[1])
+        for _, callback in self.callbacks_:
+            if isinstance(callback, LRScheduler):
+                callback.policy_ = self.accelerator.prepare(callback.policy_)
+        self._wrapped_with_accelerator = True
+
+    def _unwrap_accelerator(self) -> None:
+        # fully_shard turns the module itself into the sharded one: nothing
+        # wraps it, and preparing it again would shard it once more
+        if not accelerate_io.is_fsdp2(self.accelerator):
+            super()._unwrap_accelerator()
 
     def _place_or_keep_criterion(self, criterion: Any) -> bool:
         """Return whether ``criterion`` is to be prepared; if not, place it."""
