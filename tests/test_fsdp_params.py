@@ -13,13 +13,17 @@ The sharded folders of the quick tests are written in this process by
 import io
 import os
 import pickle
+import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from skorch import NeuralNetClassifier
 
-from common import MLP
+from common import MLP, make_data
 from skorch_accel_callbacks import CorruptCheckpointError
 from skorch_accel_callbacks.consolidate import check_sharded_model, loadable, read_model
 
@@ -141,3 +145,65 @@ def test_an_entry_other_than_a_tensor_is_refused(tmp_path):
     with pytest.raises(CorruptCheckpointError,
                        match=r"\.metadata: 'model\.note' is not a tensor"):
         check_sharded_model(folder)
+
+
+# ---------------------------------------------------------------- 2 processes
+
+def plain_net():
+    # the batch size of the trained net: the same batches, the same floats
+    return NeuralNetClassifier(MLP, batch_size=32).initialize()
+
+
+def assert_predicts(net, expected):
+    np.testing.assert_array_equal(net.predict_proba(make_data(n=160)[0]), expected)
+
+
+SHARDED = r"net\.module_ is sharded by FSDP2 \(each rank holds a shard of its parameters\): "
+REFUSED = {
+    'f_optimizer': r"^ParamsCheckpoint: f_optimizer='optimizer\.pt' needs the optimizer state "
+                   rf"of a plain module, and {SHARDED}set f_optimizer=None; AccelerateCheckpoint",
+    'f_pickle': r"^ParamsCheckpoint: f_pickle='net\.pkl' needs a plain module to pickle, "
+                rf"and {SHARDED}set f_pickle=None",
+    'load_best': r"^ParamsCheckpoint: load_best=True needs a plain module to load into, "
+                 rf"and {SHARDED}set load_best=False",
+    'load_init': rf"^LoadInitParams needs a plain module to load into, and {SHARDED}resume "
+                 "with AccelerateCheckpoint and AccelerateLoadInitState$",
+}
+
+
+@pytest.mark.slow
+def test_what_a_fsdp2_job_saves_loads_into_plain_nets(tmp_path, run_workers):
+    """One FSDP2 launch; then, in this one process without a process group,
+    each file it saved loads into a plain net that predicts as the trained
+    net did on every rank."""
+    results = run_workers('fsdp_params.py', 'params', nproc=2, timeout=240,
+                          env={'COLLECTIVE_TIMEOUT': '30'}, args=[str(tmp_path)])
+    assert [result['num_processes'] for result in results] == [2, 2]
+    expected = np.array(results[0]['proba'], dtype=np.float32)
+    for result in results:
+        np.testing.assert_array_equal(np.array(result['proba'], dtype=np.float32), expected)
+        # unwrapped leaves the module sharded
+        assert result['unwrapped'] == {'type': 'FSDPMLP', 'dtensors': True}
+        assert result['refused'].keys() == REFUSED.keys()
+        for key, pattern in REFUSED.items():
+            assert re.search(pattern, result['refused'][key]), (key, result['refused'][key])
+    assert not dist.is_initialized()
+
+    # the full parameters, written on the main process
+    params = tmp_path / 'params'
+    for f_params, kwargs in [(params / 'params.pt', {}),
+                             (params / 'train_end_params.pt', {'use_safetensors': True}),
+                             (tmp_path / 'direct.pt', {})]:
+        net = plain_net()
+        net.load_params(f_params=f_params, **kwargs)
+        assert_predicts(net, expected)
+
+    # accelerate's sharded save of the model, merged in this process
+    sharded = tmp_path / 'state' / 'pytorch_model_fsdp_0'
+    assert pieces(sharded) == ['__0_0.distcp', '__1_0.distcp']
+    net = plain_net()
+    net.module_.load_state_dict(read_model(sharded))
+    assert_predicts(net, expected)
+    os.remove(sharded / '__1_0.distcp')
+    with pytest.raises(CorruptCheckpointError, match=rf"^{sharded}/__1_0\.distcp is missing"):
+        read_model(sharded)
