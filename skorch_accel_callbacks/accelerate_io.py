@@ -73,6 +73,19 @@ _NOT_PLAIN = {
     DistributedType.MEGATRON_LM: 'MegatronLMPlugin',
     DistributedType.XLA: 'TPU',
 }
+# why each is refused (measured with accelerate 1.15, torch 2.13)
+_WHY_NOT = {
+    DistributedType.FSDP: (
+        " other than FSDP2 (fsdp_version=1, or no plugin): its full state dict "
+        "(gathered with offload_to_cpu=True) crashed rank 0 on CPU, a sharded load "
+        "dropped the optimizer state and failed for parameters of which a rank holds "
+        "no shard"),
+    DistributedType.DEEPSPEED: (
+        ": its engine partitions the model and optimizer and saves them itself, "
+        "and needs transformers and a compiled op"),
+    None: (": it shards or places the models itself and saves them with "
+           "collectives of its own"),
+}
 
 
 # ---------------------------------------------------------------- registries
@@ -203,7 +216,9 @@ def accelerator_of_this_process(settings: Mapping[str, Any]) -> Accelerator:
 
 def is_fsdp2(accelerator: Accelerator) -> bool:
     """Whether the accelerator shards its model with FSDP2 (``fully_shard``)."""
-    return accelerator.distributed_type == DistributedType.FSDP and bool(accelerator.is_fsdp2)
+    plugin = getattr(accelerator.state, 'fsdp_plugin', None)
+    return (accelerator.distributed_type == DistributedType.FSDP
+            and getattr(plugin, 'fsdp_version', None) == 2)
 
 
 def save_on_each_node(accelerator: Accelerator) -> bool:
@@ -214,9 +229,10 @@ def uses_automatic_naming(accelerator: Accelerator) -> bool:
     return bool(accelerator.project_configuration.automatic_checkpoint_naming)
 
 
-def check_plain_state(accelerator: Accelerator, what: str) -> None:
-    """Raise ``ValueError`` naming the back-end if it saves models with
-    collectives of its own (FSDP, DeepSpeed, Megatron-LM, XLA).
+def check_plain_state(accelerator: Accelerator, what: str, async_save: bool = False) -> None:
+    """Raise ``ValueError`` naming the back-end if ``what`` cannot save and
+    load its state: FSDP1, DeepSpeed, Megatron-LM and XLA, which shard or
+    place the models themselves; FSDP2 with ``async_save``.
 
     accelerate picks the back-end from its plugin (or the launcher's
     configuration) and reports it as ``accelerator.distributed_type``; a
@@ -224,21 +240,32 @@ def check_plain_state(accelerator: Accelerator, what: str) -> None:
     models are then prepared as without it.
     """
     kind = accelerator.distributed_type
+    if is_fsdp2(accelerator):
+        if async_save:
+            raise ValueError(
+                f"{what} cannot save in the background under FSDP2: each rank's shard "
+                "is written by torch.distributed.checkpoint in collectives of all ranks, "
+                "which a background thread cannot run beside training's collectives; "
+                "use async_save=False")
+        return
     if kind in _NOT_PLAIN:
         name = getattr(kind, 'value', kind)
         raise ValueError(
-            f"{what} does not support accelerate's {name} back-end ({_NOT_PLAIN[kind]}): "
-            "it shards or places the models itself and saves them with collectives "
-            "of its own. Supported are one process and DistributedDataParallel "
-            "(distributed_type NO, MULTI_CPU, MULTI_GPU and the other MULTI_* devices)")
+            f"{what} does not support accelerate's {name} back-end ({_NOT_PLAIN[kind]})"
+            f"{_WHY_NOT.get(kind, _WHY_NOT[None])}. Supported are one process and "
+            "DistributedDataParallel (distributed_type NO, MULTI_CPU, MULTI_GPU and the "
+            "other MULTI_* devices), and for a model that does not fit one device, FSDP2: "
+            "FullyShardedDataParallelPlugin(fsdp_version=2)")
 
 
-def check_checkpointable(net: Any, what: str) -> None:
-    """Raise naming ``what`` if the accelerator of ``net`` cannot be
-    checkpointed by ``AccelerateCheckpoint``: ``TypeError`` without an
-    accelerator, ``ValueError`` with ``automatic_checkpoint_naming`` (the
-    callback names and retires its folders itself) or a back-end that
-    saves with collectives of its own (:func:`check_plain_state`)."""
+def check_checkpointable(net: Any, what: str, async_save: bool = False) -> None:
+    """Raise naming ``what`` (and ``async_save``) if the accelerator of
+    ``net`` cannot be checkpointed by ``AccelerateCheckpoint``: ``TypeError``
+    without an accelerator, ``ValueError`` with
+    ``automatic_checkpoint_naming`` (the callback names and retires its
+    folders itself) or a back-end it cannot save (:func:`check_plain_state`)."""
+    if async_save:
+        what += '(async_save=True)'
     accelerator = getattr(net, 'accelerator', None)
     if accelerator is None:
         raise TypeError(
@@ -249,7 +276,7 @@ def check_checkpointable(net: Any, what: str) -> None:
             f"{what} names and retires its checkpoint folders itself; "
             "create the Accelerator without "
             "ProjectConfiguration(automatic_checkpoint_naming=True)")
-    check_plain_state(accelerator, what)
+    check_plain_state(accelerator, what, async_save)
 
 
 # ---------------------------------------------------------------- files
@@ -364,7 +391,7 @@ def save_state_in_two(
     ``Accelerator.save_state`` writes, for one process and DDP. The random
     states written now are those of now.
     """
-    check_plain_state(accelerator, 'a save in two steps')
+    check_plain_state(accelerator, 'a save in two steps', async_save=True)
     model_states = [accelerator.get_state_dict(model, unwrap=False)
                     for model in accelerator._models]
     optimizer_states = [optimizer.state_dict() for optimizer in accelerator._optimizers]

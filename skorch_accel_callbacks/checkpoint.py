@@ -388,8 +388,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     def _check_net(self, net: Any) -> None:
         # the back-end before the model layout, which would blame the
         # modules of a back-end that shards or wraps them itself
-        accelerate_io.check_checkpointable(
-            net, type(self).__name__ + ('(async_save=True)' if self.async_save else ''))
+        accelerate_io.check_checkpointable(net, type(self).__name__, self.async_save)
         with own_registries(net):
             compat.model_layout(net)
 
