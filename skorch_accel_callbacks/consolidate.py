@@ -31,14 +31,18 @@ from accelerate import PartialState
 from accelerate.utils import SAFE_WEIGHTS_NAME, merge_fsdp_weights
 from safetensors.torch import load_file
 
+from skorch_accel_callbacks import compat
 from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.readers import load_without_code, read_naming_fault
 
-__all__ = ['METADATA_NAME', 'check_sharded_model', 'is_sharded_model', 'loadable', 'read_model',
-           'read_sharded_model']
+__all__ = ['METADATA_NAME', 'check_sharded_model', 'is_sharded_model', 'loadable', 'model_files',
+           'read_model', 'read_sharded_model']
 
 # torch.distributed.checkpoint's index of a sharded save
 METADATA_NAME = '.metadata'
+
+# accelerate's FSDP_MODEL_NAME (accelerate.utils.constants, not exported)
+FSDP_MODEL_NAME = 'pytorch_model_fsdp'
 
 _CHECKPOINT = 'torch.distributed.checkpoint'
 # what a .metadata of torch 2.3 to 2.13 is made of, and nothing that runs code
@@ -63,6 +67,46 @@ class _MetadataUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(
                 f"{module}.{name} is not part of torch.distributed.checkpoint's metadata")
         return super().find_class(module, name)
+
+
+def _fsdp_model_file(index: int, files: dict[str, Any]) -> str | None:
+    """The listed folder (sharded) or file (full state dict) of the
+    ``index``-th model of an FSDP checkpoint listing ``files``, or None."""
+    sharded = f'{FSDP_MODEL_NAME}_{index}'
+    full = f'{FSDP_MODEL_NAME}.bin' if index == 0 else f'{FSDP_MODEL_NAME}_{index}.bin'
+    if os.path.join(sharded, METADATA_NAME) in files:
+        return sharded
+    return full if full in files else None
+
+
+def model_files(manifest: dict[str, Any], folder: str) -> list[tuple[str, str]]:
+    """``(module name, file name)`` of each model of a checkpoint, as
+    :func:`compat.model_files <skorch_accel_callbacks.compat.model_files>`
+    gives them, or for a checkpoint of FSDP accelerate's folder of a sharded
+    model (``pytorch_model_fsdp_0``) or file of a full one
+    (``pytorch_model_fsdp.bin``).
+
+    Raises :class:`CorruptCheckpointError` naming the file if the manifest
+    does not list a model's file.
+    """
+    files = manifest.get('files')
+    models = manifest.get('models')
+    if not (isinstance(files, dict) and isinstance(models, list)
+            and any(name.startswith(FSDP_MODEL_NAME) for name in files)):
+        return compat.model_files(manifest, folder)
+    if not all(isinstance(entry, list) and entry and isinstance(entry[0], str)
+               for entry in models):
+        return compat.model_files(manifest, folder)  # which says which entry
+    found = []
+    for index, entry in enumerate(models):
+        name = _fsdp_model_file(index, files)
+        if name is None:
+            missing = os.path.join(folder, f'{FSDP_MODEL_NAME}_{index}', METADATA_NAME)
+            raise CorruptCheckpointError(
+                f"{missing} is missing: the manifest lists model {entry[0]!r} but not its "
+                "file")
+        found.append((entry[0], name))
+    return found
 
 
 def is_sharded_model(path: str | os.PathLike) -> bool:

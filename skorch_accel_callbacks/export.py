@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from skorch_accel_callbacks import compat, consolidate, format
+from skorch_accel_callbacks import consolidate, format
 from skorch_accel_callbacks.atomic import atomic_path, read_json
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, Found
@@ -104,7 +104,7 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
     """
     saved = format.read(path)
     files = {f_argument(name): os.path.join(path, file)
-             for name, file in compat.model_files(saved, path)}
+             for name, file in consolidate.model_files(saved, path)}
     files['f_history'] = os.path.join(path, format.HISTORY_NAME)
     return files
 
@@ -125,10 +125,11 @@ def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not problems:
         return saved
     files = saved['files']
-    needed = [file for _, file in compat.model_files(saved, path)]
+    needed = [file for _, file in consolidate.model_files(saved, path)]
     needed.append(format.HISTORY_NAME)
     for problem in problems:
-        if problem.file in needed:
+        # a sharded model's pieces lie in its folder
+        if problem.file is not None and problem.file.split(os.sep)[0] in needed:
             raise problem.error
     sealed = os.path.join(path, format.MANIFEST_NAME)
     if format.HISTORY_NAME not in files:
@@ -271,7 +272,7 @@ def export(
     # every file is read before one is written: a damaged checkpoint
     # leaves ``out`` as it was
     models = [(name, _load_tensors(os.path.join(path, file)))
-              for name, file in compat.model_files(saved, path)]
+              for name, file in consolidate.model_files(saved, path)]
     os.makedirs(out, exist_ok=True)
     written = {}
     for name, tensors in models:

@@ -14,6 +14,9 @@ import io
 import os
 import pickle
 import re
+import shutil
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -21,11 +24,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 from skorch import NeuralNetClassifier
 
 from common import MLP, make_data
-from skorch_accel_callbacks import CorruptCheckpointError
+from launcher import REPO
+from skorch_accel_callbacks import AccelerateCheckpoint, CorruptCheckpointError
 from skorch_accel_callbacks.consolidate import check_sharded_model, loadable, read_model
+from skorch_accel_callbacks.export import export
+from skorch_accel_callbacks.inspection import verify
 
 
 def plain_state(seed=0):
@@ -158,6 +165,14 @@ def assert_predicts(net, expected):
     np.testing.assert_array_equal(net.predict_proba(make_data(n=160)[0]), expected)
 
 
+def cli(*args):
+    """``python -m skorch_accel_callbacks ARGS`` as a user runs it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), os.environ.get('PYTHONPATH', '')]))
+    return subprocess.run([sys.executable, '-m', 'skorch_accel_callbacks', *map(str, args)],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
 SHARDED = r"net\.module_ is sharded by FSDP2 \(each rank holds a shard of its parameters\): "
 REFUSED = {
     'f_optimizer': r"^ParamsCheckpoint: f_optimizer='optimizer\.pt' needs the optimizer state "
@@ -198,12 +213,32 @@ def test_what_a_fsdp2_job_saves_loads_into_plain_nets(tmp_path, run_workers):
         net.load_params(f_params=f_params, **kwargs)
         assert_predicts(net, expected)
 
-    # accelerate's sharded save of the model, merged in this process
-    sharded = tmp_path / 'state' / 'pytorch_model_fsdp_0'
+    # the sharded checkpoint, merged in this process
+    ck = tmp_path / 'ck'
+    sharded = ck / 'epoch-0002' / 'pytorch_model_fsdp_0'
     assert pieces(sharded) == ['__0_0.distcp', '__1_0.distcp']
     net = plain_net()
-    net.module_.load_state_dict(read_model(sharded))
+    net.load_params(checkpoint=AccelerateCheckpoint(dirname=str(ck)))
     assert_predicts(net, expected)
-    os.remove(sharded / '__1_0.distcp')
-    with pytest.raises(CorruptCheckpointError, match=rf"^{sharded}/__1_0\.distcp is missing"):
-        read_model(sharded)
+    assert len(net.history) == 2
+    files = export(ck, tmp_path / 'exported')
+    net = plain_net()
+    net.load_params(**files, use_safetensors=True)
+    assert_predicts(net, expected)
+    proc = cli('export', ck, tmp_path / 'by-command')
+    assert proc.returncode == 0, proc.stderr
+    by_command = load_file(tmp_path / 'by-command' / 'params.safetensors')
+    for key, value in load_file(files['f_params']).items():
+        assert torch.equal(by_command[key], value), key
+    assert verify(ck / 'epoch-0002').intact
+
+    # a piece missing: named by the export, by verify, and when merging
+    damaged = shutil.copytree(ck / 'epoch-0002', tmp_path / 'damaged' / 'epoch-0002')
+    missing = damaged / 'pytorch_model_fsdp_0' / '__1_0.distcp'
+    os.remove(missing)
+    with pytest.raises(CorruptCheckpointError, match=rf"^{missing} is missing"):
+        export(damaged, tmp_path / 'not-exported')
+    assert not (tmp_path / 'not-exported').exists()
+    assert any(str(missing) in damage for damage in verify(damaged).damaged)
+    with pytest.raises(CorruptCheckpointError, match=rf"^{missing} is missing: "):
+        read_model(damaged / 'pytorch_model_fsdp_0')

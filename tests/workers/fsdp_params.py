@@ -4,10 +4,10 @@ checkpoint, for tests/test_fsdp_params.py to load into plain nets.
 usage: fsdp_params.py FOLDER
   In every process: fit with a ``ParamsCheckpoint`` (torch files, every
   epoch) and a ``TrainEndParamsCheckpoint`` (safetensors) in
-  ``FOLDER/params``, then ``accelerator.save_state`` into ``FOLDER/state``
-  (SHARDED_STATE_DICT: ``pytorch_model_fsdp_0/``) and ``save_params``
-  inside ``gathered`` into ``FOLDER/direct.pt``. Then the errors of what
-  needs the plain module. Results in ``params-rank<r>.json``: the trained
+  ``FOLDER/params`` and an ``AccelerateCheckpoint`` in ``FOLDER/ck``
+  (SHARDED_STATE_DICT: ``epoch-0002/pytorch_model_fsdp_0/``), then
+  ``save_params`` inside ``gathered`` into ``FOLDER/direct.pt``. Then the
+  errors of what needs the plain module. Results in ``params-rank<r>.json``: the trained
   net's predictions on ``make_data(n=160)``, what ``unwrapped`` gives, the
   errors.
 """
@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from common import make_data, make_net, rank, write_result
 from fsdp_backend import fsdp_accelerator
 from skorch_accel_callbacks import (
+    AccelerateCheckpoint,
     LoadInitParams,
     ParamsCheckpoint,
     TrainEndParamsCheckpoint,
@@ -62,9 +63,9 @@ def main(folder):
     net = make_net(accelerator, max_epochs=2, callbacks=[
         ParamsCheckpoint(dirname=params, monitor=None, f_optimizer=None),
         TrainEndParamsCheckpoint(dirname=params, use_safetensors=True, f_optimizer=None),
+        AccelerateCheckpoint(dirname=os.path.join(folder, 'ck')),
     ])
     net.fit(X, y)
-    accelerator.save_state(os.path.join(folder, 'state'))
     with unwrapped(net):
         inside = {'type': type(net.module_).__name__, 'dtensors': all(
             isinstance(value, DTensor) for value in net.module_.state_dict().values())}
