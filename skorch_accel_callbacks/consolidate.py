@@ -176,7 +176,9 @@ def read_sharded_model(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
     Runs in one process (a process of a job of several would merge only on
     the main one): in a job, read the exported files instead (:func:`export
-    <skorch_accel_callbacks.export.export>`).
+    <skorch_accel_callbacks.export.export>`). accelerate's
+    ``merge_fsdp_weights`` makes the process's ``PartialState`` if it has
+    none yet (the CPU's, or the first GPU's where there is one).
 
     Raises
     ------

@@ -28,7 +28,7 @@ from skorch_accel_callbacks import atomic
 from skorch_accel_callbacks.atomic import TEMP_MARK, atomic_path
 from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.lock import FolderInUseError, PrefixLock
-from skorch_accel_callbacks.wrapping import check_plain
+from skorch_accel_callbacks.wrapping import check_plain, is_sharded
 
 __all__ = [
     'check_folders',
@@ -136,6 +136,8 @@ def check_sharding(owner: str, net: Any, f_kwargs: Mapping[str, Any], load_best:
     optimizer or the pickled net, or to load the best parameters: each needs
     what no rank holds (the full optimizer state, the plain module). The
     module's parameters are saved in full (gathered onto the main process)."""
+    if not is_sharded(net):
+        return
     into_new_net = "the saved parameters load into a new net"
     for key, val in sorted(f_kwargs.items()):
         if val is not None and key[2:] in net._optimizers:

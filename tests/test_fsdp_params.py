@@ -30,7 +30,12 @@ from skorch import NeuralNetClassifier
 from common import MLP, make_data
 from launcher import REPO
 from skorch_accel_callbacks import AccelerateCheckpoint, CorruptCheckpointError
-from skorch_accel_callbacks.consolidate import check_sharded_model, loadable, read_model
+from skorch_accel_callbacks.consolidate import (
+    check_sharded_model,
+    loadable,
+    model_files,
+    read_model,
+)
 from skorch_accel_callbacks.export import export
 from skorch_accel_callbacks.inspection import verify
 
@@ -242,3 +247,22 @@ def test_what_a_fsdp2_job_saves_loads_into_plain_nets(tmp_path, run_workers):
     assert any(str(missing) in damage for damage in verify(damaged).damaged)
     with pytest.raises(CorruptCheckpointError, match=rf"^{missing} is missing: "):
         read_model(damaged / 'pytorch_model_fsdp_0')
+
+
+def test_the_model_files_of_a_fsdp_checkpoint(tmp_path):
+    layout = {'lin.weight': [32, 20]}
+    sharded = {'files': {'history.json': 1, 'pytorch_model_fsdp_0/.metadata': 1,
+                         'pytorch_model_fsdp_0/__0_0.distcp': 1},
+               'models': [['module', layout]]}
+    assert model_files(sharded, str(tmp_path)) == [('module', 'pytorch_model_fsdp_0')]
+    # FULL_STATE_DICT
+    full = {'files': {'pytorch_model_fsdp.bin': 1}, 'models': [['module', layout]]}
+    assert model_files(full, str(tmp_path)) == [('module', 'pytorch_model_fsdp.bin')]
+    # as before for every other checkpoint
+    plain = {'files': {'model.safetensors': 1}, 'models': [['module', layout]]}
+    assert model_files(plain, str(tmp_path)) == [('module', 'model.safetensors')]
+    del sharded['files']['pytorch_model_fsdp_0/.metadata']
+    missing = tmp_path / 'pytorch_model_fsdp_0' / '.metadata'
+    with pytest.raises(CorruptCheckpointError, match=rf"^{missing} is missing: the manifest "
+                       "lists model 'module' but not its file$"):
+        model_files(sharded, str(tmp_path))
