@@ -9,7 +9,10 @@ alone, under skorch's names (``params.safetensors`` for the module
 plus the history; :func:`checkpoint_files` names the files of a checkpoint
 as the arguments of skorch's ``net.load_params``. Nothing here runs code
 from a file: safetensors files are read as such, other tensor files with
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)``. A checkpoint saved under FSDP2 holds
+accelerate's ``pytorch_model_fsdp_0/`` (a sharded model, merged in this
+process by :mod:`~skorch_accel_callbacks.consolidate`) or
+``pytorch_model_fsdp.bin`` (a full state dict) instead.
 """
 
 from __future__ import annotations
@@ -210,6 +213,8 @@ def export(
     is only read. A checkpoint whose model files and history are intact
     is exported even if another of its files (an optimizer or random state)
     is missing or damaged, with a warning naming it (:func:`find_exportable`).
+    A model that FSDP2 saved sharded is merged in this process, which must
+    be one on its own (no job of several processes).
 
     Parameters
     ----------
@@ -245,6 +250,8 @@ def export(
     CorruptCheckpointError
       A model file or the history of the checkpoint is missing, of another
       size or does not load; the message names it.
+    RuntimeError
+      A model is sharded and this process is one of a job of several.
 
     Examples
     --------
