@@ -31,6 +31,7 @@ from accelerate.utils import (
     GradientAccumulationPlugin,
     save,
 )
+from accelerate.utils.constants import FSDP_MODEL_NAME
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +46,7 @@ __all__ = [
     'accelerator_settings',
     'check_plain_state',
     'dataloaders',
+    'fsdp_state_dict_type',
     'gradients_applied',
     'is_fsdp2',
     'leave_loader',
@@ -52,6 +54,7 @@ __all__ = [
     'model_file',
     'models',
     'optimizers',
+    'param_groups',
     'prune_registries',
     'registries_of',
     'rng_file',
@@ -59,6 +62,7 @@ __all__ = [
     'save_on_each_node',
     'save_state',
     'save_state_in_two',
+    'shard_folders',
     'set_accumulation_step',
     'skip_first_batches_once',
     'uses_automatic_naming',
@@ -219,6 +223,24 @@ def is_fsdp2(accelerator: Accelerator) -> bool:
     plugin = getattr(accelerator.state, 'fsdp_plugin', None)
     return (accelerator.distributed_type == DistributedType.FSDP
             and getattr(plugin, 'fsdp_version', None) == 2)
+
+
+def fsdp_state_dict_type(accelerator: Accelerator) -> str:
+    """The FSDP plugin's ``state_dict_type``: ``'SHARDED_STATE_DICT'`` or
+    ``'FULL_STATE_DICT'``."""
+    kind = accelerator.state.fsdp_plugin.state_dict_type
+    return getattr(kind, 'name', str(kind))
+
+
+def shard_folders(accelerator: Accelerator) -> list[str]:
+    """The folders of a sharded FSDP save: one per model, then one per optimizer."""
+    return ([f'{FSDP_MODEL_NAME}_{i}' for i in range(len(accelerator._models))]
+            + [f'{OPTIMIZER_NAME}_{i}' for i in range(len(accelerator._optimizers))])
+
+
+def param_groups(accelerator: Accelerator) -> list[list[dict[str, Any]]]:
+    """The param groups of each prepared optimizer, in ``save_state``'s order."""
+    return [_inner(optimizer).param_groups for optimizer in accelerator._optimizers]
 
 
 def save_on_each_node(accelerator: Accelerator) -> bool:

@@ -125,9 +125,9 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     TypeError, ValueError
       At ``initialize``: an argument of the wrong type or range. When
       training begins: a net without an accelerator, or one with
-      ``automatic_checkpoint_naming`` or an FSDP, DeepSpeed, Megatron-LM or
-      XLA back-end. When the first epoch begins: ``every_n_steps`` or
-      ``every_n_seconds`` with an ``IterableDataset``.
+      ``automatic_checkpoint_naming``, an FSDP1, DeepSpeed, Megatron-LM or XLA
+      back-end, or FSDP2 with ``async_save``. When the first epoch begins:
+      ``every_n_steps`` or ``every_n_seconds`` with an ``IterableDataset``.
     CheckpointError, FolderInUseError
       When training begins: models not the net's in the accelerator,
       ``save_on_each_node`` committers sharing one folder; another job's lock.

@@ -15,7 +15,7 @@ import os
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from skorch_accel_callbacks import accelerate_io, format, settings, sync
+from skorch_accel_callbacks import accelerate_io, format, fsdp_layout, settings, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.readers import load_without_code, read_naming_fault
 from skorch_accel_callbacks.wrapping import bare_modules
@@ -95,7 +95,7 @@ def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_earl
     of the epoch under way}`` (0 batches at an epoch's end); ``loader``: the
     training loader of the epoch (for its number of rows).
     """
-    return {
+    manifest = {
         'format_version': format.FORMAT_VERSION,
         'name': name,
         # complete epochs
@@ -113,6 +113,10 @@ def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_earl
         'optimizers': optimizer_layout(net),
         'versions': _package_versions(),
     }
+    layout = fsdp_layout.shard_layout(net.accelerator)
+    if layout is not None:
+        manifest['fsdp'] = layout
+    return manifest
 
 
 def model_files(manifest: dict[str, Any], folder: str) -> list[tuple[str, str]]:
@@ -210,6 +214,7 @@ def check_world_size(net: Any, manifest: dict[str, Any], path: str, reseed: bool
 def check_compatible(net: Any, manifest: dict[str, Any], path: str) -> None:
     """Raise :class:`CheckpointError` if the model or optimizers of ``net``
     cannot load ``path``."""
+    fsdp_layout.check_shards(net.accelerator, manifest, path)
     problems = _layout_differences(manifest.get('models', []), model_layout(net))
     if problems:
         raise CheckpointError(

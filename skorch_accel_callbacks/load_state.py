@@ -97,8 +97,8 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     ------
     TypeError, ValueError
       At ``initialize``: an argument of the wrong type or value. When
-      training begins: accelerate's FSDP, DeepSpeed, Megatron-LM or XLA
-      back-end (``ValueError`` naming it).
+      training begins: accelerate's FSDP1, DeepSpeed, Megatron-LM or XLA
+      back-end (``ValueError`` naming it; FSDP2 is supported).
     CheckpointError
       When training begins (before any training step): the checkpoint
       cannot be resumed by this run (number of processes, model, data,

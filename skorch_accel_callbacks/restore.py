@@ -25,6 +25,7 @@ from skorch_accel_callbacks import (
     epoch_position,
     fingerprint,
     format,
+    fsdp_layout,
     rng_state,
     settings,
     sync,
@@ -168,7 +169,7 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
         reads_own_rank = not changed or rank == 0
         if reads_own_rank:
             compat.check_rank_files(path, saved, rank)
-        hyperparameters = _load_accelerator_state(net, path, changed_params)
+        hyperparameters = _load_accelerator_state(net, path, saved, changed_params)
         rng = rng_state.capture_rng()
         history = _read_own(path, format.HISTORY_NAME, training_state.load_history)
         callbacks = _read_own(
@@ -186,14 +187,21 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
     return _reseed(net, restored) if changed else restored
 
 
-def _load_accelerator_state(net: Any, path: str, changed_params: Any) -> list:
+def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params: Any) -> list:
     """``accelerator.load_state(path)``; the optimizers' settings to restore
     (the new values of the parameters allowed to change take effect)."""
     fresh = training_state.optimizer_hyperparameters(net_optimizers(net))
+    fsdp_layout.make_room_for_group_settings(net.accelerator, manifest)
     read_naming_fault(_model_and_optimizer_files(path),
                       lambda: accelerate_io.load_state(net.accelerator, path),
                       error=CheckpointError, failed='could not be loaded', fallback=path)
     saved = training_state.optimizer_hyperparameters(net_optimizers(net))
+    if accelerate_io.is_fsdp2(net.accelerator):
+        # from a full state dict rank 0 alone read the optimizers: the
+        # settings that a fresh optimizer lacks (an LR scheduler's
+        # initial_lr) reach the other ranks from it
+        saved = sync.broadcast(net, saved)
+        training_state.restore_optimizer_hyperparameters(net_optimizers(net), saved)
     training_state.keep_new_optimizer_settings(net, changed_params, fresh, saved)
     return saved
 

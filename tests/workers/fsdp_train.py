@@ -6,7 +6,8 @@ usage: fsdp_train.py
   ``fit``, ``predict_proba``; first with the FSDP2 back-end (forced on CPU by
   fsdp_backend), then with DDP. Results in ``train-rank<r>.json``: each
   back-end's losses and predictions, whether the FSDP2 module was sharded,
-  and the errors of the nets FSDP2 refuses.
+  and the errors of the nets FSDP2 refuses. Then the trainings of
+  fsdp_resume.py that the environment RUNS lists.
 """
 
 import torch
@@ -15,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from common import make_accelerator, make_data, make_net, write_result
 from fsdp_backend import fsdp_accelerator
+from fsdp_resume import run_all
 
 
 def losses(net):
@@ -59,6 +61,8 @@ def main():
     }
     out['ddp'] = train(make_accelerator())
     write_result('train', out)
+    # the trainings of fsdp_resume in the same launch
+    run_all()
 
 
 if __name__ == '__main__':
