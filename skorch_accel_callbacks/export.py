@@ -9,7 +9,10 @@ alone, under skorch's names (``params.safetensors`` for the module
 plus the history; :func:`checkpoint_files` names the files of a checkpoint
 as the arguments of skorch's ``net.load_params``. Nothing here runs code
 from a file: safetensors files are read as such, other tensor files with
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)``. A checkpoint saved under FSDP2 holds
+accelerate's ``pytorch_model_fsdp_0/`` (a sharded model, merged in this
+process by :mod:`~skorch_accel_callbacks.consolidate`) or
+``pytorch_model_fsdp.bin`` (a full state dict) instead.
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from skorch_accel_callbacks import compat, format
+from skorch_accel_callbacks import consolidate, format
 from skorch_accel_callbacks.atomic import atomic_path, read_json
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, Found
 from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name
-from skorch_accel_callbacks.readers import load_without_code, read_naming_fault
 from skorch_accel_callbacks.remote import RemoteStorage, is_remote
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 
@@ -126,7 +128,7 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
     """
     saved = format.read(path)
     files = {f_argument(name): os.path.join(path, file)
-             for name, file in compat.model_files(saved, path)}
+             for name, file in consolidate.model_files(saved, path)}
     files['f_history'] = os.path.join(path, format.HISTORY_NAME)
     return files
 
@@ -147,10 +149,11 @@ def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not problems:
         return saved
     files = saved['files']
-    needed = [file for _, file in compat.model_files(saved, path)]
+    needed = [file for _, file in consolidate.model_files(saved, path)]
     needed.append(format.HISTORY_NAME)
     for problem in problems:
-        if problem.file in needed:
+        # a sharded model's pieces lie in its folder
+        if problem.file is not None and problem.file.split(os.sep)[0] in needed:
             raise problem.error
     sealed = os.path.join(path, format.MANIFEST_NAME)
     if format.HISTORY_NAME not in files:
@@ -206,8 +209,9 @@ def _is_one_checkpoint(source: str | os.PathLike) -> bool:
 
 
 def _load_tensors(file: str) -> dict[str, torch.Tensor]:
-    """A state dict from a model file, without running code from it."""
-    state = read_naming_fault([file], lambda: load_without_code(file))
+    """A state dict from a model file or sharded model folder, without
+    running code from it."""
+    state = consolidate.read_model(file)
     if not (isinstance(state, dict)
             and all(isinstance(value, torch.Tensor) for value in state.values())):
         raise CorruptCheckpointError(f"{file} holds no state dict of tensors")
@@ -231,6 +235,8 @@ def export(
     is only read. A checkpoint whose model files and history are intact
     is exported even if another of its files (an optimizer or random state)
     is missing or damaged, with a warning naming it (:func:`find_exportable`).
+    A model that FSDP2 saved sharded is merged in this process, which must
+    be one on its own (no job of several processes).
 
     Parameters
     ----------
@@ -272,6 +278,8 @@ def export(
     CorruptCheckpointError
       A model file or the history of the checkpoint is missing, of another
       size or does not load; the message names it.
+    RuntimeError
+      A model is sharded and this process is one of a job of several.
 
     Examples
     --------
@@ -304,7 +312,7 @@ def export(
     # every file is read before one is written: a damaged checkpoint
     # leaves ``out`` as it was
     models = [(name, _load_tensors(os.path.join(path, file)))
-              for name, file in compat.model_files(saved, path)]
+              for name, file in consolidate.model_files(saved, path)]
     os.makedirs(out, exist_ok=True)
     written = {}
     for name, tensors in models:
@@ -357,7 +365,7 @@ class LoadableCheckpoint:
     @property
     def f_history_(self) -> str:
         """Path of the history of the newest complete checkpoint."""
-        return self.get_formatted_files(None)['f_history']
+        return checkpoint_files(find_checkpoint(self.dirname))['f_history']
 
     def get_formatted_files(self, net: Any, which: str = 'latest') -> dict[str, str]:
         """The files of a checkpoint as arguments of skorch's ``load_params``.
@@ -368,6 +376,12 @@ class LoadableCheckpoint:
         optimizer nor the rest of the training state: resuming is
         :class:`AccelerateLoadInitState`'s). With a torch older than 2.13,
         pass ``use_safetensors=True`` to ``load_params``.
+
+        A model that FSDP2 saved sharded is merged in this process
+        (:mod:`~skorch_accel_callbacks.consolidate`) and comes as an
+        in-memory file of torch's format: load it without
+        ``use_safetensors=True``, in one process (in a job of several,
+        :func:`export` it first and load the exported files).
 
         Parameters
         ----------
@@ -393,6 +407,8 @@ class LoadableCheckpoint:
           checkpoint is of a newer format.
         CorruptCheckpointError
           The checkpoint chosen is damaged (the message names the file).
+        RuntimeError
+          A model is sharded and this process is one of a job of several.
 
         Examples
         --------
@@ -405,5 +421,7 @@ class LoadableCheckpoint:
             found = self._reader().find_checkpoint(which)
             if found is None:
                 raise FileNotFoundError(f"no checkpoint in {self.dirname}")
-            return checkpoint_files(found.path)
-        return checkpoint_files(find_checkpoint(self.dirname, which))
+            files = checkpoint_files(found.path)
+        else:
+            files = checkpoint_files(find_checkpoint(self.dirname, which))
+        return {key: consolidate.loadable(file) for key, file in files.items()}

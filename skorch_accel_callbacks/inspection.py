@@ -14,8 +14,8 @@ import os
 from datetime import UTC, datetime
 from typing import Any
 
-from skorch_accel_callbacks import atomic, compat, format, lock
-from skorch_accel_callbacks.errors import CheckpointError
+from skorch_accel_callbacks import atomic, consolidate, format, lock
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder
 from skorch_accel_callbacks.format import LOCK_NAME, PARTIAL_SUFFIX, POINTERS, PROBE_PREFIX
 from skorch_accel_callbacks.readers import kind_of, load_without_code
@@ -228,7 +228,7 @@ def verify(path: str | os.PathLike) -> Verdict:
 
     layouts = {}
     try:
-        for (name, file), entry in zip(compat.model_files(saved, path), saved['models'],
+        for (name, file), entry in zip(consolidate.model_files(saved, path), saved['models'],
                                        strict=True):
             layouts[file] = (name, entry[1] if len(entry) > 1 else None)
     except CheckpointError as exc:  # and CorruptCheckpointError
@@ -238,6 +238,13 @@ def verify(path: str | os.PathLike) -> Verdict:
         damage = _damage(os.path.join(path, rel), at_fault.get(rel), layouts.get(rel))
         if damage:
             verdict.damaged.append(damage)
+    for file, layout in layouts.items():
+        # a sharded model's pieces load only together; not if one is at fault
+        if consolidate.is_sharded_model(os.path.join(path, file)) \
+                and not any(rel.split(os.sep)[0] == file for rel in at_fault):
+            damage = _sharded_damage(os.path.join(path, file), layout)
+            if damage:
+                verdict.damaged.append(damage)
 
     for root, _, names in os.walk(path):
         for name in names:
@@ -266,6 +273,17 @@ def _damage(file: str, problem: format.Problem | None,
         return str(problem.error)
     wrong = None if layout is None else _layout_problem(layout, shapes)
     return wrong and f"{file}: {wrong}"
+
+
+def _sharded_damage(folder: str, layout: tuple[str, dict[str, Any] | None]) -> str | None:
+    """Why the sharded model ``folder`` is damaged, or None: it must merge
+    without running code into the tensors of the manifest's ``layout``."""
+    try:
+        state = consolidate.read_sharded_model(folder)
+    except CorruptCheckpointError as exc:
+        return str(exc)
+    wrong = _layout_problem(layout, {key: list(value.shape) for key, value in state.items()})
+    return wrong and f"{folder}: {wrong}"
 
 
 def _layout_problem(

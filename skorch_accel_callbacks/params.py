@@ -21,7 +21,7 @@ from skorch_accel_callbacks import params_files, sync, triggers
 from skorch_accel_callbacks.base import InitParamsOnly, check_sink, say
 from skorch_accel_callbacks.lock import PrefixLock
 from skorch_accel_callbacks.mixin import dump_net
-from skorch_accel_callbacks.wrapping import unwrapped
+from skorch_accel_callbacks.wrapping import gathered, unwrapped
 
 __all__ = ['ParamsCheckpoint']
 
@@ -143,7 +143,8 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     ------
     ValueError
       At ``initialize``: ``on_error``, ``sink`` or ``event_name`` of the
-      wrong kind.
+      wrong kind. When training begins under FSDP2 (which saves the full
+      parameters): ``f_optimizer``, ``f_pickle`` or ``load_best`` set.
     TypeError
       At ``initialize``: an argument that is not one (as in skorch:
       ``foobar=...``, did you mean ``f_foobar``?).
@@ -289,6 +290,8 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
                          f"{type(self).__name__}: locking the files of fn_prefix="
                          f"{self.fn_prefix!r} in folder {self.dirname or '.'}")
         try:
+            params_files.check_sharding(owner or type(self).__name__, net, self._f_kwargs(),
+                                        self.load_best)
             self._warn_stateless(net, owner or type(self).__name__)
             self.finish_interrupted_save(net)
             if self.f_pickle:
@@ -356,7 +359,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
                          if params_files.stateless_object(net, attr) is None}
         self._staged = params_files.start_save(self.dirname, self.fn_prefix)
         try:
-            with unwrapped(net):
+            with unwrapped(net), gathered(net):
                 self._write_files(net, kwargs_module, kwargs_other)
             self._agreed_save_step(
                 net, "the checkpoint's files", self.journal_path,

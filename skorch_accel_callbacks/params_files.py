@@ -28,9 +28,11 @@ from skorch_accel_callbacks import atomic
 from skorch_accel_callbacks.atomic import TEMP_MARK, atomic_path
 from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.lock import FolderInUseError, PrefixLock
+from skorch_accel_callbacks.wrapping import check_plain, is_sharded
 
 __all__ = [
     'check_folders',
+    'check_sharding',
     'commit',
     'finish_interrupted_save',
     'journal_path',
@@ -126,6 +128,28 @@ def check_folders(owner: str, dirname: str, fn_prefix: str,
                 error.errno, f"{owner} cannot write "
                 f"{key}={val!r}: {error.strerror} in folder",
                 folder or '.') from error
+
+
+def check_sharding(owner: str, net: Any, f_kwargs: Mapping[str, Any], load_best: bool) -> None:
+    """Raise ``ValueError`` naming ``owner`` and its argument if the net's
+    modules are sharded by FSDP2 and the checkpoint is to save an
+    optimizer or the pickled net, or to load the best parameters: each needs
+    what no rank holds (the full optimizer state, the plain module). The
+    module's parameters are saved in full (gathered onto the main process)."""
+    if not is_sharded(net):
+        return
+    into_new_net = "the saved parameters load into a new net"
+    for key, val in sorted(f_kwargs.items()):
+        if val is not None and key[2:] in net._optimizers:
+            check_plain(net, f"{owner}: {key}={val!r} needs the optimizer state of a plain "
+                        "module", f"set {key}=None; AccelerateCheckpoint and "
+                        "AccelerateLoadInitState save and resume the optimizer sharded")
+    if f_kwargs.get('f_pickle'):
+        check_plain(net, f"{owner}: f_pickle={f_kwargs['f_pickle']!r} needs a plain module "
+                    "to pickle", f"set f_pickle=None; {into_new_net}")
+    if load_best:
+        check_plain(net, f"{owner}: load_best=True needs a plain module to load into",
+                    f"set load_best=False; {into_new_net}")
 
 
 def _name_pattern(name: str) -> str:

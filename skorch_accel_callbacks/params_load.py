@@ -17,7 +17,7 @@ from skorch_accel_callbacks.base import InitParamsOnly
 from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.params import File, ParamsCheckpoint
 from skorch_accel_callbacks.readers import first_unloadable
-from skorch_accel_callbacks.wrapping import unwrapped
+from skorch_accel_callbacks.wrapping import check_plain, unwrapped
 
 __all__ = ['LoadInitParams']
 
@@ -50,6 +50,8 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
     TypeError
       At ``initialize``: ``checkpoint`` is not a skorch ``Checkpoint`` or
       ``TrainEndCheckpoint``.
+    ValueError
+      When training begins, if the net's module is sharded by FSDP2.
     CorruptCheckpointError
       When training begins: a file of the checkpoint does not load (the
       message names it), on every rank.
@@ -81,6 +83,8 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
     def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         if self.did_load_:
             return
+        check_plain(net, f"{type(self).__name__} needs a plain module to load into",
+                    "resume with AccelerateCheckpoint and AccelerateLoadInitState")
         self.did_load_ = True
         checkpoint = self.checkpoint
         if isinstance(checkpoint, TrainEndCheckpoint):

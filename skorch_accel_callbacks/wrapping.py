@@ -6,13 +6,19 @@ under DDP that rebuilds the wrapper (a broadcast of all weights) and appends
 the module to ``accelerator._models`` once more, so every later
 ``accelerator.save_state`` writes one more copy of the model. ``unwrapped``
 keeps the wrapper objects aside and puts them back instead.
+
+FSDP2 (accelerate's FSDP back-end, ``fsdp_version=2``) wraps nothing:
+``fully_shard`` turns the module itself into the sharded one, whose
+parameters each rank holds a shard of. ``unwrapped`` leaves it as it is;
+:func:`gathered` stands in its full parameters for a save, and
+:func:`check_plain` refuses what needs the plain module.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,7 +27,8 @@ from skorch_accel_callbacks import accelerate_io
 if TYPE_CHECKING:
     from skorch import NeuralNet
 
-__all__ = ['bare_modules', 'is_wrapped', 'net_optimizers', 'own_registries', 'unwrapped']
+__all__ = ['bare_modules', 'check_plain', 'gathered', 'is_sharded', 'is_wrapped', 'net_optimizers',
+           'own_registries', 'unwrapped']
 
 # accelerate's unwrap with keep_fp32_wrapper=False (what skorch uses, so that
 # an unwrapped module pickles) replaces these instance attributes of the inner
@@ -34,6 +41,66 @@ _MISSING = object()
 def is_wrapped(net: NeuralNet) -> bool:
     """Whether the net's modules are currently prepared by accelerate."""
     return bool(getattr(net, '_wrapped_with_accelerator', False))
+
+
+def is_sharded(net: NeuralNet) -> bool:
+    """Whether the net's modules are sharded by FSDP2: under accelerate's
+    FSDP2 back-end, once the net is initialized (it prepares them then)."""
+    accelerator = getattr(net, 'accelerator', None)
+    return (accelerator is not None and bool(getattr(net, 'initialized_', False))
+            and accelerate_io.is_fsdp2(accelerator))
+
+
+def check_plain(net: NeuralNet, needs: str, instead: str) -> None:
+    """Raise ``ValueError`` saying what ``needs`` a plain module and what to
+    do ``instead`` if the net's modules are sharded by FSDP2
+    (:func:`is_sharded`): no rank holds more than a shard of them.
+
+    ``needs`` begins the message: ``"LoadInitParams needs a plain module to
+    load into"``.
+    """
+    if is_sharded(net):
+        names = ', '.join(f'net.{name}_' for name in net._modules)
+        raise ValueError(
+            f"{needs}, and {names} is sharded by FSDP2 (each rank holds a shard of its "
+            f"parameters): {instead}")
+
+
+class _FullParameters:
+    """Stands for a module sharded by FSDP2 inside :func:`gathered`: its
+    ``state_dict()`` is the module's full parameters, on the main process
+    (empty on the other ranks)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        return self._state
+
+
+@contextmanager
+def gathered(net: NeuralNet) -> Iterator[NeuralNet]:
+    """Context manager: inside, each module of ``net`` sharded by FSDP2
+    stands as its full parameters, gathered onto the CPU of the main process
+    (``accelerator.get_state_dict``), for skorch's ``save_params`` to write
+    there: ``net.module_.state_dict()`` is the full state dict on the main
+    process, empty on the others. On exit the net gets back its sharded
+    modules. Enter it on every rank: gathering is a collective.
+
+    A no-op for a net whose modules are not sharded (:func:`is_sharded`).
+    """
+    if not is_sharded(net):
+        yield net
+        return
+    sharded: dict[str, Any] = {name + '_': getattr(net, name + '_') for name in net._modules}
+    for attr, module in sharded.items():
+        if isinstance(module, torch.nn.Module):
+            setattr(net, attr, _FullParameters(net.accelerator.get_state_dict(module)))
+    try:
+        yield net
+    finally:
+        for attr, module in sharded.items():
+            setattr(net, attr, module)
 
 
 def _module_names(net: NeuralNet) -> list[str]:
@@ -80,6 +147,13 @@ def unwrapped(net: NeuralNet) -> Iterator[NeuralNet]:
 
     It is a no-op for a net that is not wrapped, for a plain skorch net
     without accelerate, and for a nested block.
+
+    Under FSDP2 nothing wraps the module: ``fully_shard`` made the module
+    itself the sharded one, and it stays sharded inside the block (its
+    ``state_dict()`` holds each rank's shards as ``DTensor``): skorch's
+    ``save_params`` writes the full parameters inside :func:`gathered`, and
+    what needs the plain module (loading a state dict into it, pickling it)
+    raises a ``ValueError`` saying so (:func:`check_plain`).
 
     Parameters loaded into the bare module inside the block are the
     parameters of the wrapper after it (DDP shares the tensors), so loading the
