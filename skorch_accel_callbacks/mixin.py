@@ -15,7 +15,7 @@ from skorch.callbacks import LRScheduler
 from skorch.hf import AccelerateMixin
 
 from skorch_accel_callbacks import accelerate_io, sync
-from skorch_accel_callbacks.wrapping import bare_modules, unwrapped
+from skorch_accel_callbacks.wrapping import bare_modules, check_plain, gathered, unwrapped
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
@@ -147,8 +147,7 @@ class AccelerateFixesMixin:
     Examples
     --------
     >>> from skorch import NeuralNetClassifier
-    >>> from skorch.callbacks import LRScheduler
-from skorch.hf import AccelerateMixin
+    >>> from skorch.hf import AccelerateMixin
     >>> from skorch_accel_callbacks import AccelerateFixesMixin
     >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
     ...     pass
@@ -303,12 +302,17 @@ from skorch.hf import AccelerateMixin
 
     def save_params(self, *args: Any, **kwargs: Any) -> None:
         with sync.agree(self, 'save_params'):
-            with unwrapped(self):
+            # under FSDP2 the main process writes the full parameters,
+            # which every rank gathers for it
+            with unwrapped(self), gathered(self):
                 super().save_params(*args, **kwargs)
 
     def load_params(self, *args: Any, **kwargs: Any) -> None:
         with sync.agree(self, 'load_params'):
             if not self.initialized_:
                 self.initialize()
+            check_plain(self, "load_params needs a plain module to load into",
+                        "load the parameters into a net without FSDP2, or resume the "
+                        "sharded training with AccelerateLoadInitState")
             with unwrapped(self):
                 super().load_params(*args, **kwargs)

@@ -188,6 +188,9 @@ REFUSED = {
                  rf"and {SHARDED}set load_best=False",
     'load_init': rf"^LoadInitParams needs a plain module to load into, and {SHARDED}resume "
                  "with AccelerateCheckpoint and AccelerateLoadInitState$",
+    'load_params': rf"^load_params needs a plain module to load into, and {SHARDED}load the "
+                   "parameters into a net without FSDP2, or resume the sharded training "
+                   "with AccelerateLoadInitState$",
 }
 
 

@@ -6,10 +6,10 @@ usage: fsdp_params.py FOLDER
   epoch) and a ``TrainEndParamsCheckpoint`` (safetensors) in
   ``FOLDER/params`` and an ``AccelerateCheckpoint`` in ``FOLDER/ck``
   (SHARDED_STATE_DICT: ``epoch-0002/pytorch_model_fsdp_0/``), then
-  ``save_params`` inside ``gathered`` into ``FOLDER/direct.pt``. Then the
-  errors of what needs the plain module. Results in ``params-rank<r>.json``: the trained
-  net's predictions on ``make_data(n=160)``, what ``unwrapped`` gives, the
-  errors.
+  ``save_params`` into ``FOLDER/direct.pt`` and ``load_params`` of it,
+  refused. Then the errors of what needs the plain module. Results in
+  ``params-rank<r>.json``: the trained net's predictions on
+  ``make_data(n=160)``, what ``unwrapped`` gives, the errors.
 """
 
 import os
@@ -27,7 +27,6 @@ from skorch_accel_callbacks import (
     TrainEndParamsCheckpoint,
     unwrapped,
 )
-from skorch_accel_callbacks.wrapping import gathered
 
 
 def refusal(net):
@@ -69,15 +68,20 @@ def main(folder):
     with unwrapped(net):
         inside = {'type': type(net.module_).__name__, 'dtensors': all(
             isinstance(value, DTensor) for value in net.module_.state_dict().values())}
-    with gathered(net):
-        net.save_params(f_params=os.path.join(folder, 'direct.pt'))
+    # the mixin gathers the full parameters for the main process to write
+    net.save_params(f_params=os.path.join(folder, 'direct.pt'))
+    try:
+        net.load_params(f_params=os.path.join(folder, 'direct.pt'))
+        load_refused = None
+    except ValueError as exc:
+        load_refused = str(exc)
     write_result('params', {
         'num_processes': accelerator.num_processes,
         'rank': rank(),
         # a collective: every rank predicts on all of X
         'proba': net.predict_proba(X).tolist(),
         'unwrapped': inside,
-        'refused': refusals(accelerator, folder),
+        'refused': dict(refusals(accelerator, folder), load_params=load_refused),
     })
     accelerator.end_training()
 
