@@ -21,10 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	@echo "make test: about 28 minutes on 2 cores; near the end the last slow launches print nothing for minutes"
-	$(PY) -m pytest -n 2 --dist loadfile --durations=10 tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10 tests
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile -m "not slow and not faults" tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not faults" tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -33,6 +33,32 @@ def run_workers(tmp_path):
     return run
 
 
+# The files that take longest, longest first (measured on 2 cores with
+# --durations). pytest-xdist hands out whole files (--dist loadfile) in
+# collection order (--no-loadscope-reorder; by default it orders them by
+# their number of tests, which put these one-test files last, where one
+# worker ran two of them in turn while the other had nothing left): each of
+# the two workers starts on one of the longest.
+LONGEST_FIRST = (
+    'faults/test_mid_epoch_kills.py', 'faults/test_random_kills.py',
+    'test_preemption.py', 'test_inspect.py', 'test_examples.py',
+    'test_resume_exact.py', 'test_checkpoint.py', 'test_remote.py',
+    'test_mid_epoch.py', 'faults/test_upload_kills.py', 'test_fsdp.py',
+    'test_lifecycle.py', 'faults/test_params_kills.py', 'test_world_size.py',
+    'test_async_save.py', 'test_params.py', 'faults/test_one_rank_dies.py',
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    order = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    tests = config.rootpath / 'tests'
+
+    def rank(item):
+        return order.get(item.path.relative_to(tests).as_posix(), len(order))
+    # a stable sort: the tests of a file keep their order
+    items.sort(key=rank)
+
+
 def pytest_terminal_summary(terminalreporter):
     """Print what tests recorded with ``record_property('summary', text)``.
 
