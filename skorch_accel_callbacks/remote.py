@@ -2,7 +2,8 @@
 
 A store has no rename to commit with: a checkpoint is committed into a
 local staging folder exactly as a local save is (training waits no
-longer), then uploaded in the background: its files, its manifest last
+longer), then uploaded in the background
+(:mod:`~skorch_accel_callbacks.transfer`): its files, its manifest last
 with a create-only write (``If-None-Match: *`` on S3), then the pointers.
 In the store a checkpoint is complete exactly when its manifest is there
 and every file it lists has its listed size: an upload cut short leaves
@@ -18,7 +19,6 @@ included).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from skorch_accel_callbacks import accelerate_io, atomic, format, sync
+from skorch_accel_callbacks import accelerate_io, atomic, format, sync, transfer
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, Found, is_committer
 from skorch_accel_callbacks.lease import take_lease
@@ -120,8 +120,11 @@ class RemoteStorage:
             self._fs, self._root = fsspec.core.url_to_fs(self.dirname, **self.storage_options)
         return self._fs, self._root
 
+    def _store(self) -> transfer.Store:
+        return transfer.Store(*self._filesystem(), self.dirname)
+
     def _remote(self, *parts: str) -> str:
-        return '/'.join((self._filesystem()[1], *(part.replace(os.sep, '/') for part in parts)))
+        return self._store().path(*parts)
 
     # ------------------------------------------------------------ claiming
 
@@ -224,39 +227,17 @@ class RemoteStorage:
         self._pending.append(self._executor.submit(work, *args))
 
     def _upload(self, name: str, best: bool) -> None:
-        fs, _ = self._filesystem()
-        local = self.staging.path(name)
-        manifest = os.path.join(local, format.MANIFEST_NAME)
-        with open(manifest, 'rb') as file:
-            sealed = file.read()
-        files = list(json.loads(sealed)['files'])
-        if name in self._known:
-            # an epoch trained again after resuming from an older checkpoint
-            # replaces it, as in a local folder; its manifest goes first, so
-            # that no reader takes the old manifest for the new files
-            with contextlib.suppress(FileNotFoundError):
-                fs.rm_file(self._remote(name, format.MANIFEST_NAME))
-        # one call: an async filesystem (s3fs) sends the files concurrently
-        fs.put([os.path.join(local, rel) for rel in files],
-               [self._remote(name, rel) for rel in files])
-        target = self.url(name) + '/' + format.MANIFEST_NAME
-        if self._lease is not None:
-            # another job that took over an expired lease owns the store now
-            self._lease.check()
-        try:
-            fs.pipe_file(self._remote(name, format.MANIFEST_NAME), sealed, mode='create')
-        except FileExistsError as exc:
-            raise CheckpointError(
-                f"{target} exists already: another job committed {self.url(name)} "
-                "while this one trained; only one job may save into a dirname") from exc
-        pointer = json.dumps({'name': name}).encode()
-        fs.pipe_file(self._remote(format.pointer_name('latest')), pointer)
-        if best:
-            fs.pipe_file(self._remote(format.pointer_name('best')), pointer)
+        transfer.upload(self._store(), self.staging.path(name), name, best,
+                        replace=name in self._known, before_manifest=self._check_lease)
         self._known.add(name)
         for other in self.staging.committed():
             if other != name:
                 atomic.discard(self.staging.path(other))
+
+    def _check_lease(self) -> None:
+        if self._lease is not None:
+            # another job that took over an expired lease owns the store now
+            self._lease.check()
 
     def retire(self, keep_last: int, keep_best: int | None = None,
                keep: Iterable[str | None] = ()) -> None:
@@ -316,9 +297,8 @@ class RemoteStorage:
         """The manifest of checkpoint ``name`` in the store (``{}`` if it
         cannot be read) and why the checkpoint is not complete there (None
         if it is), without downloading it."""
-        fs, _ = self._filesystem()
         try:
-            sealed, _ = _check_remote(fs, self._remote(name), self.url(name))
+            sealed, _ = transfer.check_remote(self._store(), name)
             return json.loads(sealed), None
         except CorruptCheckpointError as exc:
             try:
@@ -395,13 +375,13 @@ class RemoteStorage:
     def _fetch(self, name: str) -> Found:
         """Checkpoint ``name`` checked in the store, downloaded unless the
         staging folder has it complete, and checked again there."""
-        fs, _ = self._filesystem()
-        sealed, files = _check_remote(fs, self._remote(name), self.url(name))
+        store = self._store()
+        sealed, files = transfer.check_remote(store, name)
         local = self.staging.path(name)
         if not (_holds(os.path.join(local, format.MANIFEST_NAME), sealed)
                 and not format.check(local)[1]):
             # a partial folder renamed into place once complete, as a save
-            _download(fs, self._remote(name), files, sealed, self.staging.start(name))
+            transfer.download(store, name, files, sealed, self.staging.start(name))
             replaced = atomic.replace_folder(self.staging.partial_path(name), local)
             if replaced is not None:
                 replaced.join()
@@ -410,41 +390,3 @@ class RemoteStorage:
             raise problems[0].error
         return Found(local, manifest)
 
-
-def _check_remote(fs: Any, remote: str, url: str) -> tuple[bytes, list[str]]:
-    """The manifest's bytes and the files of the checkpoint at ``remote``
-    (of URL ``url``) in the store; :class:`CorruptCheckpointError` naming
-    the URL at fault."""
-    target = f"{url}/{format.MANIFEST_NAME}"
-    try:
-        sealed = fs.cat_file(f"{remote}/{format.MANIFEST_NAME}")
-        files = json.loads(sealed)['files']
-        if not isinstance(files, dict):
-            raise TypeError("'files' is not an object")
-    except FileNotFoundError as exc:
-        raise CorruptCheckpointError(f"{target} is missing") from exc
-    except (ValueError, TypeError, KeyError) as exc:
-        raise CorruptCheckpointError(f"{target} is not a manifest: {exc}") from exc
-    fs.invalidate_cache(remote)
-    sizes = {path[len(remote) + 1:]: info['size']
-             for path, info in fs.find(remote, detail=True).items()}
-    for rel, size in files.items():
-        rel = rel.replace(os.sep, '/')
-        if rel not in sizes:
-            raise CorruptCheckpointError(f"{url}/{rel} is missing (listed in {target})")
-        if sizes[rel] != size:
-            raise CorruptCheckpointError(
-                f"{url}/{rel} has {sizes[rel]} bytes, {target} says {size}: "
-                "the file is damaged")
-    return sealed, list(files)
-
-
-def _download(fs: Any, remote: str, files: list[str], sealed: bytes, partial: str) -> None:
-    """Download the checkpoint at ``remote`` into the empty folder
-    ``partial``: its files, then the manifest ``sealed`` last."""
-    targets = [os.path.join(partial, rel) for rel in files]
-    for folder in {os.path.dirname(path) for path in targets}:
-        os.makedirs(folder, exist_ok=True)
-    fs.get([f"{remote}/{rel.replace(os.sep, '/')}" for rel in files], targets)
-    with open(os.path.join(partial, format.MANIFEST_NAME), 'wb') as file:
-        file.write(sealed)
