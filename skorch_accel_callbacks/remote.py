@@ -243,10 +243,12 @@ class RemoteStorage:
             raise
         except Exception as exc:
             raise CheckpointError(
-                f"the upload of {self.url(name)} failed ({type(exc).__name__}: {exc}); "
-                f"nothing is lost: the checkpoint stays staged in {self.staging.path(name)}, "
-                "which the next job on this machine with this dirname and local_dir uploads "
-                "before it trains") from exc
+                f"the upload of {self.url(name)} failed ({type(exc).__name__}: {exc}); the "
+                f"checkpoint stays staged in {self.staging.path(name)}, " + (
+                    "which the next job on this machine with this dirname and local_dir "
+                    "uploads before it trains: nothing is lost" if self._known else
+                    "but the store holds no checkpoint yet: the next job starts afresh")
+            ) from exc
         self._known.add(name)
         for other in self.staging.committed():
             if other != name:
