@@ -340,7 +340,9 @@ def test_a_refused_upload_fails_training_on_every_rank(s3_bucket, run_workers):
 
 
 # ---------------------------------------------------------------- robustness
+# (in the full suite only: the quick one is at its limit)
 
+@pytest.mark.slow
 def test_leftovers_of_a_cut_upload_are_ignored_then_removed_at_the_next_claim(s3_bucket):
     url = f's3://{s3_bucket}/run'
     fit(url, max_epochs=2)
@@ -365,6 +367,7 @@ def test_leftovers_of_a_cut_upload_are_ignored_then_removed_at_the_next_claim(s3
     assert cp.committed() == ['epoch-0002', 'epoch-0003']
 
 
+@pytest.mark.slow
 def test_a_download_whose_bytes_differ_is_refused_naming_the_url(s3_bucket):
     url = f's3://{s3_bucket}/run'
     _, cp, _ = fit(url, max_epochs=2)
@@ -382,6 +385,7 @@ def test_a_download_whose_bytes_differ_is_refused_naming_the_url(s3_bucket):
         assert storage.find_checkpoint('latest').manifest['epoch'] == 1
 
 
+@pytest.mark.slow
 def test_every_object_is_sent_with_a_crc32_that_the_store_keeps(s3_bucket):
     """Also where botocore adds a checksum only when an operation requires
     one (``when_required``, as older botocore did)."""
@@ -398,6 +402,7 @@ def test_every_object_is_sent_with_a_crc32_that_the_store_keeps(s3_bucket):
         assert head.get('ChecksumCRC32') == base64.b64encode(crc).decode(), rel
 
 
+@pytest.mark.slow
 def test_missing_credentials_are_refused_before_training(s3_bucket, monkeypatch, tmp_path):
     for name in ('AWS_ACCESS_KEY_ID', 'AWS_SECRET_ACCESS_KEY'):
         monkeypatch.delenv(name)
