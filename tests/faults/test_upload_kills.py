@@ -54,18 +54,23 @@ def draw(rng, done, fired):
 
 
 def expected_resume(url):
-    """The checkpoint a launch on ``url`` must resume from, as staged: the
-    newest complete one in the store, or the newer complete one of the
-    staging folder whose upload was cut (if the store has any); None."""
+    """The checkpoint a launch on ``url`` must resume from and the epochs
+    it holds: the newest complete one in the store, or the newer complete
+    one of the staging folder whose upload was cut (if the store has any);
+    ``(None, 0)``."""
     storage = RemoteStorage(url)
-    remote = [name for name in storage.committed() if storage.check(name)[1] is None]
+    remote = {name: storage.check(name) for name in storage.committed()}
+    remote = {name: manifest for name, (manifest, problem) in remote.items() if problem is None}
     if not remote:
-        return None
-    staged = CheckpointFolder(storage.local_dir).committed()
+        return None, 0
     newest = max(remote)
-    if staged and max(staged) > newest and not format.check(storage.path(max(staged)))[1]:
-        newest = max(staged)
-    return storage.path(newest)
+    manifest = remote[newest]
+    staged = CheckpointFolder(storage.local_dir).committed()
+    if staged and max(staged) > newest:
+        staged_manifest, problems = format.check(storage.path(max(staged)))
+        if not problems:
+            newest, manifest = max(staged), staged_manifest
+    return storage.url(newest), manifest['epoch']
 
 
 def leftovers(url):
@@ -87,9 +92,7 @@ def one_run(seed, url, folder, reference, figures):
     kills = 0
     for launch_no in range(KILLS_PER_RUN + 1):
         tag = f'launch{launch_no}'
-        expected = expected_resume(url)
-        done = read_json(os.path.join(expected, format.MANIFEST_NAME))['epoch'] if expected \
-            else 0
+        expected, done = expected_resume(url)
         env = {}
         if kills < KILLS_PER_RUN and done < EPOCHS:
             epoch, point = draw(rng, done, figures['fired'])
