@@ -461,6 +461,8 @@ def cut_fit(network, url, drop_on, cut_on, max_epochs, *callbacks):
 
 
 @pytest.mark.slow
+# SignalAt has no state to checkpoint
+@pytest.mark.filterwarnings('ignore:.*SignalAt.* act on every batch:UserWarning')
 def test_an_upload_the_network_cuts_fails_naming_the_staged_checkpoint(s3_bucket, network):
     """The error says the upload failed, names its URL and the staged
     checkpoint, which the next job of the machine uploads: at the next
