@@ -368,6 +368,17 @@ def test_leftovers_of_a_cut_upload_are_ignored_then_removed_at_the_next_claim(s3
 
 
 @pytest.mark.slow
+def test_the_next_job_of_the_machine_finishes_the_pointers_of_a_cut_upload(s3_bucket):
+    url = f's3://{s3_bucket}/run'
+    fit(url, max_epochs=2)
+    # killed after the manifest of epoch-0002, before its latest.json
+    s3().pipe_file(f'{s3_bucket}/run/latest.json', b'{"name": "epoch-0001"}')
+    _, cp, load = fit(url, max_epochs=3)
+    assert load.loaded_from_ == f'{url}/epoch-0002'
+    assert cp.committed() == ['epoch-0002', 'epoch-0003']
+
+
+@pytest.mark.slow
 def test_a_download_whose_bytes_differ_is_refused_naming_the_url(s3_bucket):
     url = f's3://{s3_bucket}/run'
     _, cp, _ = fit(url, max_epochs=2)
