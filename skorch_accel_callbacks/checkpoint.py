@@ -93,8 +93,8 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
       the states are copied to host memory. One save is in flight at a time.
 
     local_dir : str or None (default=None)
-      With a store's URL: the local folder saves are staged in (a node-local
-      disk; None: one under the system's temporary folder).
+      With a store's URL: where saves are staged (None: under the system's temp
+      folder), uploaded one at a time: a save due meanwhile waits (``sink`` says how long).
 
     storage_options : dict or None (default=None)
       With a store's URL: fsspec's options for its filesystem (endpoint, profile).
@@ -186,7 +186,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self.close()
         self.folder_: CheckpointStorage = self.open_storage()
         writer = SyncWriter(self.folder_, Retention(self.keep_last, self.keep_best),
-                            self.durable, self.safe_serialization)
+                            self.durable, self.safe_serialization, self.sink)
         self.writer_ = BackgroundWriter(writer) if self.async_save else writer
         self.last_saved_ = None
         self.global_step_ = 0

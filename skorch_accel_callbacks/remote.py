@@ -2,7 +2,8 @@
 
 A store has no rename to commit with: a checkpoint is committed into a
 local staging folder exactly as a local save is (training waits no
-longer), then uploaded in the background: its files, its manifest last
+longer), then uploaded in the background
+(:mod:`~skorch_accel_callbacks.transfer`): its files, its manifest last
 with a create-only write (``If-None-Match: *`` on S3), then the pointers.
 In the store a checkpoint is complete exactly when its manifest is there
 and every file it lists has its listed size: an upload cut short leaves
@@ -18,21 +19,21 @@ included).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
-from skorch_accel_callbacks import accelerate_io, atomic, format, sync
+from skorch_accel_callbacks import accelerate_io, atomic, format, sync, transfer
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, Found, is_committer
-from skorch_accel_callbacks.lease import take_lease
+from skorch_accel_callbacks.lease import ObjectLease, take_lease
+from skorch_accel_callbacks.lock import FolderInUseError
 
 __all__ = ['RemoteStorage', 'default_staging', 'is_remote']
 
@@ -49,11 +50,6 @@ def default_staging(url: str) -> str:
     process of a machine, and another for each URL."""
     digest = hashlib.sha1(url.encode()).hexdigest()[:12]
     return os.path.join(tempfile.gettempdir(), 'skorch-accel-staging', digest)
-
-
-def _holds(path: str, data: bytes) -> bool:
-    """Whether the file ``path`` exists and holds ``data``."""
-    return os.path.isfile(path) and Path(path).read_bytes() == data
 
 
 class RemoteStorage:
@@ -88,7 +84,8 @@ class RemoteStorage:
         self._fs = None
         self._root = None
         self._executor: ThreadPoolExecutor | None = None
-        self._pending: list[Future] = []
+        # the background work, and the URL of each upload among it
+        self._pending: list[tuple[Future, str | None]] = []
         # in the store when this job took it, or committed by it: replaceable
         self._known: set[str] = set()
         # the one-job lock in the store (lease.ObjectLease), taken in claim
@@ -120,8 +117,11 @@ class RemoteStorage:
             self._fs, self._root = fsspec.core.url_to_fs(self.dirname, **self.storage_options)
         return self._fs, self._root
 
+    def _store(self) -> transfer.Store:
+        return transfer.Store(*self._filesystem(), self.dirname)
+
     def _remote(self, *parts: str) -> str:
-        return '/'.join((self._filesystem()[1], *(part.replace(os.sep, '/') for part in parts)))
+        return self._store().path(*parts)
 
     # ------------------------------------------------------------ claiming
 
@@ -142,50 +142,54 @@ class RemoteStorage:
                 raise CheckpointError(
                     f"save_on_each_node=True with checkpoints in {self.dirname}: each node "
                     "would upload the same checkpoints; set save_on_each_node=False")
+            # on every rank: each raises the store's refusal itself
+            self._check_reachable()
             if is_committer(net):
-                self._check_reachable()
                 self._known = set(self.committed())
         # the staging folder's lock keeps a second job of this machine out
         self.staging.claim(net)
         with sync.agree(net, f"finishing an upload into {self.dirname}"):
             if is_committer(net):
                 # one job at a time in the store, before this one changes it
-                self._lease = take_lease(self._filesystem()[0], self._remote(format.LEASE_NAME))
+                self._lease = _take_lease(self._store())
                 self._finish_upload()
+                self._remove_leftovers()
         self._claimed = True
 
     def _check_reachable(self) -> None:
         try:
-            fs, root = self._filesystem()
+            store = self._store()
         except (ImportError, ValueError) as exc:
             raise CheckpointError(
                 f"cannot open {self.dirname}: {exc} (pip install "
                 "skorch-accel-callbacks[s3] for s3://)") from exc
-        bucket = root.split('/', 1)[0]
-        try:
-            fs.invalidate_cache()
-            fs.info(bucket)
-        except FileNotFoundError as exc:
-            raise CheckpointError(
-                f"cannot save into {self.dirname}: the bucket {bucket} does not exist") from exc
-        except PermissionError as exc:
-            raise CheckpointError(
-                f"cannot save into {self.dirname}: access refused ({exc}); check "
-                "the credentials") from exc
-        except OSError as exc:
-            raise CheckpointError(f"cannot reach {self.dirname}: {exc}") from exc
+        transfer.check_reachable(store)
 
     def _finish_upload(self) -> None:
-        """Upload the checkpoint that a job of this machine committed into
-        the staging folder but was killed before it uploaded: the newest
-        staged one, if it is complete and newer than every one in the store
-        (names sort in training order). A store emptied by hand stays empty."""
+        """Finish the upload of the checkpoint that a job of this machine
+        committed into the staging folder but was killed before it uploaded
+        it, or before it wrote the pointers: the newest staged one, if it is
+        complete and not older than every one in the store (names sort in
+        training order). A store emptied by hand stays empty."""
         staged = self.staging.committed()
-        if not (self._known and staged) or max(staged) <= max(self._known):
+        if not (self._known and staged) or max(staged) < max(self._known):
             return
-        manifest, problems = format.check(self.staging.path(max(staged)))
-        if not problems:
-            self._upload(max(staged), bool(manifest.get('best')))
+        name = max(staged)
+        manifest, problems = format.check(self.staging.path(name))
+        if problems:
+            return
+        if name not in self._known:
+            self._upload(name, bool(manifest.get('best')))
+        elif (self.pointed('latest') != name and transfer.holds(
+                self._store(), name, self.staging.path(name))):
+            transfer.point(self._store(), name, bool(manifest.get('best')))
+
+    def _remove_leftovers(self) -> None:
+        """Remove what killed or failed uploads left in the store, once the
+        cut one is finished and under the lease (no other job writes): the
+        unfinished multipart uploads, the checkpoint folders without a manifest."""
+        transfer.abort_uploads(self._store())
+        transfer.remove_unsealed(self._store(), set(self.committed()))
 
     def release(self) -> None:
         """End this job's claim: the upload thread ends once its work is
@@ -196,10 +200,16 @@ class RemoteStorage:
                 self._executor.shutdown(wait=True)
                 self._executor = None
         finally:
-            if self._lease is not None:
-                self._lease.release()
-                self._lease = None
-            self.staging.release()
+            lease, self._lease = self._lease, None
+            try:
+                if lease is not None:
+                    lease.release()
+            except Exception as exc:
+                # the store out of reach: the error a training raises goes on
+                warnings.warn(f"could not remove the lease of {self.dirname} ({exc!r}): it "
+                              f"expires {lease.ttl_seconds:g} s after its last renewal")
+            finally:
+                self.staging.release()
 
     # ------------------------------------------------------------ writing
 
@@ -214,49 +224,41 @@ class RemoteStorage:
             raise RuntimeError(f"the upload before {self.url(name)} was not waited for")
         written = self.staging.commit(name, sealed, durable=durable, best=best,
                                       started=started)
-        self._submit(self._upload, name, best)
+        self._submit(self.url(name), self._upload, name, best)
         return written
 
-    def _submit(self, work: Any, *args: Any) -> None:
+    def _submit(self, upload: str | None, work: Any, *args: Any) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix='checkpoint-upload')
-        self._pending.append(self._executor.submit(work, *args))
+        self._pending.append((self._executor.submit(work, *args), upload))
 
-    def _upload(self, name: str, best: bool) -> None:
-        fs, _ = self._filesystem()
-        local = self.staging.path(name)
-        manifest = os.path.join(local, format.MANIFEST_NAME)
-        with open(manifest, 'rb') as file:
-            sealed = file.read()
-        files = list(json.loads(sealed)['files'])
-        if name in self._known:
-            # an epoch trained again after resuming from an older checkpoint
-            # replaces it, as in a local folder; its manifest goes first, so
-            # that no reader takes the old manifest for the new files
-            with contextlib.suppress(FileNotFoundError):
-                fs.rm_file(self._remote(name, format.MANIFEST_NAME))
-        # one call: an async filesystem (s3fs) sends the files concurrently
-        fs.put([os.path.join(local, rel) for rel in files],
-               [self._remote(name, rel) for rel in files])
-        target = self.url(name) + '/' + format.MANIFEST_NAME
-        if self._lease is not None:
-            # another job that took over an expired lease owns the store now
-            self._lease.check()
+    def _upload(self, name: str, best: bool) -> float:
+        """Upload checkpoint ``name`` from the staging folder; the seconds it took."""
+        started = time.monotonic()
         try:
-            fs.pipe_file(self._remote(name, format.MANIFEST_NAME), sealed, mode='create')
-        except FileExistsError as exc:
+            transfer.upload(self._store(), self.staging.path(name), name, best,
+                            replace=name in self._known, before_manifest=self._check_lease)
+        except (CheckpointError, FolderInUseError):
+            raise
+        except Exception as exc:
             raise CheckpointError(
-                f"{target} exists already: another job committed {self.url(name)} "
-                "while this one trained; only one job may save into a dirname") from exc
-        pointer = json.dumps({'name': name}).encode()
-        fs.pipe_file(self._remote(format.pointer_name('latest')), pointer)
-        if best:
-            fs.pipe_file(self._remote(format.pointer_name('best')), pointer)
+                f"the upload of {self.url(name)} failed ({type(exc).__name__}: {exc}); the "
+                f"checkpoint stays staged in {self.staging.path(name)}, " + (
+                    "which the next job on this machine with this dirname and local_dir "
+                    "uploads before it trains: nothing is lost" if self._known else
+                    "but the store holds no checkpoint yet: the next job starts afresh")
+            ) from exc
         self._known.add(name)
         for other in self.staging.committed():
             if other != name:
                 atomic.discard(self.staging.path(other))
+        return time.monotonic() - started
+
+    def _check_lease(self) -> None:
+        if self._lease is not None:
+            # another job that took over an expired lease owns the store now
+            self._lease.check()
 
     def retire(self, keep_last: int, keep_best: int | None = None,
                keep: Iterable[str | None] = ()) -> None:
@@ -264,8 +266,8 @@ class RemoteStorage:
         the best one (or the ``keep_best`` newest marked best) and those in
         ``keep``, once the upload before it succeeded: a checkpoint's
         manifest first, then its files."""
-        upload = self._pending[-1] if self._pending else None
-        self._submit(self._retire, upload, keep_last, keep_best, tuple(keep))
+        upload = self._pending[-1][0] if self._pending else None
+        self._submit(None, self._retire, upload, keep_last, keep_best, tuple(keep))
 
     def _retire(self, upload: Future | None, keep_last: int, keep_best: int | None,
                 keep: tuple[str | None, ...]) -> None:
@@ -286,18 +288,28 @@ class RemoteStorage:
                 warnings.warn(f"could not remove old checkpoint {self.url(name)}: {exc}",
                               UserWarning)
 
-    def wait(self) -> None:
+    def wait(self) -> str | None:
         """Wait for the upload, the retirement and the staging folder's
-        removals; raise the first that failed."""
+        removals; raise the first that failed. Return what to tell the
+        user: how long the upload took, and how long this wait blocked if
+        it was still running (a save due while the previous upload runs
+        waits for it), or None."""
         pending, self._pending = self._pending, []
-        error = None
-        for future in pending:
+        began, busy = time.monotonic(), not all(future.done() for future, _ in pending)
+        error, said = None, []
+        for future, upload in pending:
             exc = future.exception()
             if exc is not None and error is None:
                 error = exc
+            elif exc is None and upload is not None:
+                said.append(f"Uploaded {upload} in {future.result():.2f} s")
+        waited = time.monotonic() - began
         self.staging.wait()
         if error is not None:
             raise error
+        if not said:
+            return None
+        return '; '.join(said) + (f" (training waited {waited:.2f} s for it)" if busy else '')
 
     # ------------------------------------------------------------ reading
 
@@ -316,9 +328,8 @@ class RemoteStorage:
         """The manifest of checkpoint ``name`` in the store (``{}`` if it
         cannot be read) and why the checkpoint is not complete there (None
         if it is), without downloading it."""
-        fs, _ = self._filesystem()
         try:
-            sealed, _ = _check_remote(fs, self._remote(name), self.url(name))
+            sealed, _ = transfer.check_remote(self._store(), name)
             return json.loads(sealed), None
         except CorruptCheckpointError as exc:
             try:
@@ -395,56 +406,28 @@ class RemoteStorage:
     def _fetch(self, name: str) -> Found:
         """Checkpoint ``name`` checked in the store, downloaded unless the
         staging folder has it complete, and checked again there."""
-        fs, _ = self._filesystem()
-        sealed, files = _check_remote(fs, self._remote(name), self.url(name))
+        store = self._store()
+        sealed, files = transfer.check_remote(store, name)
         local = self.staging.path(name)
-        if not (_holds(os.path.join(local, format.MANIFEST_NAME), sealed)
-                and not format.check(local)[1]):
-            # a partial folder renamed into place once complete, as a save
-            _download(fs, self._remote(name), files, sealed, self.staging.start(name))
-            replaced = atomic.replace_folder(self.staging.partial_path(name), local)
-            if replaced is not None:
-                replaced.join()
-        manifest, problems = format.check(local)
-        if problems:
-            raise problems[0].error
+        if transfer.holds_manifest(local, sealed):
+            manifest, problems = format.check(local)
+            if not problems:
+                return Found(local, manifest)
+        # a partial folder renamed into place once complete, as a save
+        partial = self.staging.start(name)
+        manifest = transfer.download(store, name, files, sealed, partial)
+        replaced = atomic.replace_folder(partial, local)
+        if replaced is not None:
+            replaced.join()
         return Found(local, manifest)
 
 
-def _check_remote(fs: Any, remote: str, url: str) -> tuple[bytes, list[str]]:
-    """The manifest's bytes and the files of the checkpoint at ``remote``
-    (of URL ``url``) in the store; :class:`CorruptCheckpointError` naming
-    the URL at fault."""
-    target = f"{url}/{format.MANIFEST_NAME}"
+def _take_lease(store: transfer.Store) -> ObjectLease | None:
     try:
-        sealed = fs.cat_file(f"{remote}/{format.MANIFEST_NAME}")
-        files = json.loads(sealed)['files']
-        if not isinstance(files, dict):
-            raise TypeError("'files' is not an object")
-    except FileNotFoundError as exc:
-        raise CorruptCheckpointError(f"{target} is missing") from exc
-    except (ValueError, TypeError, KeyError) as exc:
-        raise CorruptCheckpointError(f"{target} is not a manifest: {exc}") from exc
-    fs.invalidate_cache(remote)
-    sizes = {path[len(remote) + 1:]: info['size']
-             for path, info in fs.find(remote, detail=True).items()}
-    for rel, size in files.items():
-        rel = rel.replace(os.sep, '/')
-        if rel not in sizes:
-            raise CorruptCheckpointError(f"{url}/{rel} is missing (listed in {target})")
-        if sizes[rel] != size:
-            raise CorruptCheckpointError(
-                f"{url}/{rel} has {sizes[rel]} bytes, {target} says {size}: "
-                "the file is damaged")
-    return sealed, list(files)
-
-
-def _download(fs: Any, remote: str, files: list[str], sealed: bytes, partial: str) -> None:
-    """Download the checkpoint at ``remote`` into the empty folder
-    ``partial``: its files, then the manifest ``sealed`` last."""
-    targets = [os.path.join(partial, rel) for rel in files]
-    for folder in {os.path.dirname(path) for path in targets}:
-        os.makedirs(folder, exist_ok=True)
-    fs.get([f"{remote}/{rel.replace(os.sep, '/')}" for rel in files], targets)
-    with open(os.path.join(partial, format.MANIFEST_NAME), 'wb') as file:
-        file.write(sealed)
+        return take_lease(store.fs, store.path(format.LEASE_NAME))
+    except FolderInUseError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot save into {store.dirname}: writing its lease failed "
+            f"({type(exc).__name__}: {exc}); check that the credentials may write") from exc

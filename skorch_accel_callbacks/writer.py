@@ -17,12 +17,15 @@ failure at the next :meth:`~BackgroundWriter.wait`. Every save ends in a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
+from skorch.utils import noop
+
 from skorch_accel_callbacks import accelerate_io, compat, epoch_position, sync, training_state
-from skorch_accel_callbacks.base import format_bytes
+from skorch_accel_callbacks.base import format_bytes, say
 from skorch_accel_callbacks.folder import is_committer
 from skorch_accel_callbacks.stager import HostStager, Staged
 from skorch_accel_callbacks.storage import CheckpointStorage
@@ -136,14 +139,18 @@ class SyncWriter:
       Flush every file before the commit.
     safe_serialization : bool
       Models in safetensors (``accelerator.save_state``'s argument).
+    sink : callable
+      Where what the storage's background work says goes (main process
+      only): an upload's time, and how long a wait for it blocked.
     """
 
     def __init__(self, storage: CheckpointStorage, retention: Retention, durable: bool = True,
-                 safe_serialization: bool = True) -> None:
+                 safe_serialization: bool = True, sink: Callable[[str], Any] = noop) -> None:
         self.storage = storage
         self.retention = retention
         self.durable = durable
         self.safe_serialization = safe_serialization
+        self.sink = sink
 
     def save(self, net: Any, request: SaveRequest) -> SaveReport:
         started = time.monotonic()
@@ -159,7 +166,9 @@ class SyncWriter:
         """Wait for the storage's background work (removals, an upload);
         it raises on every rank if it failed."""
         with sync.agree(net, f"finishing the background work of {self.storage.dirname}"):
-            self.storage.wait()
+            said = self.storage.wait()
+        if said:
+            say(net, self.sink, said)
 
     def busy(self) -> bool:
         return False
@@ -284,7 +293,9 @@ class BackgroundWriter:
             if future is not None:
                 report = future.result()
             # after the commit: it starts them (removals, an upload)
-            self.storage.wait()
+            said = self.storage.wait()
+        if said:
+            say(net, self.writer.sink, said)
         return report
 
     def busy(self) -> bool:

@@ -4,6 +4,14 @@ Tests talk to it through s3fs over HTTP, as a job talks to S3; nothing of
 s3fs or boto is replaced. Each test gets a bucket of its own.
 """
 
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
 import uuid
 
 import s3fs
@@ -31,3 +39,113 @@ def new_bucket(fs):
     name = f'test-{uuid.uuid4().hex[:12]}'
     fs.mkdir(name)
     return name
+
+
+class Proxy:
+    """The network between a job and a server: a TCP proxy on a free port
+    of 127.0.0.1 that forwards to ``port``, and that a test can cut.
+
+    Once cut, every connection through it is closed and new ones are
+    refused (nothing listens on its port), as when the network is down;
+    :meth:`restore` listens on the same port again. With ``cut_on`` (a
+    regular expression of bytes), the proxy cuts itself when a request
+    matches it, before forwarding it; with ``drop_on``, it drops every
+    request that matches, each retry too, and forwards the others. Either
+    sets ``fired`` when it acts.
+    """
+
+    def __init__(self, port):
+        self.target = port
+        self.cut_on = None
+        self.drop_on = None
+        self.fired = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets = set()
+        self._listener = None
+        self.port = None
+        self.restore()
+
+    @property
+    def endpoint(self):
+        return f'http://127.0.0.1:{self.port}'
+
+    def restore(self):
+        """Accept connections (again, on the same port)."""
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(('127.0.0.1', self.port or 0))
+        listener.listen()
+        self.port = listener.getsockname()[1]
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def cut(self):
+        """Close every connection and stop listening."""
+        with self._lock:
+            self._listener.close()
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            self._sockets.clear()
+
+    def _accept(self, listener):
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # cut
+            server = socket.create_connection(('127.0.0.1', self.target))
+            with self._lock:
+                self._sockets |= {client, server}
+            threading.Thread(target=self._forward, args=(client, server, True),
+                             daemon=True).start()
+            threading.Thread(target=self._forward, args=(server, client, False),
+                             daemon=True).start()
+
+    def _forward(self, source, target, request):
+        try:
+            while data := source.recv(1 << 16):
+                if request and self.cut_on is not None and re.search(self.cut_on, data):
+                    self.cut_on = None
+                    self.fired.set()
+                    self.cut()
+                    return
+                if request and self.drop_on is not None and re.search(self.drop_on, data):
+                    self.fired.set()
+                    return
+                target.sendall(data)
+        except OSError:
+            pass  # cut, or closed by the other side
+        finally:
+            for sock in (source, target):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
+def start_auth_server():
+    """A moto server in a subprocess that refuses unknown credentials (it
+    checks signatures: ``INITIAL_NO_AUTH_ACTION_COUNT=0``); the process and
+    its endpoint URL. Stop it with ``process.kill()``."""
+    port = free_port()
+    moto_server = os.path.join(os.path.dirname(sys.executable), 'moto_server')
+    process = subprocess.Popen(
+        [moto_server, '-H', '127.0.0.1', '-p', str(port)],
+        env=dict(os.environ, INITIAL_NO_AUTH_ACTION_COUNT='0'),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(('127.0.0.1', port), timeout=1).close()
+            return process, f'http://127.0.0.1:{port}'
+        except OSError:
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"moto_server did not start on port {port}") from None
+            time.sleep(0.1)

@@ -5,12 +5,15 @@ Each test gets a fresh bucket of one local S3 server (tests/conftest.py
 folder is a new machine that has only the bucket.
 """
 
+import base64
 import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
+import zlib
 
 import fsspec
 import pytest
@@ -20,7 +23,15 @@ from skorch.callbacks import Callback
 
 from common import make_accelerator, make_data, make_net
 from launcher import launch
-from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
+from s3server import Proxy
+from skorch_accel_callbacks import (
+    AccelerateCheckpoint,
+    AccelerateLoadInitState,
+    CheckpointError,
+    CorruptCheckpointError,
+    TrainingPreempted,
+    format,
+)
 from skorch_accel_callbacks.folder import CheckpointFolder
 from skorch_accel_callbacks.lock import FolderInUseError
 from skorch_accel_callbacks.remote import RemoteStorage, default_staging
@@ -326,3 +337,216 @@ def test_a_refused_upload_fails_training_on_every_rank(s3_bucket, run_workers):
     assert [res['epochs'] for res in results] == [2, 2]
     assert json.loads(s3().cat_file(f'{s3_bucket}/run/epoch-0001/manifest.json')) == {
         'written by': 'another job'}
+
+
+# ---------------------------------------------------------------- robustness
+# (in the full suite only: the quick one is at its limit)
+
+@pytest.mark.slow
+def test_leftovers_of_a_cut_upload_are_ignored_then_removed_at_the_next_claim(s3_bucket):
+    url = f's3://{s3_bucket}/run'
+    fit(url, max_epochs=2)
+    fs = s3()
+    # what a job killed while uploading epoch-0009 leaves: some of its
+    # files, and a multipart upload of another that was never completed
+    fs.pipe_file(f'{s3_bucket}/run/epoch-0009/model.safetensors', b'half of it')
+    key = 'run/epoch-0009/optimizer.bin'
+    unfinished = fs.call_s3('create_multipart_upload', Bucket=s3_bucket, Key=key)
+    fs.call_s3('upload_part', Bucket=s3_bucket, Key=key, PartNumber=1,
+               UploadId=unfinished['UploadId'], Body=b'a part')
+    # not under the folder: not this job's to abort
+    fs.call_s3('create_multipart_upload', Bucket=s3_bucket, Key='run-other/file')
+    storage = open_storage(url)
+    assert storage.committed() == ['epoch-0001', 'epoch-0002']
+    assert storage.find_checkpoint('latest').manifest['epoch'] == 2
+    _, cp, load = fit(url, max_epochs=3)
+    assert load.loaded_from_.endswith('epoch-0002')
+    uploads = fs.call_s3('list_multipart_uploads', Bucket=s3_bucket).get('Uploads', [])
+    assert [upload['Key'] for upload in uploads] == ['run-other/file']
+    assert not [path for path in listing(f'{s3_bucket}/run') if 'epoch-0009' in path]
+    assert cp.committed() == ['epoch-0002', 'epoch-0003']
+
+
+@pytest.mark.slow
+def test_the_next_job_of_the_machine_finishes_the_pointers_of_a_cut_upload(s3_bucket):
+    url = f's3://{s3_bucket}/run'
+    fit(url, max_epochs=2)
+    # killed after the manifest of epoch-0002, before its latest.json
+    s3().pipe_file(f'{s3_bucket}/run/latest.json', b'{"name": "epoch-0001"}')
+    _, cp, load = fit(url, max_epochs=3)
+    assert load.loaded_from_ == f'{url}/epoch-0002'
+    assert cp.committed() == ['epoch-0002', 'epoch-0003']
+
+
+@pytest.mark.slow
+def test_a_download_whose_bytes_differ_is_refused_naming_the_url(s3_bucket):
+    url = f's3://{s3_bucket}/run'
+    _, cp, _ = fit(url, max_epochs=2)
+    shutil.rmtree(cp.folder_.local_dir)
+    # one byte changed, the size kept: only the manifest's checksum sees it
+    model = f'{s3_bucket}/run/epoch-0002/model.safetensors'
+    data = bytearray(s3().cat_file(model))
+    data[-1] ^= 1
+    s3().pipe_file(model, bytes(data))
+    storage = open_storage(url)
+    refused = f'the download of {url}/epoch-0002/model.safetensors is refused: '
+    with pytest.raises(CorruptCheckpointError, match=refused + '.* has checksum xxh3_64:'):
+        storage.find_checkpoint('epoch-0002')
+    with pytest.warns(UserWarning, match=f'skipping checkpoint {url}/epoch-0002: {refused}'):
+        assert storage.find_checkpoint('latest').manifest['epoch'] == 1
+
+
+@pytest.mark.slow
+def test_every_object_is_sent_with_a_crc32_that_the_store_keeps(s3_bucket):
+    """Also where botocore adds a checksum only when an operation requires
+    one (``when_required``, as older botocore did)."""
+    url = f's3://{s3_bucket}/run'
+    fit(url, max_epochs=1, storage_options={
+        'config_kwargs': {'request_checksum_calculation': 'when_required'}})
+    fs = s3()
+    stored = listing(f'{s3_bucket}/run')
+    assert stored == sorted(['latest.json'] + [f'epoch-0001/{file}' for file in FILES])
+    for rel in stored:
+        head = fs.call_s3('head_object', Bucket=s3_bucket, Key=f'run/{rel}',
+                          ChecksumMode='ENABLED')
+        crc = zlib.crc32(fs.cat_file(f'{s3_bucket}/run/{rel}')).to_bytes(4, 'big')
+        assert head.get('ChecksumCRC32') == base64.b64encode(crc).decode(), rel
+
+
+@pytest.mark.slow
+def test_missing_credentials_are_refused_before_training(s3_bucket, monkeypatch, tmp_path):
+    for name in ('AWS_ACCESS_KEY_ID', 'AWS_SECRET_ACCESS_KEY'):
+        monkeypatch.delenv(name)
+    for name in ('AWS_SHARED_CREDENTIALS_FILE', 'AWS_CONFIG_FILE'):
+        monkeypatch.setenv(name, str(tmp_path / 'none'))
+    monkeypatch.setenv('AWS_EC2_METADATA_DISABLED', 'true')
+    url = f's3://{s3_bucket}/run'
+    with pytest.raises(CheckpointError, match=f'cannot save into {url}: NoCredentialsError'):
+        fit(url, max_epochs=1, storage_options={'skip_instance_cache': True})
+
+
+class SignalAt(Callback):
+    """SIGTERM to this process after the first batch this fit trains in ``epoch``."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_train_begin(self, net, **kwargs):
+        self.sent = False
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training and len(net.history) == self.epoch and not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+# s3fs's own retries only: a failed upload fails in a second or two
+NO_RETRIES = {'skip_instance_cache': True,
+              'config_kwargs': {'retries': {'total_max_attempts': 1}}}
+
+
+@pytest.fixture
+def network(s3_endpoint, monkeypatch):
+    """A network between the job and the S3 server that the test cuts."""
+    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
+    monkeypatch.setenv('AWS_ENDPOINT_URL', proxy.endpoint)
+    yield proxy
+    proxy.cut()
+
+
+def cut_fit(network, url, drop_on, cut_on, max_epochs, *callbacks):
+    """A fit into ``url`` whose network drops the requests matching
+    ``drop_on``, or goes down at the one matching ``cut_on``; the checkpoint
+    callback, what it said, the error the fit raised."""
+    network.fired.clear()
+    network.drop_on, network.cut_on = drop_on, cut_on
+    said = []
+    cp = AccelerateCheckpoint(dirname=url, storage_options=NO_RETRIES, sink=said.append)
+    load = AccelerateLoadInitState(cp)
+    torch.manual_seed(0)
+    net = make_net(make_accelerator(), callbacks=[cp, load, *callbacks], max_epochs=max_epochs)
+    with pytest.raises((CheckpointError, TrainingPreempted)) as info:
+        net.fit(*make_data(n=160))
+    assert network.fired.is_set() == bool(drop_on or cut_on), info.value
+    return cp, load, said, info.value
+
+
+@pytest.mark.slow
+# SignalAt has no state to checkpoint
+@pytest.mark.filterwarnings('ignore:.*SignalAt.* act on every batch:UserWarning')
+def test_an_upload_the_network_cuts_fails_naming_the_staged_checkpoint(s3_bucket, network):
+    """The error says the upload failed, names its URL and the staged
+    checkpoint, which the next job of the machine uploads: at the next
+    save's wait, before TrainingPreempted, at the end of training."""
+    url = f's3://{s3_bucket}/run'
+    staged = default_staging(url)
+
+    def failed(error, name):
+        return (f'the upload of {url}/{name} failed' in str(error)
+                and f'stays staged in {os.path.join(staged, name)}' in str(error))
+
+    cp, _, said, error = cut_fit(network, url, rb'PUT /[^ ]*/run/epoch-0002/manifest\.json',
+                                 None, 3)
+    assert failed(error, 'epoch-0002'), error
+    assert [line for line in said if line.startswith(f'Uploaded {url}/epoch-0001 in ')]
+    assert open_storage(url).committed() == ['epoch-0001']
+    network.drop_on = None
+    cp.close()  # the process ended
+    # the next job finishes the upload and resumes from it; the upload of the
+    # checkpoint at its SIGTERM is cut: the error comes before TrainingPreempted
+    cp, load, said, error = cut_fit(network, url, rb'PUT /[^ ]*/run/epoch-0002-step-\d+/manif',
+                                    None, 3, SignalAt(3))
+    assert load.loaded_from_ == f'{url}/epoch-0002'
+    step = cp.last_saved_
+    assert step.startswith('epoch-0002-step-') and failed(error, step), error
+    # on SIGTERM the upload is finished before TrainingPreempted, and timed
+    _, load, said, error = cut_fit(network, url, None, None, 3, SignalAt(3))
+    assert load.loaded_from_ == f'{url}/{step}'
+    assert isinstance(error, TrainingPreempted), error
+    uploaded = [index for index, line in enumerate(said) if line.startswith(
+        f'Uploaded {url}/{error.checkpoint[len(url) + 1:]} in ')]
+    stopping = [index for index, line in enumerate(said) if line.startswith('Stopping on')]
+    assert uploaded and stopping and uploaded[0] < stopping[0], said
+    # the network stays down: the upload of the end of training fails
+    with pytest.warns(UserWarning, match=f'could not remove the lease of {url}'):
+        _, _, said, error = cut_fit(network, url, None, rb'PUT /[^ ]*/run/epoch-0003/manif', 3)
+    assert failed(error, 'epoch-0003'), error
+    assert format.check(os.path.join(staged, 'epoch-0003'))[1] == []
+
+
+@pytest.mark.slow
+def test_a_multipart_upload_cut_by_the_network_is_aborted_at_the_next_claim(
+        s3_bucket, network, tmp_path):
+    """s3fs sends a file of 100 MiB or more in parts; when the network goes
+    down after the upload began, s3fs cannot abort it either: the next job
+    finishes the upload, with a CRC32 for the whole object, and aborts the
+    unfinished one."""
+    url = f's3://{s3_bucket}/run'
+    net = make_net(make_accelerator()).initialize()
+    storage = open_storage(url, local_dir=tmp_path / 'staging', storage_options=NO_RETRIES)
+    storage.claim(net)
+    content = {'format_version': format.FORMAT_VERSION}
+    for name, size in (('epoch-0001', 10), ('epoch-0002', 100 * 2**20 + 1)):
+        with open(os.path.join(storage.start(name), 'model.safetensors'), 'wb') as file:
+            file.write(os.urandom(size))
+        network.cut_on = rb'PUT /[^ ]*/run/epoch-0002/model\.safetensors\?partNumber=1&'
+        storage.commit(name, content, durable=False, best=False)
+        if name == 'epoch-0002':
+            with pytest.raises(CheckpointError, match=f'the upload of {url}/epoch-0002 failed'):
+                storage.wait()
+        else:
+            storage.wait()
+    assert network.fired.is_set()
+    network.restore()
+    storage.release()
+    fs = s3()
+    key = 'run/epoch-0002/model.safetensors'
+    unfinished = fs.call_s3('list_multipart_uploads', Bucket=s3_bucket).get('Uploads', [])
+    assert [upload['Key'] for upload in unfinished] == [key]
+    again = open_storage(url, local_dir=tmp_path / 'staging')
+    again.claim(net)
+    again.release()
+    assert fs.call_s3('list_multipart_uploads', Bucket=s3_bucket).get('Uploads', []) == []
+    assert again.committed() == ['epoch-0001', 'epoch-0002']
+    head = fs.call_s3('head_object', Bucket=s3_bucket, Key=key, ChecksumMode='ENABLED')
+    assert head.get('ChecksumCRC32'), head

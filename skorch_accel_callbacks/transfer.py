@@ -1,0 +1,224 @@
+"""Moving one checkpoint's files between a local folder and a store.
+
+A store has no rename to commit with, so an upload sends a checkpoint's
+files first, then its manifest with a create-only write (``If-None-Match:
+*`` on S3), then the pointers: in the store a checkpoint is complete
+exactly when its manifest is there and every file it lists has its listed
+size. A download fetches the files into an empty (partial) folder and
+writes the manifest last, as a local save does.
+
+On S3 every object is sent with a CRC32 checksum that the server verifies
+before it stores the object (``ChecksumAlgorithm``, also for the parts of
+a multipart upload, which botocore's default leaves without one). s3fs
+aborts a multipart upload that fails, but not when the abort fails too
+(the network is down) nor when its process is killed: such uploads are
+invisible to readers and :func:`abort_uploads` removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from skorch_accel_callbacks import format
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+
+__all__ = ['Store', 'abort_uploads', 'check_reachable', 'check_remote', 'download', 'holds',
+           'holds_manifest', 'is_s3', 'point', 'remove_unsealed', 'upload']
+
+
+@dataclass(frozen=True)
+class Store:
+    """A folder of checkpoints in a store: the fsspec filesystem, the
+    folder's path in it, and its URL (as messages name it)."""
+
+    fs: Any
+    root: str
+    dirname: str
+
+    def path(self, *parts: str) -> str:
+        """The path in the filesystem of ``parts`` under the folder."""
+        return '/'.join((self.root, *(part.replace(os.sep, '/') for part in parts)))
+
+    def url(self, *parts: str) -> str:
+        """The URL of ``parts`` under the folder."""
+        return '/'.join((self.dirname, *(part.replace(os.sep, '/') for part in parts)))
+
+
+def is_s3(fs: Any) -> bool:
+    """Whether ``fs`` is an S3 filesystem (s3fs)."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return bool(set(protocols) & {'s3', 's3a'})
+
+
+def _verified(fs: Any) -> dict[str, str]:
+    """The arguments of a write that the store verifies with a checksum."""
+    return {'ChecksumAlgorithm': 'CRC32'} if is_s3(fs) else {}
+
+
+def check_reachable(store: Store) -> None:
+    """Check that the folder's bucket exists and the credentials are
+    accepted; else raise :class:`CheckpointError` naming the URL."""
+    bucket = store.root.split('/', 1)[0]
+    try:
+        store.fs.invalidate_cache()
+        store.fs.info(bucket)
+    except FileNotFoundError as exc:
+        raise CheckpointError(
+            f"cannot save into {store.dirname}: the bucket {bucket} does not exist") from exc
+    except Exception as exc:
+        # refused credentials are a PermissionError, missing ones botocore's
+        # NoCredentialsError, an endpoint out of reach EndpointConnectionError
+        raise CheckpointError(
+            f"cannot save into {store.dirname}: {type(exc).__name__}: {exc}; check "
+            "the credentials and the endpoint") from exc
+
+
+def upload(store: Store, local: str, name: str, best: bool, replace: bool,
+           before_manifest: Callable[[], None]) -> None:
+    """Upload the committed checkpoint folder ``local`` as checkpoint
+    ``name``: its files, its manifest (create-only, after
+    ``before_manifest()``), then ``latest.json`` and, if ``best``,
+    ``best.json``. ``replace``: a checkpoint of that name that this job may
+    replace is in the store.
+
+    Raises :class:`CheckpointError` naming the manifest's URL if another
+    job committed that name meanwhile.
+    """
+    fs = store.fs
+    with open(os.path.join(local, format.MANIFEST_NAME), 'rb') as file:
+        sealed = file.read()
+    files = list(json.loads(sealed)['files'])
+    if replace:
+        # an epoch trained again after resuming from an older checkpoint
+        # replaces it, as in a local folder; its manifest goes first, so
+        # that no reader takes the old manifest for the new files
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm_file(store.path(name, format.MANIFEST_NAME))
+    # one call: an async filesystem (s3fs) sends the files concurrently
+    fs.put([os.path.join(local, rel) for rel in files],
+           [store.path(name, rel) for rel in files], **_verified(fs))
+    before_manifest()
+    try:
+        fs.pipe_file(store.path(name, format.MANIFEST_NAME), sealed, mode='create',
+                     **_verified(fs))
+    except FileExistsError as exc:
+        raise CheckpointError(
+            f"{store.url(name, format.MANIFEST_NAME)} exists already: another job committed "
+            f"{store.url(name)} while this one trained; only one job may save into a "
+            "dirname") from exc
+    point(store, name, best)
+
+
+def point(store: Store, name: str, best: bool) -> None:
+    """Point ``latest.json`` and, if ``best``, ``best.json`` at checkpoint ``name``."""
+    pointer = json.dumps({'name': name}).encode()
+    store.fs.pipe_file(store.path(format.pointer_name('latest')), pointer,
+                       **_verified(store.fs))
+    if best:
+        store.fs.pipe_file(store.path(format.pointer_name('best')), pointer,
+                           **_verified(store.fs))
+
+
+def holds_manifest(local: str, sealed: bytes) -> bool:
+    """Whether the folder ``local`` holds the manifest ``sealed``: it is a
+    copy of the checkpoint of that manifest (if complete)."""
+    path = os.path.join(local, format.MANIFEST_NAME)
+    return os.path.isfile(path) and Path(path).read_bytes() == sealed
+
+
+def holds(store: Store, name: str, local: str) -> bool:
+    """Whether checkpoint ``name`` in the store has the manifest of ``local``."""
+    try:
+        return holds_manifest(local, store.fs.cat_file(store.path(name, format.MANIFEST_NAME)))
+    except FileNotFoundError:
+        return False
+
+
+def check_remote(store: Store, name: str) -> tuple[bytes, list[str]]:
+    """The manifest's bytes and the files of checkpoint ``name`` in the
+    store; :class:`CorruptCheckpointError` naming the URL at fault."""
+    fs, remote, url = store.fs, store.path(name), store.url(name)
+    target = f"{url}/{format.MANIFEST_NAME}"
+    try:
+        sealed = fs.cat_file(f"{remote}/{format.MANIFEST_NAME}")
+        files = json.loads(sealed)['files']
+        if not isinstance(files, dict):
+            raise TypeError("'files' is not an object")
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"{target} is missing") from exc
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptCheckpointError(f"{target} is not a manifest: {exc}") from exc
+    fs.invalidate_cache(remote)
+    sizes = {path[len(remote) + 1:]: info['size']
+             for path, info in fs.find(remote, detail=True).items()}
+    for rel, size in files.items():
+        rel = rel.replace(os.sep, '/')
+        if rel not in sizes:
+            raise CorruptCheckpointError(f"{url}/{rel} is missing (listed in {target})")
+        if sizes[rel] != size:
+            raise CorruptCheckpointError(
+                f"{url}/{rel} has {sizes[rel]} bytes, {target} says {size}: "
+                "the file is damaged")
+    return sealed, list(files)
+
+
+def download(store: Store, name: str, files: list[str], sealed: bytes,
+             partial: str) -> dict[str, Any]:
+    """Download checkpoint ``name`` into the empty folder ``partial``: its
+    ``files``, then the manifest ``sealed`` last; check them there against
+    the sizes and checksums of the manifest, and return it.
+
+    Raises :class:`CorruptCheckpointError` naming the URL of a file whose
+    bytes differ from those the manifest lists."""
+    targets = [os.path.join(partial, rel) for rel in files]
+    for folder in {os.path.dirname(path) for path in targets}:
+        os.makedirs(folder, exist_ok=True)
+    store.fs.get([store.path(name, rel) for rel in files], targets)
+    with open(os.path.join(partial, format.MANIFEST_NAME), 'wb') as file:
+        file.write(sealed)
+    manifest, problems = format.check(partial)
+    if problems:
+        problem = problems[0]
+        raise type(problem.error)(
+            f"the download of {store.url(name, problem.file or format.MANIFEST_NAME)} "
+            f"is refused: {problem.error}")
+    return manifest
+
+
+def abort_uploads(store: Store) -> None:
+    """Abort the unfinished multipart uploads under the folder (S3; none
+    elsewhere)."""
+    if not is_s3(store.fs):
+        return
+    bucket, key, _ = store.fs.split_path(store.root)
+    prefix = f"{key}/" if key else ''
+    markers: dict[str, str] = {}
+    while True:
+        listed = store.fs.call_s3('list_multipart_uploads', Bucket=bucket,
+                                  Prefix=prefix, **markers)
+        for unfinished in listed.get('Uploads', []):
+            store.fs.call_s3('abort_multipart_upload', Bucket=bucket,
+                             Key=unfinished['Key'], UploadId=unfinished['UploadId'])
+        if not listed.get('IsTruncated'):
+            return
+        markers = {'KeyMarker': listed['NextKeyMarker'],
+                   'UploadIdMarker': listed['NextUploadIdMarker']}
+
+
+def remove_unsealed(store: Store, committed: set[str]) -> None:
+    """Remove the checkpoint folders under the folder that are not in
+    ``committed`` (those with a manifest)."""
+    try:
+        paths = store.fs.ls(store.root, detail=False, refresh=True)
+    except FileNotFoundError:
+        return
+    for path in paths:
+        name = path.rstrip('/').rsplit('/', 1)[-1]
+        if format.is_checkpoint_name(name) and name not in committed:
+            store.fs.rm(path, recursive=True)
