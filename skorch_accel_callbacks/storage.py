@@ -56,9 +56,10 @@ class CheckpointStorage(Protocol):
                keep: tuple[str | None, ...] | list[str | None] = ()) -> None:
         """Remove the checkpoints a retention policy does not keep."""
 
-    def wait(self) -> None:
+    def wait(self) -> str | None:
         """Wait for the storage's background work (removals, uploads) and
-        raise what failed."""
+        raise what failed; return what to tell the user of it (how long an
+        upload took), or None."""
 
     def committed(self) -> list[str]:
         """Names of the committed checkpoints, oldest first."""
