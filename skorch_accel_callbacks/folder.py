@@ -140,28 +140,49 @@ class CheckpointFolder:
 
     def _check_not_shared(self, net: Any, committer: bool) -> None:
         """With save_on_each_node, two nodes committing into one shared folder
-        would race; each committer leaves a probe file and looks for others'."""
+        would race."""
+        clashes = [(rank, ranks) for rank, ranks in self._probes_seen(net, committer).items()
+                   if ranks]
+        if clashes:
+            rank, ranks = clashes[0]
+            raise CheckpointError(
+                f"save_on_each_node=True, but rank {rank} and rank(s) {ranks} "
+                f"commit into the same folder {self.dirname}: give each node its own "
+                "dirname, or set save_on_each_node=False on a shared filesystem")
+
+    def check_shared(self, net: Any, why: str) -> None:
+        """Raise :class:`CheckpointError` on every rank if the main process
+        of a node does not see the folder the main process sees (one of the
+        same path on another machine); ``why`` says what needs one folder."""
+        if not sync.is_distributed(net):
+            return
+        seen = self._probes_seen(net, sync.is_local_main_process(net))
+        apart = [rank for rank, ranks in seen.items() if rank != 0 and 0 not in ranks]
+        if apart:
+            raise CheckpointError(
+                f"rank {apart[0]} (the main process of its node) does not see the folder "
+                f"{self.dirname} as rank 0 does: {why}")
+
+    def _probes_seen(self, net: Any, probing: bool) -> dict[int, list[int]]:
+        """Each probing rank leaves a probe file in the folder and lists
+        the other ranks' probes it finds there: ``{probing rank: ranks
+        found}``, the same on every rank."""
         rank = sync.process_index(net)
         probe = self.path(format.probe_name(rank))
         with sync.agree(net, f"probing checkpoint folder {self.dirname}"):
-            if committer:
+            if probing:
+                os.makedirs(self.dirname, exist_ok=True)
                 atomic.write_json(probe, {'rank': rank})
-        others = []
-        if committer:
+        others = None
+        if probing:
             others = sorted(
                 int(name[len(format.PROBE_PREFIX):]) for name in os.listdir(self.dirname)
                 if name.startswith(format.PROBE_PREFIX) and name != os.path.basename(probe))
         seen = sync.gather(net, others)
         with sync.agree(net, f"removing probe files in {self.dirname}"):
-            if committer:
+            if probing:
                 atomic.discard(probe)
-        clashes = [(rank_, ranks) for rank_, ranks in enumerate(seen) if ranks]
-        if clashes:
-            rank_, ranks = clashes[0]
-            raise CheckpointError(
-                f"save_on_each_node=True, but rank {rank_} and rank(s) {ranks} "
-                f"commit into the same folder {self.dirname}: give each node its own "
-                "dirname, or set save_on_each_node=False on a shared filesystem")
+        return {rank_: ranks for rank_, ranks in enumerate(seen) if ranks is not None}
 
     # ------------------------------------------------------------ reading
 

@@ -131,9 +131,10 @@ class RemoteStorage:
 
         Raises on every rank :class:`CheckpointError` naming the URL when
         fsspec or the protocol's package is missing, the bucket does not
-        exist, the credentials are refused, or ``save_on_each_node`` would
-        have several processes upload; the errors of
-        :meth:`CheckpointFolder.claim` for the staging folder.
+        exist, the credentials are refused, ``save_on_each_node`` would
+        have several processes upload, or a node does not see the staging
+        folder; the errors of :meth:`CheckpointFolder.claim` for the staging
+        folder.
         """
         if self._claimed:
             return
@@ -148,6 +149,8 @@ class RemoteStorage:
                 self._known = set(self.committed())
         # the staging folder's lock keeps a second job of this machine out
         self.staging.claim(net)
+        self.staging.check_shared(net, f"every rank stages its files there for rank 0 to "
+                                  f"upload to {self.dirname}; give local_dir a shared folder")
         with sync.agree(net, f"finishing an upload into {self.dirname}"):
             if is_committer(net):
                 # one job at a time in the store, before this one changes it

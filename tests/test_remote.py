@@ -550,3 +550,33 @@ def test_a_multipart_upload_cut_by_the_network_is_aborted_at_the_next_claim(
     assert again.committed() == ['epoch-0001', 'epoch-0002']
     head = fs.call_s3('head_object', Bucket=s3_bucket, Key=key, ChecksumMode='ENABLED')
     assert head.get('ChecksumCRC32'), head
+
+
+@pytest.mark.slow
+def test_two_nodes_stage_in_one_shared_folder_else_are_refused(s3_bucket, tmp_path):
+    """Two node ranks on loopback (nnodes=2, one process each), as torchrun
+    --nnodes 2 would start them: staging on each node's own disk is refused
+    on both before any step, naming the rank; with the one staging folder of
+    this machine they train, and resume from the bucket on a new machine."""
+    url = f's3://{s3_bucket}/run'
+
+    def run(tag, **env):
+        return launch('resume.py', url, tag, nproc=1, nnodes=2,
+                      env=dict(env, RESULT_DIR=str(tmp_path)))
+
+    apart = run('apart', STAGING_PER_NODE=str(tmp_path / 'staging'))
+    assert all(rc not in (0, None) for rc in apart.returncodes), apart.report()
+    for rank, out in enumerate(apart.outputs):
+        # each rank names the folder of its own node
+        assert (f"rank 1 (the main process of its node) does not see the folder "
+                f"{tmp_path / 'staging' / f'node{rank}'} as rank 0 does") in out, out[-3000:]
+    assert not [path for path in listing(f'{s3_bucket}/run') if 'epoch-' in path]
+
+    run('full', MAX_EPOCHS='3').check()
+    full = read_results(tmp_path, 'full', 2)
+    shutil.rmtree(default_staging(url))
+    run('resumed', MAX_EPOCHS='4').check()
+    resumed = read_results(tmp_path, 'resumed', 2)
+    assert [res['num_processes'] for res in full + resumed] == [2] * 4
+    assert all(res['loaded_from'] == f'{url}/epoch-0003' for res in resumed)
+    assert resumed[0]['history'][:3] == full[0]['history']

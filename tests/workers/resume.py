@@ -250,6 +250,10 @@ def build(dirname, scenario, ckpt_options):
         accelerator_kwargs['project_config'] = ProjectConfiguration(save_on_each_node=True)
     if os.environ.get('PER_NODE') == '1':
         dirname = os.path.join(dirname, f"node{os.environ['GROUP_RANK']}")
+    if os.environ.get('STAGING_PER_NODE'):
+        # a store's staging folder on each node's own disk
+        ckpt_options = dict(ckpt_options, local_dir=os.path.join(
+            os.environ['STAGING_PER_NODE'], f"node{os.environ['GROUP_RANK']}"))
     if scenario in ('accumulate', 'midepoch'):
         accelerator_kwargs['gradient_accumulation_steps'] = 2
     accelerator = make_accelerator(**accelerator_kwargs)
