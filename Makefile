@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-s3 test test-quick lint bench clean
+.PHONY: demo demo-s3 test test-quick lint bench bench-s3 clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_mid_epoch.py
+
+bench-s3: $(STAMP)
+	$(PY) benchmarks/bench_remote.py
 
 clean:
 	rm -rf $(VENV) runs
