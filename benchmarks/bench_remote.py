@@ -3,9 +3,9 @@
 usage: python benchmarks/bench_remote.py [--sizes 25e6] [--repeats 4]
        [--quick] [--dir runs/bench-remote]
 
-``make bench-s3`` runs it as it is: about 5 minutes on 2 busy cores, where
-the local server moves 15-30 MB/s; ``--sizes 100e6 --repeats 2`` (1.1 GiB
-a checkpoint) takes about 10 minutes there.
+``make bench-s3`` runs it as it is: 3-5 minutes on 2 busy cores, where the
+local server moves 15-75 MB/s; ``--sizes 100e6 --repeats 2`` (1.1 GiB a
+checkpoint) took 5 to 13 minutes there.
 
 Against a local S3 server that the script starts itself (moto's
 ``ThreadedMotoServer`` on 127.0.0.1, port 0, as ``tests/s3server.py``), in a
@@ -32,11 +32,15 @@ layers after one Adam step), one process. In each repeat, in turn:
 - *s3fs get*: ``S3FileSystem.get`` of the same checkpoint folder (recursive)
   into an empty folder.
 
-Ours and s3fs's alternate which goes first from one repeat to the next.
-The page cache is flushed (``os.sync``) before every timed call, and one
-save of each kind before the repeats is not timed (a process's first save
-is slow). Every ratio is taken between figures of the same repeat; the
-tables give min and median of each figure and of the ratios.
+The local save comes right before the remote one; our upload and s3fs's
+``put`` (and the downloads) alternate which goes first from one repeat to
+the next.
+Every timed call but the upload's wait (timed as soon as ``save_model``
+returns) starts once the server has used no CPU for 0.5 s and the page
+cache is flushed (``os.sync``). One save of each kind before the repeats
+is not timed (a process's first save is slow). Every ratio is taken
+between figures of the same repeat; the tables give min and median of each
+figure and of the ratios.
 """
 
 import argparse
@@ -60,6 +64,8 @@ BUCKET = 'bench'
 # botocore's 60 s read timeout on a busy machine; the retry then fails
 # (NoSuchUpload). The same timeout on both sides.
 S3_OPTIONS = {'config_kwargs': {'read_timeout': 900}}
+# the server's process, set in main()
+SERVER_PID = None
 CREDENTIALS = {'AWS_ACCESS_KEY_ID': 'bench', 'AWS_SECRET_ACCESS_KEY': 'bench',
                'AWS_DEFAULT_REGION': 'us-east-1'}
 
@@ -94,8 +100,35 @@ def start_server_process():
     return proc, endpoint
 
 
-def timed(fn):
-    os.sync()  # no transfer pays for the writeback of an earlier save
+def cpu_ticks(pid):
+    """CPU time the process ``pid`` used so far, in clock ticks (Linux)."""
+    fields = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+def settle(pid, quiet=0.5, longest=20.0):
+    """Wait until the server process ``pid`` has used no CPU for ``quiet``
+    seconds: it frees the memory of a large transfer after answering it,
+    which would slow down whatever is timed next."""
+    if not os.path.exists(f'/proc/{pid}/stat'):
+        time.sleep(quiet)
+        return
+    deadline = time.monotonic() + longest
+    before = cpu_ticks(pid)
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        now = cpu_ticks(pid)
+        if now == before:
+            return
+        before = now
+
+
+def timed(fn, quiet=True):
+    """Seconds ``fn`` takes and its result; ``quiet``: starting once the
+    server is idle and the page cache flushed."""
+    if quiet:
+        settle(SERVER_PID)
+        os.sync()  # no transfer pays for the writeback of an earlier save
     start = time.perf_counter()
     result = fn()
     return time.perf_counter() - start, result
@@ -124,7 +157,8 @@ def bench_size(size, repeats, root, fs):
     def save(cp, key):
         new_epoch(net)
         blocked, path = timed(lambda: cp.save_model(net))
-        waited, _ = timed(lambda: cp.wait_for_saves(net))
+        # at once: the upload runs from inside save_model
+        waited, _ = timed(lambda: cp.wait_for_saves(net), quiet=False)
         if key:
             times[key].append(blocked)
         return path, waited
@@ -158,9 +192,11 @@ def bench_size(size, repeats, root, fs):
     name = os.path.basename(save(remote, None)[0])
     for i in range(repeats):
         ours_first = i % 2 == 0
-        save(local, 'local')
         if not ours_first:
             upload_s3fs(name, i)  # the staged copy of the save before
+        # the two saves one after the other: a save right after a large
+        # transfer of this process took up to 3x as long here
+        save(local, 'local')
         previous, name = name, os.path.basename(upload_ours())
         if ours_first:
             upload_s3fs(name, i)
@@ -236,6 +272,8 @@ def main():
         args.sizes, args.repeats = '25e6', 2
     started = time.monotonic()
     server, endpoint = start_server_process()
+    global SERVER_PID
+    SERVER_PID = server.pid
     try:
         # the callbacks' and our s3fs's way to the server: the environment
         os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
