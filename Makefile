@@ -1,4 +1,5 @@
-# `make demo` runs the main job, `make test` the whole test suite,
+# `make demo` runs the main job (`make demo-s3`: its preempted run with the
+# checkpoints in a bucket of a local S3 server), `make test` the whole test suite,
 # `make test-quick` its quick subset (1- and 2-process basics, no slow or fault
 # tests), `make lint` ruff (configured in pyproject.toml); each sets up its own
 # virtual environment with the pinned dependencies first.
@@ -7,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick lint bench clean
+.PHONY: demo demo-s3 test test-quick lint bench bench-s3 clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +19,9 @@ $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 
 demo: $(STAMP)
 	$(PY) examples/resume_demo.py
+
+demo-s3: $(STAMP)
+	$(PY) examples/resume_demo.py --store s3 --out runs/demo-s3
 
 test: $(STAMP)
 	@echo "make test: about 28 minutes on 2 cores; near the end the last slow launches print nothing for minutes"
@@ -32,6 +36,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_mid_epoch.py
+
+bench-s3: $(STAMP)
+	$(PY) benchmarks/bench_remote.py
 
 clean:
 	rm -rf $(VENV) runs

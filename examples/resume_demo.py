@@ -30,14 +30,26 @@ lists the checkpoint folder of run 2+3 with the package's command,
 ``python -m skorch_accel_callbacks list``. The exit code is 0 when everything
 is bit-identical and 1 when anything differs.
 
+With ``--store s3`` (``make demo-s3``) the checkpoints go to an S3 bucket
+instead, on a local S3 server (moto's) that this script starts and that
+outlives its launches; their processes reach it through the ``AWS_*``
+variables. It runs 1, 4 and 5: the preempted run's checkpoint taken on the
+signal is uploaded before it exits, its local staging folder is deleted (a
+new machine has none), and the relaunch resumes from the bucket. Last, it
+lists the run's checkpoints in the bucket.
+
 usage: python examples/resume_demo.py [--nproc 2] [--epochs 10] [--out runs/demo]
+       [--store local|s3]
 
 With ``--nproc 1`` it runs one process. On a machine with CUDA each process
 uses a GPU (``--nproc`` at most the number of GPUs) unless ``--cpu`` is given.
 """
 
 import argparse
+import contextlib
+import itertools
 import json
+import logging
 import os
 import queue
 import re
@@ -88,6 +100,10 @@ PLOT = 'loss_curves.png'
 SUMMARY = 'summary.json'
 RUNS = {'uninterrupted': 'uninterrupted', 'killed': 'killed-and-relaunched',
         'preempted': 'preempted-and-relaunched'}
+# --store s3: the bucket on the local S3 server, and each run's staging
+# folder (in the run's folder)
+BUCKET = 'skorch-demo'
+STAGING = 'staging'
 ANSI = re.compile(r'\x1b\[[0-9;]*m')
 
 
@@ -159,10 +175,19 @@ def load_digits_data():
     return (X / 16.0).astype(np.float32), y.astype(np.int64)
 
 
-def build_net(run_dir, epochs, accelerator, batch_seconds=0.0):
+def checkpoint_location(run_dir, store):
+    """Where a run keeps its checkpoints: ``dirname`` and ``local_dir``."""
+    if store == 's3':
+        # staged in the run's folder, so that the demo can delete it as a
+        # new machine would not have it
+        return f"s3://{BUCKET}/{os.path.basename(run_dir)}", os.path.join(run_dir, STAGING)
+    return os.path.join(run_dir, 'checkpoints'), None
+
+
+def build_net(run_dir, epochs, accelerator, batch_seconds=0.0, store='local'):
+    dirname, local_dir = checkpoint_location(run_dir, store)
     checkpoint = AccelerateCheckpoint(
-        dirname=os.path.join(run_dir, 'checkpoints'), sink=print,
-        every_n_steps=EVERY_N_STEPS)
+        dirname=dirname, local_dir=local_dir, sink=print, every_n_steps=EVERY_N_STEPS)
     return Net(
         MLP,
         accelerator=accelerator,
@@ -184,7 +209,7 @@ def build_net(run_dir, epochs, accelerator, batch_seconds=0.0):
     )
 
 
-def train(run_dir, epochs, cpu, batch_seconds=0.0):
+def train(run_dir, epochs, cpu, batch_seconds=0.0, store='local'):
     """Train (or resume) one run; rank 0 writes its final state to ``run_dir``."""
     _tell('pid', rank=int(os.environ.get('RANK', '0')), pid=os.getpid())
     if not cpu:
@@ -192,7 +217,7 @@ def train(run_dir, epochs, cpu, batch_seconds=0.0):
         torch.use_deterministic_algorithms(True)
     set_seed(SEED)
     accelerator = Accelerator(cpu=cpu)
-    net = build_net(run_dir, epochs, accelerator, batch_seconds)
+    net = build_net(run_dir, epochs, accelerator, batch_seconds, store)
     try:
         net.fit(*load_digits_data())
     except TrainingPreempted as exc:
@@ -235,11 +260,11 @@ class Launch:
         command = [
             sys.executable, '-m', 'torch.distributed.run', '--standalone',
             '--nproc_per_node', str(args.nproc), os.path.abspath(__file__),
-            '--worker', run_dir, '--epochs', str(args.epochs),
+            '--worker', run_dir, '--epochs', str(args.epochs), '--store', args.store,
         ] + (['--cpu'] if args.cpu else []) + (
             ['--batch-seconds', str(SLOW_BATCH_SECONDS)] if slow else [])
         env = dict(os.environ, PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1',
-                   CUBLAS_WORKSPACE_CONFIG=':4096:8')
+                   CUBLAS_WORKSPACE_CONFIG=':4096:8', **args.store_env)
         self.worker_pids = {}
         self.last_batch = None
         self.killed = False
@@ -434,10 +459,11 @@ def _launch_numbers(history):
     return numbers
 
 
-def interruption(kind, epoch, job, resumed, batches_per_epoch):
+def interruption(kind, epoch, job, resumed, batches_per_epoch, saved):
     """What an interruption cost: where training was when it stopped (the
     last batch the main process reported), the checkpoint the relaunch
-    resumed from, and the batches trained in between, which were lost."""
+    resumed from (whose manifest is ``saved``), and the batches trained in
+    between, which were lost."""
     resumed_from = resumed['resumed_from']
     stopped_epoch, stopped_batch = job.last_batch
     info = {'kind': kind, 'epoch': epoch, 'stopped_at': list(job.last_batch),
@@ -447,8 +473,6 @@ def interruption(kind, epoch, job, resumed, batches_per_epoch):
             'resumed_from': resumed_from, 'lost_batches': None}
     if resumed_from is None:
         return info
-    with open(os.path.join(resumed_from, 'manifest.json')) as f:
-        saved = json.load(f)
     saved_batches = saved['epoch'] * batches_per_epoch + saved['position']['batches']
     trained = (stopped_epoch - 1) * batches_per_epoch + stopped_batch
     info.update(lost_batches=trained - saved_batches, saved_epoch=saved['epoch'],
@@ -535,15 +559,16 @@ def plot(full, runs, verdict, path):
     plt.close(fig)
 
 
-def list_checkpoints(folder):
-    """Run ``python -m skorch_accel_callbacks list FOLDER`` and echo it.
+def list_checkpoints(folder, store_env):
+    """Run ``python -m skorch_accel_callbacks list FOLDER`` (a path or a
+    URL, reached with the variables ``store_env``) and echo it.
 
     The command runs with the package this script imported (a checkout
     not installed in the environment, too).
     """
     import skorch_accel_callbacks
     root = os.path.dirname(os.path.dirname(os.path.abspath(skorch_accel_callbacks.__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, **store_env, PYTHONPATH=os.pathsep.join(
         [root] + ([os.environ['PYTHONPATH']] if os.environ.get('PYTHONPATH') else [])))
     print(f"  $ python -m skorch_accel_callbacks list {folder}", flush=True)
     proc = subprocess.run(
@@ -569,6 +594,49 @@ def _check_devices(args):
     return f"{args.nproc} GPU(s)"
 
 
+@contextlib.contextmanager
+def s3_server(args):
+    """With ``--store s3``: a local S3 server (moto's) in this process, for
+    as long as the demo runs, with an empty bucket ``BUCKET``; sets
+    ``args.store_env`` to the ``AWS_*`` variables that reach it. Without,
+    nothing."""
+    args.store_env = {}
+    if args.store != 's3':
+        yield
+        return
+    try:
+        import fsspec
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:
+        raise DemoError(f"--store s3 needs moto[server] and s3fs ({exc}); "
+                        "pip install -r requirements-dev.txt") from exc
+    # the server logs every request otherwise
+    logging.getLogger('werkzeug').setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        args.store_env = {
+            'AWS_ENDPOINT_URL': f'http://{host}:{port}', 'AWS_ACCESS_KEY_ID': 'demo',
+            'AWS_SECRET_ACCESS_KEY': 'demo', 'AWS_DEFAULT_REGION': 'us-east-1'}
+        args.store_fs = fsspec.filesystem(
+            's3', key='demo', secret='demo', skip_instance_cache=True,
+            client_kwargs={'endpoint_url': args.store_env['AWS_ENDPOINT_URL']})
+        args.store_fs.mkdir(BUCKET)
+        yield
+    finally:
+        server.stop()
+
+
+def _read_json(args, run_dir, rel):
+    """The JSON file ``rel`` of a run's checkpoints, in its folder or bucket."""
+    dirname, _ = checkpoint_location(run_dir, args.store)
+    if args.store == 's3':
+        return json.loads(args.store_fs.cat_file(f"{dirname}/{rel}"))
+    with open(os.path.join(dirname, rel)) as f:
+        return json.load(f)
+
+
 def demo(args):
     for name, epoch, first in (('--kill-epoch', args.kill_epoch, 2),
                                ('--sigterm-epoch', args.sigterm_epoch, 1)):
@@ -582,52 +650,78 @@ def demo(args):
         # a checkpoint left by an earlier demo would be resumed from
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
+    with s3_server(args):
+        return _demo(args, dirs, where)
+
+
+def _demo(args, dirs, where):
+    # in a bucket the preempted run shows what a store adds: the relaunch
+    # on a new machine
+    interrupted = ('killed', 'preempted') if args.store == 'local' else ('preempted',)
     started = time.monotonic()
+    numbers = itertools.count(1)
+    n_phases = 3 + 2 * len(interrupted)
 
     def phase(text):
-        print(f"\n[{time.monotonic() - started:5.1f} s] {text}", flush=True)
+        print(f"\n[{time.monotonic() - started:5.1f} s] {next(numbers)}/{n_phases} {text}",
+              flush=True)
 
-    phase(f"1/7 Uninterrupted run: {args.epochs} epochs in {args.nproc} process(es) "
+    stored = (f"in s3://{BUCKET}/ on a local S3 server ({args.store_env['AWS_ENDPOINT_URL']}), "
+              "staged in each run's folder " if args.store == 's3' else "")
+    phase(f"Uninterrupted run: {args.epochs} epochs in {args.nproc} process(es) "
           f"on {where}, a checkpoint every {EVERY_N_STEPS} steps and every epoch "
-          f"-> {dirs['uninterrupted']}")
+          f"{stored}-> {dirs['uninterrupted']}")
     _launch(args, dirs['uninterrupted'], 'run 1')
+    jobs = {}
 
-    phase(f"2/7 The same training in {dirs['killed']}, SIGKILLed during epoch "
-          f"{args.kill_epoch} (after batch {KILL_AFTER_BATCH})")
-    killed = _launch(args, dirs['killed'], 'run 2', kill_epoch=args.kill_epoch)
-    checkpoints = os.path.join(dirs['killed'], 'checkpoints')
-    print(f"  left in {checkpoints}: {sorted(os.listdir(checkpoints))}")
-    print(f"  torchrun exit code {killed.proc.returncode}; the last batch it reported: "
-          f"epoch {killed.last_batch[0]}, batch {killed.last_batch[1]}")
+    if 'killed' in interrupted:
+        phase(f"The same training in {dirs['killed']}, SIGKILLed during epoch "
+              f"{args.kill_epoch} (after batch {KILL_AFTER_BATCH})")
+        killed = jobs['killed'] = _launch(args, dirs['killed'], 'run 2',
+                                          kill_epoch=args.kill_epoch)
+        checkpoints = os.path.join(dirs['killed'], 'checkpoints')
+        print(f"  left in {checkpoints}: {sorted(os.listdir(checkpoints))}")
+        print(f"  torchrun exit code {killed.proc.returncode}; the last batch it reported: "
+              f"epoch {killed.last_batch[0]}, batch {killed.last_batch[1]}")
 
-    phase("3/7 Relaunch, the same command unchanged")
-    _launch(args, dirs['killed'], 'run 2, relaunched')
+        phase("Relaunch, the same command unchanged")
+        _launch(args, dirs['killed'], 'run 2, relaunched')
 
-    phase(f"4/7 The same training in {dirs['preempted']}, sent SIGTERM (to torchrun, "
+    phase(f"The same training in {dirs['preempted']}, sent SIGTERM (to torchrun, "
           f"as a scheduler does) during epoch {args.sigterm_epoch} (after batch "
           f"{SIGTERM_AFTER_BATCH}); its batches take {SLOW_BATCH_SECONDS} s longer, so "
           "that the signal lands inside the epoch")
-    preempted = _launch(args, dirs['preempted'], 'run 3', sigterm_epoch=args.sigterm_epoch,
-                        slow=True)
-    latest = os.path.join(dirs['preempted'], 'checkpoints', 'latest.json')
-    with open(latest) as f:
-        taken = json.load(f)['name']
+    preempted = jobs['preempted'] = _launch(args, dirs['preempted'], 'run 3',
+                                            sigterm_epoch=args.sigterm_epoch, slow=True)
+    taken = _read_json(args, dirs['preempted'], 'latest.json')['name']
     print(f"  torchrun exit code {preempted.proc.returncode}; the last batch it reported: "
           f"epoch {preempted.last_batch[0]}, batch {preempted.last_batch[1]}; the "
           f"checkpoint taken on the signal: {taken}")
+    if args.store == 's3':
+        dirname, staging = checkpoint_location(dirs['preempted'], args.store)
+        print(f"  uploaded before the job exited: {dirname}/latest.json names {taken}")
+        # a relaunch on another machine has the bucket only
+        shutil.rmtree(staging)
+        print(f"  deleted the staging folder {staging}, as on a new machine")
 
-    phase("5/7 Relaunch, the same command unchanged")
+    phase("Relaunch, the same command unchanged"
+          + (", resuming from the bucket" if args.store == 's3' else ''))
     _launch(args, dirs['preempted'], 'run 3, relaunched', slow=True)
 
-    phase("6/7 Comparison")
+    phase("Comparison")
     full = _load(dirs['uninterrupted'])
     batches_per_epoch = full['history'][0]['train_batch_count']
     runs, differences, n_tensors = [], [], 0
-    for key, label, job, epoch in (
-            ('killed', 'SIGKILL, relaunched', killed, args.kill_epoch),
-            ('preempted', 'SIGTERM, relaunched', preempted, args.sigterm_epoch)):
+    for key, label, epoch in (
+            ('killed', 'SIGKILL, relaunched', args.kill_epoch),
+            ('preempted', 'SIGTERM, relaunched', args.sigterm_epoch)):
+        if key not in interrupted:
+            continue
         resumed = _load(dirs[key])
-        info = interruption(label.split(',')[0], epoch, job, resumed, batches_per_epoch)
+        saved = resumed['resumed_from'] and _read_json(
+            args, dirs[key], f"{os.path.basename(resumed['resumed_from'])}/manifest.json")
+        info = interruption(label.split(',')[0], epoch, jobs[key], resumed,
+                            batches_per_epoch, saved)
         found, n_tensors = compare(full, resumed)
         if resumed['resumed_from'] is None:
             found.insert(0, "the relaunch did not resume from a checkpoint")
@@ -637,33 +731,38 @@ def demo(args):
     verdict = 'identical' if not differences else 'differs'
     path = os.path.join(args.out, PLOT)
     plot(full, runs, verdict.upper(), path)
-    kill, sigterm = runs[0][2], runs[1][2]
+    infos = {info['kind']: info for _, _, info in runs}
+    kill, sigterm = infos.get('SIGKILL'), infos['SIGTERM']
+    listed = checkpoint_location(dirs[interrupted[0]], args.store)[0]
     with open(os.path.join(args.out, SUMMARY), 'w') as f:
         json.dump({'verdict': verdict, 'differences': differences, 'kill': kill,
                    'sigterm': sigterm, 'every_n_steps': EVERY_N_STEPS,
                    'batches_per_epoch': batches_per_epoch,
                    'nproc': args.nproc, 'num_processes': full['num_processes'],
                    'epochs': args.epochs, 'device': full['device'],
-                   'module_type': full['module_type'], 'tensors_compared': n_tensors}, f,
+                   'module_type': full['module_type'], 'tensors_compared': n_tensors,
+                   'store': args.store, 'listed': listed}, f,
                   indent=1)
     print()
-    print(f"Work lost: SIGKILL {kill['lost_batches']} batch(es) (trained since the last "
-          f"checkpoint, every {EVERY_N_STEPS} steps), SIGTERM {sigterm['lost_batches']} "
-          "(saved at the batch it stopped at).")
+    print("Work lost: "
+          + (f"SIGKILL {kill['lost_batches']} batch(es) (trained since the last "
+             f"checkpoint, every {EVERY_N_STEPS} steps), " if kill else '')
+          + f"SIGTERM {sigterm['lost_batches']} (saved at the batch it stopped at).")
     if differences:
         print("VERDICT: DIFFERS. An interrupted and relaunched run does not end where the "
               "uninterrupted one does:")
         for line in differences[:20]:
             print(f"  - {line}")
     else:
-        print(f"VERDICT: IDENTICAL. For both interrupted runs, all {n_tensors} tensors of "
-              "the final parameters and optimizer state (momentum buffers) are "
-              "bit-identical (torch.equal), and so is every per-epoch loss.")
+        which = 'both interrupted runs' if kill else 'the preempted run'
+        print(f"VERDICT: IDENTICAL. For {which}, all {n_tensors} tensors of the final "
+              "parameters and optimizer state (momentum buffers) are bit-identical "
+              "(torch.equal), and so is every per-epoch loss.")
     print(f"Plot: {path}")
 
-    phase("7/7 The checkpoints of the killed and relaunched run, as the package's "
-          "command lists them")
-    list_checkpoints(checkpoints)
+    phase(f"The checkpoints of the {'killed' if kill else 'preempted'} and relaunched "
+          "run, as the package's command lists them")
+    list_checkpoints(listed, args.store_env)
     print(f"\n({time.monotonic() - started:.1f} s in all)")
     return 0 if not differences else 1
 
@@ -683,6 +782,9 @@ def parse_args(argv=None):
     parser.add_argument('--out', default=os.path.join('runs', 'demo'),
                         help="output folder (default runs/demo)")
     parser.add_argument('--cpu', action='store_true', help="train on CPU even if CUDA is there")
+    parser.add_argument('--store', choices=('local', 's3'), default='local',
+                        help="where the checkpoints go: a local folder (default) or a "
+                             "bucket on a local S3 server that the demo starts")
     parser.add_argument('--timeout', type=float, default=300,
                         help="seconds each launch may take (default 300)")
     parser.add_argument('--worker', metavar='RUN_DIR', help=argparse.SUPPRESS)
@@ -701,7 +803,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         train(args.worker, args.epochs, cpu=args.cpu or not torch.cuda.is_available(),
-              batch_seconds=args.batch_seconds)
+              batch_seconds=args.batch_seconds, store=args.store)
         return 0
     try:
         return demo(args)

@@ -173,6 +173,58 @@ def test_demo_refuses_a_kill_epoch_outside_the_run(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []  # nothing launched, nothing written
 
 
+# ---------------------------------------------------------------- resume_demo --store s3
+
+@pytest.fixture(scope='module', params=[pytest.param('demo-s3', marks=pytest.mark.slow)])
+def demo_s3(tmp_path_factory):
+    """``make demo-s3``, 2 epochs: the preempted run against the demo's own
+    local S3 server, relaunched without its staging folder."""
+    out = tmp_path_factory.mktemp('demo-s3')
+    returncode, output = _run([sys.executable, str(EXAMPLES / 'resume_demo.py'),
+                               '--store', 's3', '--nproc', '2', '--epochs', '2',
+                               '--out', str(out), '--timeout', str(DEMO_LAUNCH_TIMEOUT)],
+                              timeout=3 * DEMO_LAUNCH_TIMEOUT + 60)
+    summary_path = out / 'summary.json'
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return dict(out=out, returncode=returncode, output=output, summary=summary)
+
+
+def test_demo_s3_resumes_a_preempted_run_on_a_new_machine_from_the_bucket(demo_s3):
+    output, summary = demo_s3['output'], demo_s3['summary']
+    assert demo_s3['returncode'] == 0, output[-6000:]
+    assert 'VERDICT: IDENTICAL' in output
+    assert summary['verdict'] == 'identical' and summary['differences'] == []
+    assert summary['store'] == 's3' and summary['kill'] is None
+    assert summary['nproc'] == summary['num_processes'] == 2
+    # the checkpoint taken on the signal was in the bucket when the job had
+    # exited; its staging folder was deleted before the relaunch, which
+    # downloaded it into a new one
+    taken = re.search(r'the checkpoint taken on the signal: (epoch-0000-step-\d{8})\n', output)
+    assert taken, output[-6000:]
+    url = 's3://skorch-demo/preempted-and-relaunched'
+    assert f"uploaded before the job exited: {url}/latest.json names {taken[1]}" in output
+    staging = demo_s3['out'] / 'preempted-and-relaunched' / 'staging'
+    deleted = output.index(f"deleted the staging folder {staging}, as on a new machine")
+    sigterm = summary['sigterm']
+    assert sigterm['resumed_from'] == str(staging / taken[1])
+    assert output.index(f"Resumed from {sigterm['resumed_from']} at batch") > deleted
+    assert sigterm['lost_batches'] == 0
+    assert f"Saved checkpoint {url}/epoch-0002 (finished)" in output
+
+
+def test_demo_s3_lists_the_runs_checkpoints_in_the_bucket(demo_s3):
+    output = demo_s3['output']
+    url = 's3://skorch-demo/preempted-and-relaunched'
+    step = output[output.index('5/5 The checkpoints of the preempted and relaunched run'):]
+    assert f"  $ python -m skorch_accel_callbacks list {url}\n" in step
+    assert f"  {url}: 3 checkpoint(s), in training order" in step
+    rows = re.findall(r'^\s+(epoch-\d{4}(?:-step-\d{8})?)\s.*\s(\S+)$', step, flags=re.M)
+    resumed = os.path.basename(demo_s3['summary']['sigterm']['resumed_from'])
+    # the one resumed from (kept while the relaunch trained), the newest two
+    assert rows == [(resumed, 'ok'), ('epoch-0001-step-00000040', 'ok'), ('epoch-0002', 'ok')]
+    assert 'pointers: latest.json -> epoch-0002' in step
+
+
 # ---------------------------------------------------------------- accelerate-multigpu
 
 def test_multigpu_config_is_a_two_process_multi_gpu_config():

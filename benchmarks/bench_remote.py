@@ -1,0 +1,294 @@
+"""Checkpoints in an object store: what training waits, the upload, the download.
+
+usage: python benchmarks/bench_remote.py [--sizes 25e6] [--repeats 4]
+       [--quick] [--dir runs/bench-remote]
+
+``make bench-s3`` runs it as it is: 3-5 minutes on 2 busy cores, where the
+local server moves 15-75 MB/s; ``--sizes 100e6 --repeats 2`` (1.1 GiB a
+checkpoint) took 5 to 13 minutes there.
+
+Against a local S3 server that the script starts itself (moto's
+``ThreadedMotoServer`` on 127.0.0.1, port 0, as ``tests/s3server.py``), in a
+process of its own, so that the server's request handling does not share
+the benchmark's interpreter lock, with its objects in memory
+(``/dev/shm``), so that it does not share the disk of the saves timed (a
+real store is another machine). The
+nets are those of ``bench_checkpoint.py`` (stacks of 1024x1024 linear
+layers after one Adam step), one process. In each repeat, in turn:
+
+- *local*: ``AccelerateCheckpoint(dirname=<a path>).save_model``, the time
+  training is blocked (durable, the default);
+- *remote*: the same net's ``save_model`` with ``dirname='s3://bench/run'``,
+  the time training is blocked: the commit into the staging folder and the
+  start of the upload;
+- *ours up*: from ``save_model``'s return until ``wait_for_saves`` returns:
+  the background upload (files, create-only manifest, ``latest.json``, a
+  listing for retention, which removes nothing here);
+- *s3fs put*: ``S3FileSystem.put`` of the same staged folder (recursive)
+  to another prefix of the same server, s3fs's defaults as ours;
+- *ours down*: ``open_storage(url, local_dir=<empty>).find_checkpoint()``,
+  the download of a resume on a new machine: listing, the manifest, the
+  files, then the size and checksum of every file (``format.check``);
+- *s3fs get*: ``S3FileSystem.get`` of the same checkpoint folder (recursive)
+  into an empty folder.
+
+The local save comes right before the remote one; our upload and s3fs's
+``put`` (and the downloads) alternate which goes first from one repeat to
+the next.
+Every timed call but the upload's wait (timed as soon as ``save_model``
+returns) starts once the server has used no CPU for 0.5 s and the page
+cache is flushed (``os.sync``). One save of each kind before the repeats
+is not timed (a process's first save is slow). Every ratio is taken
+between figures of the same repeat; the tables give min and median of each
+figure and of the ratios.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / 'tests'), str(REPO / 'benchmarks')]
+
+from bench_checkpoint import folder_bytes, machine, new_epoch, table, trained_net  # noqa: E402
+
+BUCKET = 'bench'
+# Completing a multipart upload of hundreds of MB takes moto longer than
+# botocore's 60 s read timeout on a busy machine; the retry then fails
+# (NoSuchUpload). The same timeout on both sides.
+S3_OPTIONS = {'config_kwargs': {'read_timeout': 900}}
+# the server's process, set in main()
+SERVER_PID = None
+CREDENTIALS = {'AWS_ACCESS_KEY_ID': 'bench', 'AWS_SECRET_ACCESS_KEY': 'bench',
+               'AWS_DEFAULT_REGION': 'us-east-1'}
+
+
+def serve():
+    """The server process: start moto's server, print its endpoint, wait
+    until stdin closes (the benchmark ended or died)."""
+    import logging
+
+    from s3server import start_server
+    logging.getLogger('werkzeug').setLevel(logging.WARNING)
+    server, endpoint = start_server()
+    print(endpoint, flush=True)
+    sys.stdin.read()
+    server.stop()
+
+
+def start_server_process():
+    """The server's process and its endpoint URL."""
+    # moto keeps an object over 16 MiB in a temporary file, which it deletes
+    # when it is garbage-collected: on this disk (ext4 with ``discard``) the
+    # deletion would stall the fsyncs of whichever save is timed next. In
+    # memory, the store does not share the disk of the saves, as a real one.
+    temp = '/dev/shm' if os.path.isdir('/dev/shm') else None
+    proc = subprocess.Popen([sys.executable, __file__, '--serve'], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, **({'TMPDIR': temp} if temp else {})))
+    endpoint = proc.stdout.readline().strip()
+    if not endpoint.startswith('http://'):
+        proc.kill()
+        raise RuntimeError(f"the S3 server did not start (it printed {endpoint!r})")
+    return proc, endpoint
+
+
+def cpu_ticks(pid):
+    """CPU time the process ``pid`` used so far, in clock ticks (Linux)."""
+    fields = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+def settle(pid, quiet=0.5, longest=20.0):
+    """Wait until the server process ``pid`` has used no CPU for ``quiet``
+    seconds: it frees the memory of a large transfer after answering it,
+    which would slow down whatever is timed next."""
+    if not os.path.exists(f'/proc/{pid}/stat'):
+        time.sleep(quiet)
+        return
+    deadline = time.monotonic() + longest
+    before = cpu_ticks(pid)
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        now = cpu_ticks(pid)
+        if now == before:
+            return
+        before = now
+
+
+def timed(fn, quiet=True):
+    """Seconds ``fn`` takes and its result; ``quiet``: starting once the
+    server is idle and the page cache flushed."""
+    if quiet:
+        settle(SERVER_PID)
+        os.sync()  # no transfer pays for the writeback of an earlier save
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def bench_size(size, repeats, root, fs):
+    """The figures of each repeat for one net size (seconds)."""
+    from skorch_accel_callbacks import AccelerateCheckpoint
+    from skorch_accel_callbacks.storage import open_storage
+
+    net = trained_net(size)
+    root = Path(root) / f'size-{size:g}'
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    url = f's3://{BUCKET}/size-{size:g}'
+    local = AccelerateCheckpoint(dirname=str(root / 'local'))
+    # retention would delete the checkpoint before in the store during the
+    # upload; here that is done between repeats, untimed
+    remote = AccelerateCheckpoint(dirname=url, local_dir=str(root / 'staging'),
+                                  keep_last=10 ** 6, storage_options=S3_OPTIONS)
+    for cp in (local, remote):
+        cp.initialize().on_train_begin(net)
+    times = {key: [] for key in ('local', 'remote', 'ours_up', 's3fs_put', 'ours_down',
+                                 's3fs_get')}
+
+    def save(cp, key):
+        new_epoch(net)
+        blocked, path = timed(lambda: cp.save_model(net))
+        # at once: the upload runs from inside save_model
+        waited, _ = timed(lambda: cp.wait_for_saves(net), quiet=False)
+        if key:
+            times[key].append(blocked)
+        return path, waited
+
+    def upload_ours():
+        path, waited = save(remote, 'remote')
+        times['ours_up'].append(waited)
+        return path
+
+    def upload_s3fs(name, i):
+        staged = root / 'staging' / name
+        seconds, _ = timed(lambda: fs.put(str(staged), f'{BUCKET}/s3fs-put/{i}', recursive=True))
+        times['s3fs_put'].append(seconds)
+
+    def download_ours(i):
+        seconds, found = timed(lambda: open_storage(
+            url, local_dir=str(root / f'new-machine-{i}'),
+            storage_options=S3_OPTIONS).find_checkpoint())
+        times['ours_down'].append(seconds)
+        return found
+
+    def download_s3fs(name, i):
+        target = root / f's3fs-get-{i}'
+        seconds, _ = timed(lambda: fs.get(f'{BUCKET}/size-{size:g}/{name}', str(target),
+                                          recursive=True))
+        times['s3fs_get'].append(seconds)
+        return target
+
+    # not timed: a process's first save of each kind
+    save(local, None)
+    name = os.path.basename(save(remote, None)[0])
+    for i in range(repeats):
+        ours_first = i % 2 == 0
+        if not ours_first:
+            upload_s3fs(name, i)  # the staged copy of the save before
+        # the two saves one after the other: a save right after a large
+        # transfer of this process took up to 3x as long here
+        save(local, 'local')
+        previous, name = name, os.path.basename(upload_ours())
+        if ours_first:
+            upload_s3fs(name, i)
+        fs.rm(f'{BUCKET}/size-{size:g}/{previous}', recursive=True)
+        fs.rm(f'{BUCKET}/s3fs-put/{i}', recursive=True)
+        if ours_first:
+            found = download_ours(i)
+            target = download_s3fs(name, i)
+        else:
+            target = download_s3fs(name, i)
+            found = download_ours(i)
+        if os.path.basename(found.path) != name:
+            raise RuntimeError(f"downloaded {found.path}, not the checkpoint {name}")
+        nbytes = folder_bytes(root / 'staging' / name)
+        if not folder_bytes(target) == folder_bytes(found.path) == nbytes:
+            raise RuntimeError(f"a download of {name} does not hold its {nbytes} bytes")
+        shutil.rmtree(target)
+        shutil.rmtree(root / f'new-machine-{i}')
+    for cp in (local, remote):
+        cp.close()
+    fs.rm(f'{BUCKET}/size-{size:g}', recursive=True)
+    shutil.rmtree(root)
+    if os.environ.get('BENCH_RAW'):
+        print(json.dumps({k: [round(x * 1000) for x in v] for k, v in times.items()}),
+              file=sys.stderr)
+    return dict(size=sum(p.numel() for p in net.module_.parameters()), nbytes=nbytes,
+                times=times)
+
+
+def ms(seconds):
+    return f"{seconds * 1000:.0f}"
+
+
+def rows_of(result):
+    times = result['times']
+    pairs = (('blocked per save', 'remote', 'local'), ('upload', 'ours_up', 's3fs_put'),
+             ('download at resume', 'ours_down', 's3fs_get'))
+    rows = []
+    for label, ours, theirs in pairs:
+        ratios = [a / b for a, b in zip(times[ours], times[theirs], strict=True)]
+        rows.append([f"{result['size'] / 1e6:.0f}M", f"{result['nbytes'] / 2 ** 20:.0f}", label,
+                     ms(min(times[ours])), ms(statistics.median(times[ours])),
+                     ms(min(times[theirs])), ms(statistics.median(times[theirs])),
+                     f"{min(ratios):.2f}", f"{statistics.median(ratios):.2f}",
+                     f"{max(ratios):.2f}"])
+    return rows
+
+
+def report(results, args, elapsed):
+    load = os.getloadavg()
+    out = [f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; machine: "
+           f"{machine()}; load average at the end {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; "
+           f"{args.repeats} repeats; {elapsed:.0f} s in all. Times in ms; ours vs theirs: "
+           "remote vs local dirname, our upload vs s3fs put, our download vs s3fs get.", '',
+           table([row for result in results for row in rows_of(result)],
+                 ['params', 'MiB', 'what', 'ours min', 'ours median', 'theirs min',
+                  'theirs median', 'ratio min', 'ratio median', 'ratio max'])]
+    return '\n'.join(out)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--sizes', default='25e6')
+    parser.add_argument('--repeats', type=int, default=4)
+    parser.add_argument('--quick', action='store_true', help='size 25e6, 2 repeats')
+    parser.add_argument('--dir', default=str(REPO / 'runs' / 'bench-remote'))
+    parser.add_argument('--serve', action='store_true', help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve()
+        return
+    if args.quick:
+        args.sizes, args.repeats = '25e6', 2
+    started = time.monotonic()
+    server, endpoint = start_server_process()
+    global SERVER_PID
+    SERVER_PID = server.pid
+    try:
+        # the callbacks' and our s3fs's way to the server: the environment
+        os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
+        import s3fs
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **S3_OPTIONS)
+        fs.mkdir(BUCKET)
+        results = []
+        for size in (float(s) for s in args.sizes.split(',')):
+            results.append(bench_size(size, args.repeats, args.dir, fs))
+            print(f"size {size:g} done", file=sys.stderr, flush=True)
+    finally:
+        server.stdin.close()
+        server.wait(timeout=60)
+    print(report(results, args, time.monotonic() - started))
+
+
+if __name__ == '__main__':
+    main()
