@@ -135,13 +135,18 @@ def test_resume_under_fsdp1_is_refused_naming_fsdp2(accelerator, tmp_path):
 
 def launch_runs(script, results, runs, nproc=2, expect_ok=True):
     """Launch ``script`` (fsdp_train.py or fsdp_resume.py) to run the
-    trainings ``runs`` of fsdp_resume.py one after the other."""
+    trainings ``runs`` of fsdp_resume.py one after the other; with
+    ``expect_ok=False`` every rank must die of SIGKILL, with None fail."""
     env = dict(SHORT_COLLECTIVES, RESULT_DIR=str(results), RUNS=json.dumps(runs))
     if nproc == 1:
         env.update(ONE_PROCESS, MASTER_PORT=str(free_port()))
     result = launch(script, nproc=nproc, timeout=300, env=env)
     if expect_ok:
         result.check()
+    elif expect_ok is None:
+        # one rank killed, the other failed or killed in turn
+        assert not result.timed_out and all(rc != 0 for rc in result.returncodes), \
+            result.report()
     else:
         assert result.returncodes == [-9] * nproc, result.report()
 
@@ -161,9 +166,13 @@ def runs(tmp_path_factory):
     launch_runs('fsdp_resume.py', results, [
         {'dirname': str(root / 'ck'), 'tag': 'killed', 'every_n_steps': 2, 'kill': [3, 3]}],
         expect_ok=False)
+    launch_runs('fsdp_resume.py', results, [
+        {'dirname': str(root / 'cut'), 'tag': 'cut', 'every_n_steps': 2,
+         'kill_in_save': [MID_EPOCH_CHECKPOINT, 1]}], expect_ok=None)
     shutil.copytree(root / 'ck', root / 'ck-for-one')
     launch_runs('fsdp_resume.py', results, [
         {'dirname': str(root / 'ck'), 'tag': 'resumed', 'every_n_steps': 2},
+        {'dirname': str(root / 'cut'), 'tag': 'cut-resumed', 'every_n_steps': 2},
         {'dirname': str(root / 'full-again'), 'tag': 'full-resumed',
          'state_dict': 'FULL_STATE_DICT', 'resume': str(root / 'full' / 'epoch-0002')}])
     launch_runs('fsdp_resume.py', results, [
@@ -188,6 +197,24 @@ def test_sharded_checkpoint_killed_inside_an_epoch_resumes_bit_identically(runs)
     assert [r['loaded_from'] for r in resumed] == [MID_EPOCH_CHECKPOINT] * 2
     assert_identical(final_state(results, 'straight'), final_state(results, 'resumed'))
     assert resumed[0]['history'] == read_results(results, 'straight', 2)[0]['history']
+
+
+@pytest.mark.slow
+def test_a_kill_once_one_ranks_shards_are_written_resumes_from_the_checkpoint_before(runs):
+    """Rank 1 dies after writing its shards of the checkpoint inside epoch
+    3, before the commit: that partial checkpoint is not resumed from, the
+    one of epoch 2 is, and the run ends bit-identical."""
+    root, results = runs
+    cut = read_json(results / 'cut-killed-in-save-rank1.json')
+    assert cut['folder'] == MID_EPOCH_CHECKPOINT + format.PARTIAL_SUFFIX
+    # the kill came after this rank's shards were written
+    assert {'pytorch_model_fsdp_0/__1_0.distcp', 'optimizer_0/__1_0.distcp'} <= \
+        set(cut['written'])
+    assert not (root / 'cut' / cut['folder']).exists()
+    resumed = read_results(results, 'cut-resumed', 2)
+    assert [r['num_processes'] for r in resumed] == [2, 2]
+    assert [r['loaded_from'] for r in resumed] == ['epoch-0002'] * 2
+    assert_identical(final_state(results, 'straight'), final_state(results, 'cut-resumed'))
 
 
 @pytest.mark.slow

@@ -8,7 +8,10 @@ usage: fsdp_resume.py
   ``every_n_steps`` (also a checkpoint every that many optimizer steps),
   ``kill`` (``[E, B]``: every rank is SIGKILLed when training batch B of
   epoch E begins, after the batch before and its checkpoint, and first
-  writes ``<TAG>-killed-rank<r>.json``), ``reseed``
+  writes ``<TAG>-killed-rank<r>.json``), ``kill_in_save`` (``[NAME, R]``:
+  rank R is SIGKILLed once its shards of checkpoint NAME are written, before
+  the commit, and first writes ``<TAG>-killed-in-save-rank<R>.json``; the
+  other rank fails in the save's next collective), ``reseed``
   (``on_world_size_change='reseed'``) and ``resume`` (the checkpoint to
   resume, a path: by default the latest in ``dirname``).
 
@@ -22,6 +25,7 @@ the checkpoint was loaded.
 
 import json
 import os
+import signal
 import warnings
 
 import torch
@@ -33,7 +37,12 @@ from torch.optim.lr_scheduler import StepLR
 from common import NotTrainingState, make_data, make_net, rank, write_result
 from fsdp_backend import fsdp_accelerator
 from resume import KillBefore, history_rows
-from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, sync
+from skorch_accel_callbacks import (
+    AccelerateCheckpoint,
+    AccelerateLoadInitState,
+    accelerate_io,
+    sync,
+)
 
 
 def save_full_state(net, history, name):
@@ -66,8 +75,25 @@ class RecordLoaded(NotTrainingState, Callback):
             save_full_state(net, net.history[:-1], f'{self.tag}-resumed-rank0.pt')
 
 
+def kill_after_shards(name, who, tag):
+    """Rank ``who`` dies once ``accelerate_io.save_state`` (through which
+    the writer saves the shards) returns for checkpoint ``name``."""
+    save_state = accelerate_io.save_state
+
+    def saved_then_killed(accelerator, folder, *args, **kwargs):
+        save_state(accelerator, folder, *args, **kwargs)
+        if os.path.basename(folder).startswith(name + '.') and rank() == who:
+            written = sorted(os.path.relpath(os.path.join(where, file), folder)
+                             for where, _, files in os.walk(folder) for file in files)
+            write_result(f'{tag}-killed-in-save', {'folder': os.path.basename(folder),
+                                                   'written': written})
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    accelerate_io.save_state = saved_then_killed
+
+
 def run(dirname, tag, state_dict='SHARDED_STATE_DICT', every_n_steps=None, kill=None,
-        reseed=False, resume='latest'):
+        kill_in_save=None, reseed=False, resume='latest'):
     accelerator = fsdp_accelerator(state_dict_type=state_dict)
     cp = AccelerateCheckpoint(dirname=dirname, every_n_steps=every_n_steps)
     load = AccelerateLoadInitState(cp, resume=resume,
@@ -76,6 +102,8 @@ def run(dirname, tag, state_dict='SHARDED_STATE_DICT', every_n_steps=None, kill=
                  RecordLoaded(tag)]
     if kill:
         callbacks.append(KillBefore(*kill, tag))
+    if kill_in_save:
+        kill_after_shards(*kill_in_save, tag)
     torch.manual_seed(0)
     net = make_net(accelerator, callbacks=callbacks, max_epochs=3,
                    criterion=torch.nn.NLLLoss, train_split=ValidSplit(5))
