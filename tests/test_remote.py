@@ -580,3 +580,17 @@ def test_two_nodes_stage_in_one_shared_folder_else_are_refused(s3_bucket, tmp_pa
     assert [res['num_processes'] for res in full + resumed] == [2] * 4
     assert all(res['loaded_from'] == f'{url}/epoch-0003' for res in resumed)
     assert resumed[0]['history'][:3] == full[0]['history']
+
+
+@pytest.mark.slow
+def test_another_fsspec_store_commits_and_resumes(tmp_path):
+    """memory:// (fsspec's in-process store) through the same code as S3,
+    without a lease: its lock is the staging folder's."""
+    url = f'memory://test-{os.getpid()}-{id(tmp_path)}/run'
+    _, cp, _ = fit(url, max_epochs=2, local_dir=str(tmp_path / 'staging'))
+    assert cp.committed() == ['epoch-0001', 'epoch-0002']
+    resumed, cp, load = fit(url, max_epochs=3, local_dir=str(tmp_path / 'other-staging'))
+    assert load.loaded_from_ == f'{url}/epoch-0002'
+    assert len(resumed.history) == 3
+    assert json.loads(fsspec.filesystem('memory').cat_file(
+        url[len('memory://'):] + '/latest.json')) == {'name': 'epoch-0003'}
