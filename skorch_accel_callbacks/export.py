@@ -365,7 +365,17 @@ class LoadableCheckpoint:
     @property
     def f_history_(self) -> str:
         """Path of the history of the newest complete checkpoint."""
-        return checkpoint_files(find_checkpoint(self.dirname))['f_history']
+        return self._checkpoint_files('latest')['f_history']
+
+    def _checkpoint_files(self, which: str) -> dict[str, str]:
+        """:func:`checkpoint_files` of checkpoint ``which`` of ``dirname``,
+        downloaded first from a store."""
+        if is_remote(self.dirname):
+            found = self._reader().find_checkpoint(which)
+            if found is None:
+                raise FileNotFoundError(f"no checkpoint in {self.dirname}")
+            return checkpoint_files(found.path)
+        return checkpoint_files(find_checkpoint(self.dirname, which))
 
     def get_formatted_files(self, net: Any, which: str = 'latest') -> dict[str, str]:
         """The files of a checkpoint as arguments of skorch's ``load_params``.
@@ -417,11 +427,5 @@ class LoadableCheckpoint:
         >>> net.load_params(**cp.get_formatted_files(net, which='best'))
 
         """
-        if is_remote(self.dirname):
-            found = self._reader().find_checkpoint(which)
-            if found is None:
-                raise FileNotFoundError(f"no checkpoint in {self.dirname}")
-            files = checkpoint_files(found.path)
-        else:
-            files = checkpoint_files(find_checkpoint(self.dirname, which))
-        return {key: consolidate.loadable(file) for key, file in files.items()}
+        return {key: consolidate.loadable(file)
+                for key, file in self._checkpoint_files(which).items()}

@@ -206,7 +206,7 @@ def test_demo_s3_resumes_a_preempted_run_on_a_new_machine_from_the_bucket(demo_s
     staging = demo_s3['out'] / 'preempted-and-relaunched' / 'staging'
     deleted = output.index(f"deleted the staging folder {staging}, as on a new machine")
     sigterm = summary['sigterm']
-    assert sigterm['resumed_from'] == str(staging / taken[1])
+    assert sigterm['resumed_from'] == f'{url}/{taken[1]}'
     assert output.index(f"Resumed from {sigterm['resumed_from']} at batch") > deleted
     assert sigterm['lost_batches'] == 0
     assert f"Saved checkpoint {url}/epoch-0002 (finished)" in output
