@@ -66,6 +66,7 @@ __all__ = [
     'checksum_stream',
     'epoch_caches_names',
     'is_checkpoint_name',
+    'merged',
     'pointed_name',
     'pointer_name',
     'position_name',
@@ -299,6 +300,22 @@ def read(folder: str | os.PathLike[str]) -> dict[str, Any]:
     if problems:
         raise problems[0].error
     return manifest
+
+
+def merged(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest of one checkpoint that several nodes committed a part
+    of each (``save_on_each_node``, each into its own folder): the first
+    one's, listing the files of them all. A file that several list (the
+    model, which every node writes) is listed as the first lists it."""
+    first = manifests[0]
+    files, checksums = {}, {}
+    for manifest in manifests:
+        for rel, size in manifest['files'].items():
+            if rel not in files:
+                files[rel] = size
+                checksums[rel] = manifest.get('checksums', {}).get(rel)
+    checksums = {rel: value for rel, value in checksums.items() if value is not None}
+    return dict(first, files=files, checksums=checksums, bytes=sum(files.values()))
 
 
 def stopped_early(manifest: dict[str, Any]) -> bool:

@@ -20,7 +20,6 @@ included).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
 import time
@@ -29,8 +28,16 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from skorch_accel_callbacks import accelerate_io, atomic, format, sync, transfer
-from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks import (
+    accelerate_io,
+    atomic,
+    format,
+    node_upload,
+    remote_read,
+    sync,
+    transfer,
+)
+from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, Found, is_committer
 from skorch_accel_callbacks.lease import ObjectLease, take_lease
 from skorch_accel_callbacks.lock import FolderInUseError
@@ -90,11 +97,15 @@ class RemoteStorage:
         self._known: set[str] = set()
         # the one-job lock in the store (lease.ObjectLease), taken in claim
         self._lease = None
+        # with save_on_each_node, the nodes' main processes (sync.NodeGroup)
+        self._nodes = None
+        self._main = True
         self._claimed = False
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _fs=None, _root=None, _executor=None, _pending=[],
-                    _known=set(), _lease=None, _claimed=False)
+                    _known=set(), _lease=None, _nodes=None, _main=True,
+                    _claimed=False)
 
     # ------------------------------------------------------------ paths
 
@@ -129,33 +140,42 @@ class RemoteStorage:
         """Check that the store can be reached and take the staging folder,
         on every rank; acts once until :meth:`release`.
 
-        Raises on every rank :class:`CheckpointError` naming the URL when
-        fsspec or the protocol's package is missing, the bucket does not
-        exist, the credentials are refused, ``save_on_each_node`` would
-        have several processes upload, or a node does not see the staging
-        folder; the errors of :meth:`CheckpointFolder.claim` for the staging
-        folder.
+        The staging folder is one that every rank sees, or with
+        ``save_on_each_node`` one on each node's own disk
+        (:mod:`~skorch_accel_callbacks.node_upload`). Raises on every rank
+        :class:`CheckpointError` naming the URL when fsspec or the
+        protocol's package is missing, the bucket does not exist, the
+        credentials are refused, or a node does not see the staging folder
+        without ``save_on_each_node``; the errors of
+        :meth:`CheckpointFolder.claim` for the staging folder.
         """
         if self._claimed:
             return
         with sync.agree(net, f"opening {self.dirname}"):
-            if accelerate_io.save_on_each_node(net.accelerator) and sync.is_distributed(net):
-                raise CheckpointError(
-                    f"save_on_each_node=True with checkpoints in {self.dirname}: each node "
-                    "would upload the same checkpoints; set save_on_each_node=False")
             # on every rank: each raises the store's refusal itself
             self._check_reachable()
-            if is_committer(net):
-                self._known = set(self.committed())
-        # the staging folder's lock keeps a second job of this machine out
+        # the staging folder's lock keeps a second job of this machine out;
+        # with save_on_each_node it refuses nodes that share the folder
         self.staging.claim(net)
-        self.staging.check_shared(net, f"every rank stages its files there for rank 0 to "
-                                  f"upload to {self.dirname}; give local_dir a shared folder")
-        with sync.agree(net, f"finishing an upload into {self.dirname}"):
-            if is_committer(net):
+        if not (accelerate_io.save_on_each_node(net.accelerator) and sync.is_distributed(net)):
+            self._nodes = None
+            self.staging.check_shared(
+                net, f"every rank stages its files there for rank 0 to upload to "
+                f"{self.dirname}; give local_dir a shared folder, or set "
+                "save_on_each_node=True to stage on each node's own disk")
+        elif self._nodes is None:
+            # kept for the next fits: a process group lasts as long as its process
+            self._nodes = sync.NodeGroup.of_node_mains(net)
+        self._main = sync.is_main_process(net)
+        with sync.agree(net, f"taking the lease of {self.dirname}"):
+            if self._main:
                 # one job at a time in the store, before this one changes it
                 self._lease = _take_lease(self._store())
-                self._finish_upload()
+            if is_committer(net):
+                self._known = set(self.committed())
+        self._finish_upload(net)
+        with sync.agree(net, f"removing what killed uploads left in {self.dirname}"):
+            if self._main:
                 self._remove_leftovers()
         self._claimed = True
 
@@ -168,24 +188,56 @@ class RemoteStorage:
                 "skorch-accel-callbacks[s3] for s3://)") from exc
         transfer.check_reachable(store)
 
-    def _finish_upload(self) -> None:
+    def _finish_upload(self, net: Any) -> None:
         """Finish the upload of the checkpoint that a job of this machine
-        committed into the staging folder but was killed before it uploaded
-        it, or before it wrote the pointers: the newest staged one, if it is
-        complete and not older than every one in the store (names sort in
-        training order). A store emptied by hand stays empty."""
+        (or of these nodes) committed into the staging folder but was killed
+        before it uploaded it, or before it wrote the pointers: the newest
+        staged one, if it is complete (on every node) and not older than
+        every one in the store (names sort in training order). A store
+        emptied by hand stays empty."""
+        newest = None
+        with sync.agree(net, f"reading the staging folder {self.local_dir}"):
+            if is_committer(net):
+                newest = self._newest_staged()
+        staged = sync.gather(net, newest)
+        committers = [0] if self._nodes is None else self._nodes.ranks
+        todo = None
+        with sync.agree(net, f"looking for an unfinished upload into {self.dirname}"):
+            if self._main:
+                todo = self._unfinished([staged[rank] for rank in committers])
+        todo = sync.broadcast(net, todo)
+        if todo is None:
+            return
+        what, name, best = todo
+        with sync.agree(net, f"finishing the upload of {self.url(name)}"):
+            if what == 'upload' and is_committer(net):
+                self._upload(name, best)
+            elif what == 'point' and self._main:
+                transfer.point(self._store(), name, best)
+
+    def _newest_staged(self) -> tuple[str, bool] | None:
+        """The newest checkpoint of the staging folder and whether it is a
+        best one, if it is complete."""
         staged = self.staging.committed()
-        if not (self._known and staged) or max(staged) < max(self._known):
-            return
-        name = max(staged)
-        manifest, problems = format.check(self.staging.path(name))
-        if problems:
-            return
+        if not staged:
+            return None
+        manifest, problems = format.check(self.staging.path(max(staged)))
+        return None if problems else (max(staged), bool(manifest.get('best')))
+
+    def _unfinished(self, staged: list[tuple[str, bool] | None]) -> tuple[str, str, bool] | None:
+        """What is left to do of the upload of the newest staged checkpoint
+        (``staged``: each committer's): ``('upload' or 'point', name, best)``."""
+        if None in staged or len(set(staged)) > 1 or not self._known:
+            return None
+        name, best = staged[0]
+        if name < max(self._known):
+            return None
         if name not in self._known:
-            self._upload(name, bool(manifest.get('best')))
-        elif (self.pointed('latest') != name and transfer.holds(
-                self._store(), name, self.staging.path(name))):
-            transfer.point(self._store(), name, bool(manifest.get('best')))
+            return 'upload', name, best
+        if (self.pointed('latest') != name
+                and transfer.holds(self._store(), name, self.staging.path(name))):
+            return 'point', name, best
+        return None
 
     def _remove_leftovers(self) -> None:
         """Remove what killed or failed uploads left in the store, once the
@@ -240,8 +292,13 @@ class RemoteStorage:
         """Upload checkpoint ``name`` from the staging folder; the seconds it took."""
         started = time.monotonic()
         try:
-            transfer.upload(self._store(), self.staging.path(name), name, best,
-                            replace=name in self._known, before_manifest=self._check_lease)
+            if self._nodes is None:
+                transfer.upload(self._store(), self.staging.path(name), name, best,
+                                replace=name in self._known, before_manifest=self._check_lease)
+            else:
+                node_upload.upload_from_nodes(
+                    self._nodes, self._store(), self.staging.path(name), name, best,
+                    replace=name in self._known, before_manifest=self._check_lease)
         except (CheckpointError, FolderInUseError):
             raise
         except Exception as exc:
@@ -269,6 +326,8 @@ class RemoteStorage:
         the best one (or the ``keep_best`` newest marked best) and those in
         ``keep``, once the upload before it succeeded: a checkpoint's
         manifest first, then its files."""
+        if not self._main:
+            return  # the main process's upload commits, and retires, for every node
         upload = self._pending[-1][0] if self._pending else None
         self._submit(None, self._retire, upload, keep_last, keep_best, tuple(keep))
 
@@ -280,7 +339,8 @@ class RemoteStorage:
         names = self.committed()
         kept = set(names[-keep_last:]) | set(keep) | {self.pointed('best')}
         if keep_best:
-            kept |= set([name for name in names if self._marked_best(name)][-keep_best:])
+            kept |= set([name for name in names
+                         if remote_read.marked_best(self._store(), name)][-keep_best:])
         for name in names:
             if name in kept:
                 continue
@@ -316,113 +376,27 @@ class RemoteStorage:
 
     # ------------------------------------------------------------ reading
 
-    def _read_remote_json(self, *parts: str) -> Any:
-        fs, _ = self._filesystem()
-        return json.loads(fs.cat_file(self._remote(*parts)))
-
     def pointed(self, which: str) -> str | None:
         """The name ``latest.json`` or ``best.json`` in the store points at, or None."""
-        try:
-            return format.pointed_name(self._read_remote_json(format.pointer_name(which)))
-        except (OSError, ValueError):
-            return None
+        return remote_read.pointed(self._store(), which)
 
     def check(self, name: str) -> tuple[dict[str, Any], str | None]:
-        """The manifest of checkpoint ``name`` in the store (``{}`` if it
-        cannot be read) and why the checkpoint is not complete there (None
-        if it is), without downloading it."""
-        try:
-            sealed, _ = transfer.check_remote(self._store(), name)
-            return json.loads(sealed), None
-        except CorruptCheckpointError as exc:
-            try:
-                saved = self._read_remote_json(name, format.MANIFEST_NAME)
-            except (OSError, ValueError):
-                saved = {}
-            return (saved if isinstance(saved, dict) else {}), str(exc)
-
-    def _marked_best(self, name: str) -> bool:
-        try:
-            return bool(self._read_remote_json(name, format.MANIFEST_NAME).get('best'))
-        except (OSError, ValueError, AttributeError):
-            return False
+        """The manifest of checkpoint ``name`` in the store and why it is not
+        complete there (:func:`remote_read.check`)."""
+        return remote_read.check(self._store(), name)
 
     def committed(self) -> list[str]:
-        """Names of the checkpoints in the store with a manifest, oldest
-        first: in the order of their names, which is the order of their
-        commits since the create-only manifest never lets a name be
-        committed twice."""
-        fs, root = self._filesystem()
-        fs.invalidate_cache()
-        try:
-            manifests = fs.glob(self._remote('*', format.MANIFEST_NAME))
-        except FileNotFoundError:
-            return []
-        names = {path[len(root) + 1:].split('/', 1)[0] for path in manifests}
-        return sorted(name for name in names if format.is_checkpoint_name(name))
+        """Names of the checkpoints in the store with a manifest, oldest first."""
+        return remote_read.committed(self._store())
 
     def find_checkpoint(self, which: str | os.PathLike[str] = 'latest') -> Found | None:
-        """The checkpoint ``which`` names (``'latest'``, ``'best'``, a name in
-        the store, or a local path), downloaded into the staging folder and
-        checked there, with its manifest; None if there is none.
-
-        As :meth:`CheckpointFolder.find_checkpoint`: for ``'latest'`` a
-        damaged checkpoint (a file missing or of another size than its
-        manifest lists) is skipped with a warning naming its URL.
-        """
-        which = os.fspath(which)
-        names = self.committed()
-        if which == 'best':
-            best = self.pointed('best')
-            if best is None:
-                if names:
-                    raise CheckpointError(
-                        f"no best checkpoint in {self.dirname}: only checkpoints saved "
-                        "because of `monitor` are best ones")
-                return None
-            return self._fetch(best)
-        if format.is_checkpoint_name(which):
-            if which not in names:
-                raise FileNotFoundError(
-                    f"no checkpoint {which} in {self.dirname}; it has {names or 'none'}")
-            return self._fetch(which)
-        if which != 'latest':
-            return Found(which, format.read(which))
-        latest = self.pointed('latest')
-        problems = []
-        for name in ([latest] if latest in names else []) + [
-                name for name in reversed(names) if name != latest]:
-            try:
-                return self._fetch(name)
-            except CorruptCheckpointError as exc:
-                warnings.warn(f"skipping checkpoint {self.url(name)}: {exc}", UserWarning)
-                problems.append(str(exc))
-        if problems:
-            raise CheckpointError(
-                f"{self.dirname} holds checkpoints but none is complete: " + '; '.join(problems))
-        return None
+        """The checkpoint ``which`` names, downloaded into the staging folder
+        and checked there (:func:`remote_read.find_checkpoint`)."""
+        return remote_read.find_checkpoint(self._store(), self.staging, which)
 
     def find(self, which: str | os.PathLike[str] = 'latest') -> str | None:
         found = self.find_checkpoint(which)
         return None if found is None else found.path
-
-    def _fetch(self, name: str) -> Found:
-        """Checkpoint ``name`` checked in the store, downloaded unless the
-        staging folder has it complete, and checked again there."""
-        store = self._store()
-        sealed, files = transfer.check_remote(store, name)
-        local = self.staging.path(name)
-        if transfer.holds_manifest(local, sealed):
-            manifest, problems = format.check(local)
-            if not problems:
-                return Found(local, manifest)
-        # a partial folder renamed into place once complete, as a save
-        partial = self.staging.start(name)
-        manifest = transfer.download(store, name, files, sealed, partial)
-        replaced = atomic.replace_folder(partial, local)
-        if replaced is not None:
-            replaced.join()
-        return Found(local, manifest)
 
 
 def _take_lease(store: transfer.Store) -> ObjectLease | None:

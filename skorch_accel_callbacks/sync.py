@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from skorch import NeuralNet
 
 __all__ = [
+    'NodeGroup',
     'RankError',
     'Vote',
     'agree',
@@ -182,17 +183,17 @@ def _to_bytes_tensor(value: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8).clone()
 
 
-def _gloo_gather(value: Any) -> list[Any]:
+def _gloo_gather(value: Any, group: Any = None) -> list[Any]:
     mine = _to_bytes_tensor(value)
     size = torch.tensor([mine.numel()], dtype=torch.long)
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
     _released([size, *sizes])
     longest = max(int(n) for n in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[:mine.numel()] = mine
     parts = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=group)
     _released([padded, *parts])
     return [pickle.loads(part[:int(n)].numpy().tobytes())
             for part, n in zip(parts, sizes, strict=True)]
@@ -219,6 +220,52 @@ def _gloo_broadcast(value: Any) -> Any:
     dist.broadcast(data, src=0)
     _released([data])
     return pickle.loads(data.numpy().tobytes())
+
+
+class NodeGroup:
+    """The main processes of the nodes, talking among themselves from a
+    background thread (an upload) while training goes on.
+
+    Its own gloo process group, as torch's ``async_save`` takes one: the
+    collectives of the training's group run on the main thread, and two
+    threads must never share a group. Every process of the job creates it
+    (:meth:`of_node_mains`), in the same order; only the nodes' main
+    processes :meth:`exchange`. Its collectives wait as long as torch's
+    default timeout of a process group; a node whose process died fails
+    them at once (its connections close).
+
+    Parameters
+    ----------
+    ranks : list of int
+      The global ranks of the nodes' main processes, node 0 first.
+    group : ProcessGroup or None
+      Their process group; None on the other processes.
+    """
+
+    def __init__(self, ranks: list[int], group: Any) -> None:
+        self.ranks = ranks
+        self.group = group
+
+    @classmethod
+    def of_node_mains(cls, net: NeuralNet) -> NodeGroup:
+        """The group of the main processes of the nodes; on every process."""
+        local_mains = gather(net, is_local_main_process(net))
+        ranks = [rank for rank, local_main in enumerate(local_mains) if local_main]
+        group = dist.new_group(ranks, backend='gloo')
+        return cls(ranks, group if process_index(net) in ranks else None)
+
+    @property
+    def node(self) -> int:
+        """This node's index among the nodes (0 for rank 0's)."""
+        return dist.get_rank(self.group)
+
+    def exchange(self, value: Any) -> list[Any]:
+        """Every node main's ``value``, node 0's first; on the node mains only."""
+        return _gloo_gather(value, self.group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a process group belongs to this process
+        return dict(self.__dict__, group=None)
 
 
 class Vote:

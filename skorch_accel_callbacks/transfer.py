@@ -29,7 +29,8 @@ from skorch_accel_callbacks import format
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ['Store', 'abort_uploads', 'check_reachable', 'check_remote', 'download', 'holds',
-           'holds_manifest', 'is_s3', 'point', 'remove_unsealed', 'upload']
+           'holds_manifest', 'is_s3', 'point', 'remove_manifest', 'remove_unsealed',
+           'same_files', 'seal', 'send', 'staged_manifest', 'upload']
 
 
 @dataclass(frozen=True)
@@ -90,23 +91,51 @@ def upload(store: Store, local: str, name: str, best: bool, replace: bool,
     Raises :class:`CheckpointError` naming the manifest's URL if another
     job committed that name meanwhile.
     """
-    fs = store.fs
-    with open(os.path.join(local, format.MANIFEST_NAME), 'rb') as file:
-        sealed = file.read()
-    files = list(json.loads(sealed)['files'])
+    sealed = staged_manifest(local)
     if replace:
-        # an epoch trained again after resuming from an older checkpoint
-        # replaces it, as in a local folder; its manifest goes first, so
-        # that no reader takes the old manifest for the new files
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm_file(store.path(name, format.MANIFEST_NAME))
+        remove_manifest(store, name)
+    send(store, local, name, list(json.loads(sealed)['files']))
+    seal(store, name, sealed, best, before_manifest)
+
+
+def staged_manifest(local: str) -> bytes:
+    """The manifest of the committed folder ``local``, as written."""
+    return Path(local, format.MANIFEST_NAME).read_bytes()
+
+
+def remove_manifest(store: Store, name: str) -> None:
+    """Remove the manifest of checkpoint ``name``, if there is one.
+
+    An epoch trained again after resuming from an older checkpoint replaces
+    it, as in a local folder; its manifest goes before any of its new files
+    are sent, so that no reader takes the old manifest for the new files.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        store.fs.rm_file(store.path(name, format.MANIFEST_NAME))
+
+
+def send(store: Store, local: str, name: str, files: list[str]) -> None:
+    """Upload ``files`` (paths relative to the folder ``local``) into
+    checkpoint ``name``."""
+    if not files:
+        return
     # one call: an async filesystem (s3fs) sends the files concurrently
-    fs.put([os.path.join(local, rel) for rel in files],
-           [store.path(name, rel) for rel in files], **_verified(fs))
+    store.fs.put([os.path.join(local, rel) for rel in files],
+                 [store.path(name, rel) for rel in files], **_verified(store.fs))
+
+
+def seal(store: Store, name: str, sealed: bytes, best: bool,
+         before_manifest: Callable[[], None]) -> None:
+    """Commit checkpoint ``name``, whose files are sent: write its manifest
+    ``sealed`` create-only (after ``before_manifest()``), then point at it.
+
+    Raises :class:`CheckpointError` naming the manifest's URL if another
+    job committed that name meanwhile.
+    """
     before_manifest()
     try:
-        fs.pipe_file(store.path(name, format.MANIFEST_NAME), sealed, mode='create',
-                     **_verified(fs))
+        store.fs.pipe_file(store.path(name, format.MANIFEST_NAME), sealed, mode='create',
+                           **_verified(store.fs))
     except FileExistsError as exc:
         raise CheckpointError(
             f"{store.url(name, format.MANIFEST_NAME)} exists already: another job committed "
@@ -132,12 +161,31 @@ def holds_manifest(local: str, sealed: bytes) -> bool:
     return os.path.isfile(path) and Path(path).read_bytes() == sealed
 
 
-def holds(store: Store, name: str, local: str) -> bool:
-    """Whether checkpoint ``name`` in the store has the manifest of ``local``."""
+def same_files(local: str, sealed: bytes) -> list[str]:
+    """The files of the committed folder ``local`` that the manifest
+    ``sealed`` lists with the sizes and checksums of ``local``'s own
+    manifest: those of its node, when the nodes of a job staged a
+    checkpoint each (``save_on_each_node``) and ``sealed`` lists them all."""
     try:
-        return holds_manifest(local, store.fs.cat_file(store.path(name, format.MANIFEST_NAME)))
-    except FileNotFoundError:
+        mine = json.loads(staged_manifest(local))
+        theirs = json.loads(sealed)
+        return [rel for rel, size in mine['files'].items()
+                if theirs['files'].get(rel) == size
+                and theirs.get('checksums', {}).get(rel) is not None
+                and theirs['checksums'].get(rel) == mine.get('checksums', {}).get(rel)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
+def holds(store: Store, name: str, local: str) -> bool:
+    """Whether checkpoint ``name`` in the store lists every file of the
+    committed folder ``local``, the same: it is that folder uploaded."""
+    try:
+        sealed = store.fs.cat_file(store.path(name, format.MANIFEST_NAME))
+        listed = json.loads(staged_manifest(local))['files']
+    except (OSError, ValueError, KeyError, TypeError):
         return False
+    return len(same_files(local, sealed)) == len(listed)
 
 
 def check_remote(store: Store, name: str) -> tuple[bytes, list[str]]:
@@ -169,17 +217,22 @@ def check_remote(store: Store, name: str) -> tuple[bytes, list[str]]:
 
 
 def download(store: Store, name: str, files: list[str], sealed: bytes,
-             partial: str) -> dict[str, Any]:
+             partial: str, reuse: str | None = None) -> dict[str, Any]:
     """Download checkpoint ``name`` into the empty folder ``partial``: its
     ``files``, then the manifest ``sealed`` last; check them there against
-    the sizes and checksums of the manifest, and return it.
+    the sizes and checksums of the manifest, and return it. ``reuse``: a
+    committed folder whose files that are the same (:func:`same_files`) and
+    intact are linked, not downloaded.
 
     Raises :class:`CorruptCheckpointError` naming the URL of a file whose
     bytes differ from those the manifest lists."""
-    targets = [os.path.join(partial, rel) for rel in files]
+    linked = _link_same_files(reuse, sealed, partial) if reuse is not None else set()
+    fetched = [rel for rel in files if rel not in linked]
+    targets = [os.path.join(partial, rel) for rel in fetched]
     for folder in {os.path.dirname(path) for path in targets}:
         os.makedirs(folder, exist_ok=True)
-    store.fs.get([store.path(name, rel) for rel in files], targets)
+    if fetched:
+        store.fs.get([store.path(name, rel) for rel in fetched], targets)
     with open(os.path.join(partial, format.MANIFEST_NAME), 'wb') as file:
         file.write(sealed)
     manifest, problems = format.check(partial)
@@ -189,6 +242,24 @@ def download(store: Store, name: str, files: list[str], sealed: bytes,
             f"the download of {store.url(name, problem.file or format.MANIFEST_NAME)} "
             f"is refused: {problem.error}")
     return manifest
+
+
+def _link_same_files(local: str, sealed: bytes, partial: str) -> set[str]:
+    """Hard-link into ``partial`` the files of ``local`` that ``sealed``
+    lists the same and whose bytes have their checksum; their paths."""
+    checksums = json.loads(sealed).get('checksums', {})
+    linked = set()
+    for rel in same_files(local, sealed):
+        source, target = os.path.join(local, rel), os.path.join(partial, rel)
+        try:
+            if format.checksum_file(source) != checksums[rel]:
+                continue  # damaged here: downloaded instead
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.link(source, target)
+        except OSError:
+            continue
+        linked.add(rel)
+    return linked
 
 
 def abort_uploads(store: Store) -> None:
