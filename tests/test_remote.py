@@ -553,33 +553,78 @@ def test_a_multipart_upload_cut_by_the_network_is_aborted_at_the_next_claim(
 
 
 @pytest.mark.slow
-def test_two_nodes_stage_in_one_shared_folder_else_are_refused(s3_bucket, tmp_path):
+def test_two_nodes_each_stage_on_their_own_disk_and_resume_from_one_bucket(s3_bucket, tmp_path):
     """Two node ranks on loopback (nnodes=2, one process each), as torchrun
-    --nnodes 2 would start them: staging on each node's own disk is refused
-    on both before any step, naming the rank; with the one staging folder of
-    this machine they train, and resume from the bucket on a new machine."""
+    --nnodes 2 would start them, each staging on its own disk: refused
+    before any step, naming the rank, unless save_on_each_node. With it each
+    node uploads its part; when node 1's fails, the save fails on every
+    rank, naming the node, and the store keeps the checkpoint before; the
+    relaunch on the same machines finishes that upload from both nodes and
+    resumes from it (each node's own files kept, the other's downloaded),
+    and on new machines (all downloaded) ends bit-identical."""
     url = f's3://{s3_bucket}/run'
+    staging = tmp_path / 'staging'
 
-    def run(tag, **env):
-        return launch('resume.py', url, tag, nproc=1, nnodes=2,
-                      env=dict(env, RESULT_DIR=str(tmp_path)))
+    def run(tag, dirname=url, fails=False, **env):
+        result = launch('resume.py', dirname, tag, nproc=1, nnodes=2,
+                        env=dict(env, RESULT_DIR=str(tmp_path), STAGING_PER_NODE=str(staging)))
+        if fails:
+            assert all(rc not in (0, None) for rc in result.returncodes), result.report()
+        else:
+            result.check()
+            results = read_results(tmp_path, tag, 2)
+            assert [res['num_processes'] for res in results] == [2, 2]
+            return results
+        return result
 
-    apart = run('apart', STAGING_PER_NODE=str(tmp_path / 'staging'))
-    assert all(rc not in (0, None) for rc in apart.returncodes), apart.report()
+    apart = run('apart', fails=True)
     for rank, out in enumerate(apart.outputs):
         # each rank names the folder of its own node
         assert (f"rank 1 (the main process of its node) does not see the folder "
-                f"{tmp_path / 'staging' / f'node{rank}'} as rank 0 does") in out, out[-3000:]
+                f"{staging / f'node{rank}'} as rank 0 does") in out, out[-3000:]
+        assert 'set save_on_each_node=True to stage on' in out
     assert not [path for path in listing(f'{s3_bucket}/run') if 'epoch-' in path]
 
-    run('full', MAX_EPOCHS='3').check()
-    full = read_results(tmp_path, 'full', 2)
-    shutil.rmtree(default_staging(url))
-    run('resumed', MAX_EPOCHS='4').check()
-    resumed = read_results(tmp_path, 'resumed', 2)
-    assert [res['num_processes'] for res in full + resumed] == [2] * 4
-    assert all(res['loaded_from'] == f'{url}/epoch-0003' for res in resumed)
-    assert resumed[0]['history'][:3] == full[0]['history']
+    # node 1's part of epoch 2 cannot be sent (the network down): the save
+    # fails on every rank, and the store keeps epoch 1
+    failing = run('first', fails=True, MAX_EPOCHS='2', SHARED_PER_NODE='1',
+                  FAIL_UPLOAD='1:2')
+    assert (tmp_path / 'failed-upload-rank1.json').exists()
+    assert (f"node 1 (rank 1) could not upload its part of {url}/epoch-0002: "
+            "OSError") in failing.outputs[0], failing.outputs[0][-3000:]
+    assert (f"the upload of {url}/epoch-0002 failed (OSError"
+            in failing.outputs[1]), failing.outputs[1][-3000:]
+    rng_files = ['random_states_0.pkl', 'random_states_1.pkl']
+    s3().invalidate_cache()
+    assert json.loads(s3().cat_file(f'{s3_bucket}/run/latest.json')) == {'name': 'epoch-0001'}
+    assert not s3().exists(f'{s3_bucket}/run/epoch-0002/manifest.json')
+    for node in (0, 1):
+        # each node staged its own ranks' part only
+        assert sorted(path.name for path in (staging / f'node{node}' / 'epoch-0002').glob(
+            'random_states_*')) == [f'random_states_{node}.pkl']
+    model = staging / 'node1' / 'epoch-0002' / 'model.safetensors'
+    inode = model.stat().st_ino
+
+    # the same machines: the claim finishes the failed upload from both nodes
+    again = run('again', MAX_EPOCHS='2', SHARED_PER_NODE='1')
+    assert [res['loaded_from'] for res in again] == [f'{url}/epoch-0002'] * 2
+    assert [len(res['history']) for res in again] == [2, 2]
+    s3().invalidate_cache()
+    manifest = json.loads(s3().cat_file(f'{s3_bucket}/run/epoch-0002/manifest.json'))
+    assert [rel for rel in manifest['files'] if rel.startswith('random_states')] == rng_files
+    for node in (0, 1):
+        kept = staging / f'node{node}' / 'epoch-0002'
+        # the other node's files were downloaded beside its own...
+        assert sorted(path.name for path in kept.glob('random_states_*')) == rng_files
+    # ... which were kept, not downloaded again
+    assert model.stat().st_ino == inode
+    shutil.rmtree(staging)
+    resumed = run('resumed', MAX_EPOCHS='4', SHARED_PER_NODE='1')
+    assert [res['loaded_from'] for res in resumed] == [f'{url}/epoch-0002'] * 2
+    run('full', f's3://{s3_bucket}/full', MAX_EPOCHS='4', SHARED_PER_NODE='1')
+    assert_identical(final_state(tmp_path, 'full'), final_state(tmp_path, 'resumed'))
+    assert s3().glob(f'{s3_bucket}/run/epoch-*/manifest.json') and not s3().glob(
+        f'{s3_bucket}/run/epoch-0001/*')
 
 
 @pytest.mark.slow

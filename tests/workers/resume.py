@@ -121,6 +121,21 @@ def kill_inside_save(epoch):
     format.write = commit_then_die
 
 
+def fail_upload(epoch):
+    """Make this rank's upload of ``epoch-<epoch>`` fail, as with the network
+    down; ``failed-upload`` in RESULT_DIR proves it fired."""
+    import s3fs
+    put_file = s3fs.S3FileSystem._put_file
+
+    async def network_down(self, lpath, rpath, *args, **kwargs):
+        if f'/epoch-{epoch:04d}/' in rpath:
+            write_result('failed-upload', {'path': rpath})
+            raise OSError(errno.ENETUNREACH, 'Network is unreachable', rpath)
+        return await put_file(self, lpath, rpath, *args, **kwargs)
+
+    s3fs.S3FileSystem._put_file = network_down
+
+
 def fail_save(failing_rank, epoch):
     """Make one rank's write fail as on a full disk."""
     original = training_state.save_rank_state
@@ -318,6 +333,10 @@ def main():
         net.callbacks.append(KillBefore(int(epoch), int(batch), tag))
     elif kill.startswith('save:'):
         kill_inside_save(int(kill.split(':')[1]))
+    if os.environ.get('FAIL_UPLOAD'):
+        failing_rank, epoch = map(int, os.environ['FAIL_UPLOAD'].split(':'))
+        if rank() == failing_rank:
+            fail_upload(epoch)
     if os.environ.get('FAIL'):
         fail_save(*map(int, os.environ['FAIL'].split(':')))
     if os.environ.get('SIGNAL'):
