@@ -397,6 +397,42 @@ def test_a_download_whose_bytes_differ_is_refused_naming_the_url(s3_bucket):
 
 
 @pytest.mark.slow
+def test_a_staged_copy_damaged_here_is_mended_from_the_bucket(s3_bucket):
+    """A staged checkpoint with a damaged file: only that file is downloaded
+    again, the intact ones are kept (the same inode)."""
+    url = f's3://{s3_bucket}/run'
+    _, cp, _ = fit(url, max_epochs=2)
+    staged = os.path.join(cp.folder_.local_dir, 'epoch-0002')
+    model = os.path.join(staged, 'model.safetensors')
+    with open(model, 'r+b') as file:
+        file.seek(-1, os.SEEK_END)
+        last = file.read(1)
+        file.seek(-1, os.SEEK_END)
+        file.write(bytes([last[0] ^ 1]))
+    inode = os.stat(os.path.join(staged, 'optimizer.bin')).st_ino
+    found = open_storage(url).find_checkpoint('latest')
+    assert found.path == staged and found.manifest['epoch'] == 2
+    with open(model, 'rb') as file:
+        assert file.read() == s3().cat_file(f'{s3_bucket}/run/epoch-0002/model.safetensors')
+    assert os.stat(os.path.join(staged, 'optimizer.bin')).st_ino == inode
+
+
+def test_the_manifest_of_the_nodes_parts_lists_every_node_s_files():
+    node0 = {'epoch': 2, 'files': {'model.safetensors': 10, 'random_states_0.pkl': 3},
+             'checksums': {'model.safetensors': 'xxh3_64:a', 'random_states_0.pkl': 'xxh3_64:b'},
+             'bytes': 13}
+    node1 = {'epoch': 2, 'files': {'model.safetensors': 10, 'random_states_1.pkl': 4},
+             'checksums': {'model.safetensors': 'xxh3_64:c', 'random_states_1.pkl': 'xxh3_64:d'},
+             'bytes': 14}
+    assert format.merged([node0, node1]) == {
+        'epoch': 2,
+        'files': {'model.safetensors': 10, 'random_states_0.pkl': 3, 'random_states_1.pkl': 4},
+        'checksums': {'model.safetensors': 'xxh3_64:a', 'random_states_0.pkl': 'xxh3_64:b',
+                      'random_states_1.pkl': 'xxh3_64:d'},
+        'bytes': 17}
+
+
+@pytest.mark.slow
 def test_every_object_is_sent_with_a_crc32_that_the_store_keeps(s3_bucket):
     """Also where botocore adds a checksum only when an operation requires
     one (``when_required``, as older botocore did)."""
