@@ -241,8 +241,8 @@ def test_a_second_job_on_the_url_is_refused_by_the_lease(s3_bucket, tmp_path):
 
 
 def test_a_missing_protocol_package_is_refused_before_training(s3_bucket):
-    url = 'gs://bucket/run'  # gcsfs is not installed
-    with pytest.raises(CheckpointError, match=f'cannot open {url}.*gcsfs'):
+    url = 'az://bucket/run'  # adlfs is not installed
+    with pytest.raises(CheckpointError, match=f'cannot open {url}.*adlfs'):
         fit(url, max_epochs=1)
 
 
