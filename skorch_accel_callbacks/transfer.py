@@ -133,10 +133,15 @@ def seal(store: Store, name: str, sealed: bytes, best: bool,
     job committed that name meanwhile.
     """
     before_manifest()
+    manifest = store.path(name, format.MANIFEST_NAME)
     try:
-        store.fs.pipe_file(store.path(name, format.MANIFEST_NAME), sealed, mode='create',
-                           **_verified(store.fs))
+        store.fs.pipe_file(manifest, sealed, mode='create', **_verified(store.fs))
     except FileExistsError as exc:
+        if _reads(store, manifest) == sealed:
+            # this write's own: the store stored it, then its answer was lost
+            # and the client's retry was refused
+            point(store, name, best)
+            return
         raise CheckpointError(
             f"{store.url(name, format.MANIFEST_NAME)} exists already: another job committed "
             f"{store.url(name)} while this one trained; only one job may save into a "
@@ -152,6 +157,15 @@ def point(store: Store, name: str, best: bool) -> None:
     if best:
         store.fs.pipe_file(store.path(format.pointer_name('best')), pointer,
                            **_verified(store.fs))
+
+
+def _reads(store: Store, path: str) -> bytes | None:
+    """The bytes of ``path`` in the store, or None if it cannot be read."""
+    try:
+        store.fs.invalidate_cache(path)
+        return store.fs.cat_file(path)
+    except OSError:
+        return None
 
 
 def holds_manifest(local: str, sealed: bytes) -> bool:

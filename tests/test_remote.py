@@ -31,6 +31,7 @@ from skorch_accel_callbacks import (
     CorruptCheckpointError,
     TrainingPreempted,
     format,
+    transfer,
 )
 from skorch_accel_callbacks.folder import CheckpointFolder
 from skorch_accel_callbacks.lock import FolderInUseError
@@ -171,6 +172,21 @@ def test_a_manifest_committed_by_another_job_is_not_overwritten(s3_bucket):
     assert isinstance(info.value.__cause__, FileExistsError)
     assert s3().cat_file(manifest) == b'{"written by": "another job"}'
     assert not s3().exists(f'{s3_bucket}/run/latest.json')
+
+
+def test_a_manifest_that_this_very_write_stored_is_not_another_job_s(s3_bucket):
+    """The store kept the manifest, but its answer was lost and the client's
+    retry was refused: the same bytes are this write's own, and it goes on
+    to the pointer; other bytes are another job's."""
+    store = transfer.Store(s3(), f'{s3_bucket}/run', f's3://{s3_bucket}/run')
+    sealed = json.dumps({'files': {}, 'epoch': 1}).encode()
+    s3().pipe_file(f'{s3_bucket}/run/epoch-0001/manifest.json', sealed)
+    transfer.seal(store, 'epoch-0001', sealed, best=False, before_manifest=lambda: None)
+    assert json.loads(s3().cat_file(f'{s3_bucket}/run/latest.json')) == {'name': 'epoch-0001'}
+    with pytest.raises(CheckpointError, match=f's3://{s3_bucket}/run/epoch-0001/manifest.json '
+                       'exists already: another job committed'):
+        transfer.seal(store, 'epoch-0001', sealed + b' ', best=False,
+                      before_manifest=lambda: None)
 
 
 def test_an_epoch_trained_again_replaces_its_checkpoint(s3_bucket):
