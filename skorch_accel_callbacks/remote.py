@@ -8,7 +8,10 @@ with a create-only write (``If-None-Match: *`` on S3), then the pointers.
 In the store a checkpoint is complete exactly when its manifest is there
 and every file it lists has its listed size: an upload cut short leaves
 files without a manifest. A resume downloads the checkpoint it chose into
-the staging folder and reads it there, also on a new machine.
+the staging folder and reads it there, also on a new machine
+(:mod:`~skorch_accel_callbacks.remote_read`). Nodes that stage on their
+own disks (``save_on_each_node``) upload a part each
+(:mod:`~skorch_accel_callbacks.node_upload`).
 
 fsspec (and the protocol's package, s3fs for ``s3://``) is imported only
 when a store is used: ``pip install skorch-accel-callbacks[s3]``. The
