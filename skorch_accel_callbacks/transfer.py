@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,14 +116,37 @@ def remove_manifest(store: Store, name: str) -> None:
         store.fs.rm_file(store.path(name, format.MANIFEST_NAME))
 
 
+#: the pauses before sending a checkpoint's files again. s3fs retries a
+#: request that met a network error (for about 2 s), but not an upload
+#: that failed for a reason of its own: the completion of a multipart
+#: upload, sent again because its answer was lost, fails with NoSuchUpload
+#: when the first one completed it. Sending the files again is safe: they
+#: are not committed until the manifest is written.
+SEND_PAUSES = (1.0, 4.0)
+
+
 def send(store: Store, local: str, name: str, files: list[str]) -> None:
     """Upload ``files`` (paths relative to the folder ``local``) into
-    checkpoint ``name``."""
+    checkpoint ``name``; after a failure, again after each of
+    :data:`SEND_PAUSES` (with a warning), before the failure is raised."""
     if not files:
         return
-    # one call: an async filesystem (s3fs) sends the files concurrently
-    store.fs.put([os.path.join(local, rel) for rel in files],
-                 [store.path(name, rel) for rel in files], **_verified(store.fs))
+    sources = [os.path.join(local, rel) for rel in files]
+    targets = [store.path(name, rel) for rel in files]
+    for pause in (*SEND_PAUSES, None):
+        try:
+            # one call: an async filesystem (s3fs) sends the files concurrently
+            store.fs.put(sources, targets, **_verified(store.fs))
+            return
+        except (FileNotFoundError, PermissionError):
+            raise  # a file or the bucket is missing, or writing refused: no retry helps
+        except Exception as exc:
+            if pause is None:
+                raise
+            warnings.warn(f"sending the files of {store.url(name)} failed "
+                          f"({type(exc).__name__}: {exc}); sending them again in {pause:g} s",
+                          UserWarning)
+            time.sleep(pause)
 
 
 def seal(store: Store, name: str, sealed: bytes, best: bool,

@@ -13,6 +13,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 import zlib
 
 import fsspec
@@ -602,6 +604,42 @@ def test_a_multipart_upload_cut_by_the_network_is_aborted_at_the_next_claim(
     assert again.committed() == ['epoch-0001', 'epoch-0002']
     head = fs.call_s3('head_object', Bucket=s3_bucket, Key=key, ChecksumMode='ENABLED')
     assert head.get('ChecksumCRC32'), head
+
+
+def test_files_that_failed_past_the_client_s_retries_are_sent_again(
+        s3_bucket, network, tmp_path):
+    """A file cannot be sent for longer than the client retries (s3fs's
+    retries, botocore's are off here), and can again before the upload's
+    next attempt: the upload sends the files again, with a warning, and
+    commits."""
+    url = f's3://{s3_bucket}/run'
+    net = make_net(make_accelerator()).initialize()
+    storage = open_storage(url, local_dir=tmp_path / 'staging', storage_options=NO_RETRIES)
+    storage.claim(net)
+    with open(os.path.join(storage.start('epoch-0001'), 'model.safetensors'), 'wb') as file:
+        file.write(os.urandom(1000))
+    # every attempt at the file fails until the upload warned that its first did
+    network.drop_on = rb'PUT /[^ ]*/run/epoch-0001/model\.safetensors '
+
+    def back_once_warned(warned):
+        deadline = time.monotonic() + 30
+        while not warned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        network.drop_on = None
+
+    # the upload's thread warns: from the commit that starts it to the wait
+    with pytest.warns(UserWarning, match=f'sending the files of {url}/epoch-0001 failed '
+                      r'\(.*\); sending them again in 1 s') as warned:
+        back = threading.Thread(target=back_once_warned, args=(warned,))
+        back.start()
+        storage.commit('epoch-0001', {'format_version': format.FORMAT_VERSION},
+                       durable=False, best=False)
+        storage.wait()
+    back.join()
+    storage.release()
+    assert network.fired.is_set()
+    assert open_storage(url).committed() == ['epoch-0001']
+    assert open_storage(url).check('epoch-0001')[1] is None
 
 
 @pytest.mark.slow
