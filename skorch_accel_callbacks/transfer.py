@@ -135,7 +135,12 @@ def send(store: Store, local: str, name: str, files: list[str]) -> None:
     targets = [store.path(name, rel) for rel in files]
     for pause in (*SEND_PAUSES, None):
         try:
-            # one call: an async filesystem (s3fs) sends the files concurrently
+            # one call: an async filesystem (s3fs) sends the files concurrently,
+            # and of a file of 100 MiB or more up to 10 parts (max_concurrency)
+            # of 50 MiB at once: s3fs's own put (benchmarks/RESULTS.rst).
+            # botocore sends each part's CRC32 anyway; ChecksumAlgorithm makes
+            # the object's checksum the composite of those, where S3's default
+            # is a full-object CRC64NVME
             store.fs.put(sources, targets, **_verified(store.fs))
             return
         except (FileNotFoundError, PermissionError):
@@ -271,6 +276,8 @@ def download(store: Store, name: str, files: list[str], sealed: bytes,
     for folder in {os.path.dirname(path) for path in targets}:
         os.makedirs(folder, exist_ok=True)
     if fetched:
+        # one call, s3fs's own get: the files concurrently, a file over 50 MiB
+        # in up to 10 ranged GETs of 50 MiB at once
         store.fs.get([store.path(name, rel) for rel in fetched], targets)
     with open(os.path.join(partial, format.MANIFEST_NAME), 'wb') as file:
         file.write(sealed)
