@@ -26,18 +26,34 @@ layers after one Adam step), one process. In each repeat, in turn:
   listing for retention, which removes nothing here);
 - *s3fs put*: ``S3FileSystem.put`` of the same staged folder (recursive)
   to another prefix of the same server, s3fs's defaults as ours;
+- *s3fs put, same checksum*: the same with ``ChecksumAlgorithm='CRC32'``,
+  as ours. botocore sends each part's CRC32 either way; without the
+  argument the object's checksum is a full-object one, which moto
+  computes by copying the whole object twice more at the completion (a
+  real store computes it as the bytes arrive); with it, ours and this,
+  moto combines the parts' CRC32s;
 - *ours down*: ``open_storage(url, local_dir=<empty>).find_checkpoint()``,
   the download of a resume on a new machine: listing, the manifest, the
   files, then the size and checksum of every file (``format.check``);
 - *s3fs get*: ``S3FileSystem.get`` of the same checkpoint folder (recursive)
-  into an empty folder.
+  into an empty folder;
+- *checksums*: ``format.check`` of our downloaded folder, timed alone right
+  after the download (the page cache warm, as in the download): the share
+  of the download that is the size and checksum check;
+- *one stream*: ``S3FileSystem.get`` as *s3fs get*, with
+  ``max_concurrency=1``: each file in one GET instead of parts of 50 MiB in
+  parallel ranged GETs. moto reads a whole object for every ranged GET of
+  it, so against moto the parallel download of a file of n parts costs the
+  server n+1 reads of the file, where a real store reads each byte once.
 
 The local save comes right before the remote one; our upload and s3fs's
 ``put`` (and the downloads) alternate which goes first from one repeat to
 the next.
 Every timed call but the upload's wait (timed as soon as ``save_model``
 returns) starts once the server has used no CPU for 0.5 s and the page
-cache is flushed (``os.sync``). One save of each kind before the repeats
+cache is flushed (``os.sync``); the CPU seconds of this process and of the
+server's are recorded with each figure (the medians are reported), to show
+which side a transfer waits for. One save of each kind before the repeats
 is not timed (a process's first save is slow). Every ratio is taken
 between figures of the same repeat; the tables give min and median of each
 figure and of the ratios.
@@ -45,8 +61,8 @@ figure and of the ratios.
 
 import argparse
 import datetime
-import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -66,6 +82,8 @@ BUCKET = 'bench'
 S3_OPTIONS = {'config_kwargs': {'read_timeout': 900}}
 # the server's process, set in main()
 SERVER_PID = None
+# the arguments of our upload's requests (transfer.py)
+VERIFIED = {'ChecksumAlgorithm': 'CRC32'}
 CREDENTIALS = {'AWS_ACCESS_KEY_ID': 'bench', 'AWS_SECRET_ACCESS_KEY': 'bench',
                'AWS_DEFAULT_REGION': 'us-east-1'}
 
@@ -123,20 +141,37 @@ def settle(pid, quiet=0.5, longest=20.0):
         before = now
 
 
-def timed(fn, quiet=True):
+# CPU seconds of this process and of the server during each timed call,
+# by the key of its figure: set by ``timed(..., key=)``
+CPU = {}
+
+
+def own_cpu():
+    """CPU seconds this process used so far (all its threads)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(fn, quiet=True, key=None):
     """Seconds ``fn`` takes and its result; ``quiet``: starting once the
-    server is idle and the page cache flushed."""
+    server is idle and the page cache flushed; ``key``: the CPU seconds of
+    both sides are appended to ``CPU[key]``."""
     if quiet:
         settle(SERVER_PID)
         os.sync()  # no transfer pays for the writeback of an earlier save
+    ticks, cpu = cpu_ticks(SERVER_PID), own_cpu()
     start = time.perf_counter()
     result = fn()
-    return time.perf_counter() - start, result
+    seconds = time.perf_counter() - start
+    if key:
+        CPU.setdefault(key, []).append(
+            (own_cpu() - cpu, (cpu_ticks(SERVER_PID) - ticks) / os.sysconf('SC_CLK_TCK')))
+    return seconds, result
 
 
 def bench_size(size, repeats, root, fs):
     """The figures of each repeat for one net size (seconds)."""
-    from skorch_accel_callbacks import AccelerateCheckpoint
+    from skorch_accel_callbacks import AccelerateCheckpoint, format
     from skorch_accel_callbacks.storage import open_storage
 
     net = trained_net(size)
@@ -144,21 +179,25 @@ def bench_size(size, repeats, root, fs):
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     url = f's3://{BUCKET}/size-{size:g}'
-    local = AccelerateCheckpoint(dirname=str(root / 'local'))
-    # retention would delete the checkpoint before in the store during the
-    # upload; here that is done between repeats, untimed
+    # retention would delete the checkpoint before during the upload (in the
+    # store) or during the remote save and upload (locally: its background
+    # removal of 1.1 GiB at 100M took 0.5-1 s of this process's CPU and the
+    # disk); here that is done between repeats, untimed
+    local = AccelerateCheckpoint(dirname=str(root / 'local'), keep_last=10 ** 6)
     remote = AccelerateCheckpoint(dirname=url, local_dir=str(root / 'staging'),
                                   keep_last=10 ** 6, storage_options=S3_OPTIONS)
     for cp in (local, remote):
         cp.initialize().on_train_begin(net)
-    times = {key: [] for key in ('local', 'remote', 'ours_up', 's3fs_put', 'ours_down',
-                                 's3fs_get')}
+    times = {key: [] for key in ('local', 'remote', 'ours_up', 's3fs_put', 's3fs_put_crc32',
+                                 'ours_down', 's3fs_get', 'checksums', 'one_stream')}
+    CPU.clear()
 
     def save(cp, key):
         new_epoch(net)
         blocked, path = timed(lambda: cp.save_model(net))
         # at once: the upload runs from inside save_model
-        waited, _ = timed(lambda: cp.wait_for_saves(net), quiet=False)
+        waited, _ = timed(lambda: cp.wait_for_saves(net), quiet=False,
+                          key='ours_up' if key == 'remote' else None)
         if key:
             times[key].append(blocked)
         return path, waited
@@ -170,25 +209,32 @@ def bench_size(size, repeats, root, fs):
 
     def upload_s3fs(name, i):
         staged = root / 'staging' / name
-        seconds, _ = timed(lambda: fs.put(str(staged), f'{BUCKET}/s3fs-put/{i}', recursive=True))
-        times['s3fs_put'].append(seconds)
+        for key, options in (('s3fs_put', {}), ('s3fs_put_crc32', VERIFIED))[::1 - 2 * (i % 2)]:
+            seconds, _ = timed(lambda: fs.put(str(staged), f'{BUCKET}/{key}/{i}',
+                                              recursive=True, **options), key=key)
+            times[key].append(seconds)
 
     def download_ours(i):
         seconds, found = timed(lambda: open_storage(
             url, local_dir=str(root / f'new-machine-{i}'),
-            storage_options=S3_OPTIONS).find_checkpoint())
+            storage_options=S3_OPTIONS).find_checkpoint(), key='ours_down')
         times['ours_down'].append(seconds)
+        seconds, (_, problems) = timed(lambda: format.check(found.path), quiet=False,
+                                       key='checksums')
+        if problems:
+            raise RuntimeError(f"the download of {found.path} is damaged: {problems}")
+        times['checksums'].append(seconds)
         return found
 
-    def download_s3fs(name, i):
-        target = root / f's3fs-get-{i}'
+    def download_s3fs(name, i, key='s3fs_get', **options):
+        target = root / f'{key}-{i}'
         seconds, _ = timed(lambda: fs.get(f'{BUCKET}/size-{size:g}/{name}', str(target),
-                                          recursive=True))
-        times['s3fs_get'].append(seconds)
+                                          recursive=True, **options), key=key)
+        times[key].append(seconds)
         return target
 
     # not timed: a process's first save of each kind
-    save(local, None)
+    local_before = save(local, None)[0]
     name = os.path.basename(save(remote, None)[0])
     for i in range(repeats):
         ours_first = i % 2 == 0
@@ -196,12 +242,13 @@ def bench_size(size, repeats, root, fs):
             upload_s3fs(name, i)  # the staged copy of the save before
         # the two saves one after the other: a save right after a large
         # transfer of this process took up to 3x as long here
-        save(local, 'local')
+        local_path = save(local, 'local')[0]
         previous, name = name, os.path.basename(upload_ours())
         if ours_first:
             upload_s3fs(name, i)
         fs.rm(f'{BUCKET}/size-{size:g}/{previous}', recursive=True)
-        fs.rm(f'{BUCKET}/s3fs-put/{i}', recursive=True)
+        for key in ('s3fs_put', 's3fs_put_crc32'):
+            fs.rm(f'{BUCKET}/{key}/{i}', recursive=True)
         if ours_first:
             found = download_ours(i)
             target = download_s3fs(name, i)
@@ -215,15 +262,15 @@ def bench_size(size, repeats, root, fs):
             raise RuntimeError(f"a download of {name} does not hold its {nbytes} bytes")
         shutil.rmtree(target)
         shutil.rmtree(root / f'new-machine-{i}')
+        shutil.rmtree(download_s3fs(name, i, 'one_stream', max_concurrency=1))
+        shutil.rmtree(local_before)
+        local_before = local_path
     for cp in (local, remote):
         cp.close()
     fs.rm(f'{BUCKET}/size-{size:g}', recursive=True)
     shutil.rmtree(root)
-    if os.environ.get('BENCH_RAW'):
-        print(json.dumps({k: [round(x * 1000) for x in v] for k, v in times.items()}),
-              file=sys.stderr)
     return dict(size=sum(p.numel() for p in net.module_.parameters()), nbytes=nbytes,
-                times=times)
+                times=times, cpu=dict(CPU))
 
 
 def ms(seconds):
@@ -233,6 +280,7 @@ def ms(seconds):
 def rows_of(result):
     times = result['times']
     pairs = (('blocked per save', 'remote', 'local'), ('upload', 'ours_up', 's3fs_put'),
+             ('upload, same checksum', 'ours_up', 's3fs_put_crc32'),
              ('download at resume', 'ours_down', 's3fs_get'))
     rows = []
     for label, ours, theirs in pairs:
@@ -245,6 +293,20 @@ def rows_of(result):
     return rows
 
 
+def cpu_rows_of(result):
+    """Per figure: its median wall time and the median CPU seconds of this
+    process and of the server during it."""
+    times, cpu = result['times'], result['cpu']
+    rows = []
+    for key in ('ours_up', 's3fs_put', 's3fs_put_crc32', 'ours_down', 's3fs_get', 'checksums',
+                'one_stream'):
+        ours, server = zip(*cpu[key], strict=True)
+        rows.append([f"{result['size'] / 1e6:.0f}M", key, ms(min(times[key])),
+                     ms(statistics.median(times[key])), ms(max(times[key])),
+                     f"{statistics.median(ours):.1f}", f"{statistics.median(server):.1f}"])
+    return rows
+
+
 def report(results, args, elapsed):
     load = os.getloadavg()
     out = [f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; machine: "
@@ -253,7 +315,16 @@ def report(results, args, elapsed):
            "remote vs local dirname, our upload vs s3fs put, our download vs s3fs get.", '',
            table([row for result in results for row in rows_of(result)],
                  ['params', 'MiB', 'what', 'ours min', 'ours median', 'theirs min',
-                  'theirs median', 'ratio min', 'ratio median', 'ratio max'])]
+                  'theirs median', 'ratio min', 'ratio median', 'ratio max']),
+           '', 'Each figure: wall time (ms) and median CPU seconds of this process and '
+           'of the server.', '',
+           table([row for result in results for row in cpu_rows_of(result)],
+                 ['params', 'figure', 'min', 'median', 'max', 'cpu here', 'cpu server']),
+           '', 'Per repeat (ms):']
+    for result in results:
+        for key, values in result['times'].items():
+            out.append(f"- {result['size'] / 1e6:.0f}M {key}: "
+                       + ', '.join(ms(value) for value in values))
     return '\n'.join(out)
 
 
