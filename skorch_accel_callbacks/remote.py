@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterable
@@ -96,6 +97,8 @@ class RemoteStorage:
         self._executor: ThreadPoolExecutor | None = None
         # the background work, and the URL of each upload among it
         self._pending: list[tuple[Future, str | None]] = []
+        # the removals of older staged checkpoints
+        self._removals: list[threading.Thread | None] = []
         # in the store when this job took it, or committed by it: replaceable
         self._known: set[str] = set()
         # the one-job lock in the store (lease.ObjectLease), taken in claim
@@ -107,7 +110,7 @@ class RemoteStorage:
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _fs=None, _root=None, _executor=None, _pending=[],
-                    _known=set(), _lease=None, _nodes=None, _main=True,
+                    _removals=[], _known=set(), _lease=None, _nodes=None, _main=True,
                     _claimed=False)
 
     # ------------------------------------------------------------ paths
@@ -283,6 +286,11 @@ class RemoteStorage:
         written = self.staging.commit(name, sealed, durable=durable, best=best,
                                       started=started)
         self._submit(self.url(name), self._upload, name, best)
+        # beside the upload: the store has the older ones, and should this
+        # upload fail, the next job uploads this one
+        for other in self.staging.committed():
+            if other != name:
+                self._removals.append(atomic.discard_in_background(self.staging.path(other)))
         return written
 
     def _submit(self, upload: str | None, work: Any, *args: Any) -> None:
@@ -313,9 +321,6 @@ class RemoteStorage:
                     "but the store holds no checkpoint yet: the next job starts afresh")
             ) from exc
         self._known.add(name)
-        for other in self.staging.committed():
-            if other != name:
-                atomic.discard(self.staging.path(other))
         return time.monotonic() - started
 
     def _check_lease(self) -> None:
@@ -370,6 +375,10 @@ class RemoteStorage:
             elif exc is None and upload is not None:
                 said.append(f"Uploaded {upload} in {future.result():.2f} s")
         waited = time.monotonic() - began
+        removals, self._removals = self._removals, []
+        for removal in removals:
+            if removal is not None:
+                removal.join()
         self.staging.wait()
         if error is not None:
             raise error

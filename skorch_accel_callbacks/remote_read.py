@@ -62,11 +62,17 @@ def committed(store: transfer.Store) -> list[str]:
     # s3fs's listing cache misses what other writers added
     store.fs.invalidate_cache()
     try:
-        manifests = store.fs.glob(store.path('*', format.MANIFEST_NAME))
+        # one listing of every object below (a request per 1000 on S3),
+        # where a glob of '*/manifest.json' lists each checkpoint in turn
+        paths = store.fs.find(store.root)
     except FileNotFoundError:
         return []
-    names = {path[len(store.root) + 1:].split('/', 1)[0] for path in manifests}
-    return sorted(name for name in names if format.is_checkpoint_name(name))
+    names = set()
+    for path in paths:
+        name, _, rest = path[len(store.root) + 1:].partition('/')
+        if rest == format.MANIFEST_NAME and format.is_checkpoint_name(name):
+            names.add(name)
+    return sorted(names)
 
 
 def find_checkpoint(store: transfer.Store, staging: CheckpointFolder,

@@ -8,8 +8,9 @@ size. A download fetches the files into an empty (partial) folder and
 writes the manifest last, as a local save does.
 
 On S3 every object is sent with a CRC32 checksum that the server verifies
-before it stores the object (``ChecksumAlgorithm``, also for the parts of
-a multipart upload, which botocore's default leaves without one). s3fs
+before it stores the object (``ChecksumAlgorithm``: botocore sends one with
+each request anyway, and with it the object of a multipart upload gets
+one too, combined from its parts'). s3fs
 aborts a multipart upload that fails, but not when the abort fails too
 (the network is down) nor when its process is killed: such uploads are
 invisible to readers and :func:`abort_uploads` removes them.
