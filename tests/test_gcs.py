@@ -17,13 +17,10 @@ import uuid
 
 import fsspec
 import pytest
-import torch
 from skorch.callbacks import Callback
 
-from common import make_accelerator, make_data, make_net
+from checkpointed import fit, state
 from skorch_accel_callbacks import (
-    AccelerateCheckpoint,
-    AccelerateLoadInitState,
     CheckpointError,
     CorruptCheckpointError,
     format,
@@ -72,23 +69,6 @@ def gcs(gcs_endpoint, tmp_path):
     bucket = f'test-{uuid.uuid4().hex[:12]}'
     fs.mkdir(bucket)
     return fs, options, bucket
-
-
-def fit(dirname, max_epochs, callbacks=(), **cp_kwargs):
-    cp = AccelerateCheckpoint(dirname=dirname, **cp_kwargs)
-    load = AccelerateLoadInitState(cp)
-    torch.manual_seed(0)
-    net = make_net(make_accelerator(), callbacks=[cp, load, *callbacks], max_epochs=max_epochs)
-    net.fit(*make_data(n=160))
-    return net, cp, load
-
-
-def state(net):
-    """What assert_identical compares: parameters, optimizer state, losses."""
-    return {'params': {'module': net.module_.state_dict()},
-            'optimizers': {'optimizer': net.optimizer_.state_dict()},
-            'history': [{key: row.get(key) for key in ('train_loss', 'valid_loss', 'event_lr')}
-                        for row in net.history]}
 
 
 @pytest.mark.slow

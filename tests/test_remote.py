@@ -23,6 +23,7 @@ import torch
 from sklearn.base import clone
 from skorch.callbacks import Callback
 
+from checkpointed import fit, state
 from common import make_accelerator, make_data, make_net
 from launcher import launch
 from s3server import Proxy
@@ -53,23 +54,6 @@ def listing(prefix):
     fs = s3()
     fs.invalidate_cache()
     return sorted(path[len(prefix) + 1:] for path in fs.find(prefix))
-
-
-def fit(dirname, max_epochs, callbacks=(), **cp_kwargs):
-    cp = AccelerateCheckpoint(dirname=dirname, **cp_kwargs)
-    load = AccelerateLoadInitState(cp)
-    torch.manual_seed(0)
-    net = make_net(make_accelerator(), callbacks=[cp, load, *callbacks], max_epochs=max_epochs)
-    net.fit(*make_data(n=160))
-    return net, cp, load
-
-
-def state(net):
-    """What assert_identical compares: parameters, optimizer state, losses."""
-    return {'params': {'module': net.module_.state_dict()},
-            'optimizers': {'optimizer': net.optimizer_.state_dict()},
-            'history': [{key: row.get(key) for key in ('train_loss', 'valid_loss', 'event_lr')}
-                        for row in net.history]}
 
 
 # ---------------------------------------------------------------- opening
