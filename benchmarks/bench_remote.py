@@ -240,10 +240,15 @@ def bench_size(size, repeats, root, fs):
         ours_first = i % 2 == 0
         if not ours_first:
             upload_s3fs(name, i)  # the staged copy of the save before
-        # the two saves one after the other: a save right after a large
-        # transfer of this process took up to 3x as long here
-        local_path = save(local, 'local')[0]
-        previous, name = name, os.path.basename(upload_ours())
+        # the two saves one after the other, each first in turn: a save
+        # right after a large transfer of this process, or right after the
+        # other save, took up to 3x as long here
+        if i % 2 == 0:
+            local_path = save(local, 'local')[0]
+            previous, name = name, os.path.basename(upload_ours())
+        else:
+            previous, name = name, os.path.basename(upload_ours())
+            local_path = save(local, 'local')[0]
         if ours_first:
             upload_s3fs(name, i)
         fs.rm(f'{BUCKET}/size-{size:g}/{previous}', recursive=True)
