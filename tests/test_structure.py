@@ -12,7 +12,8 @@ MODULES = sorted(PACKAGE.glob('*.py'))
 CALLBACK_MODULES = ('checkpoint.py', 'load_state.py', 'params.py', 'params_load.py',
                     'params_train_end.py')
 
-MAX_MODULE_LINES = 450
+# sizes are review thresholds, not walls: a module is one concept however long
+# its docstrings are; a class or function past these has more than one job
 MAX_CLASS_CODE_LINES = 250
 MAX_FUNCTION_CODE_LINES = 50
 
@@ -62,7 +63,6 @@ def test_the_package_has_modules():
 def test_sizes(path):
     source = path.read_text()
     lines = source.splitlines()
-    assert len(lines) <= MAX_MODULE_LINES, f"{path.name} has {len(lines)} lines"
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef):
             size = _code_lines(lines, node)
