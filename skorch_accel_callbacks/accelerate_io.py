@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import torch
 from accelerate import Accelerator
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
 from accelerate.data_loader import SkipBatchSampler
@@ -34,7 +35,6 @@ from accelerate.utils import (
 from accelerate.utils.constants import FSDP_MODEL_NAME
 
 if TYPE_CHECKING:
-    import torch
     from torch.utils.data import DataLoader
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     'accelerator_settings',
     'check_plain_state',
     'dataloaders',
+    'fsdp2_buffers',
     'fsdp_state_dict_type',
     'gradients_applied',
     'is_fsdp2',
@@ -64,6 +65,7 @@ __all__ = [
     'save_state_in_two',
     'shard_folders',
     'set_accumulation_step',
+    'set_fsdp2_buffers',
     'skip_first_batches_once',
     'uses_automatic_naming',
     'write_large_state',
@@ -241,6 +243,43 @@ def shard_folders(accelerator: Accelerator) -> list[str]:
 def param_groups(accelerator: Accelerator) -> list[list[dict[str, Any]]]:
     """The param groups of each prepared optimizer, in ``save_state``'s order."""
     return [_inner(optimizer).param_groups for optimizer in accelerator._optimizers]
+
+
+def fsdp2_buffers(accelerator: Accelerator) -> dict[str, torch.Tensor]:
+    """This rank's persistent buffers of each prepared model under FSDP2
+    (``'<model index>/<buffer name>'`` -> a copy on the CPU); empty without
+    FSDP2 or buffers.
+
+    ``fully_shard`` shards the parameters only: each rank keeps its own
+    buffers (BatchNorm's running statistics from its own batches), which
+    DDP would broadcast from rank 0 and FSDP2 does not synchronise, and
+    the sharded checkpoint holds one rank's.
+    """
+    if not is_fsdp2(accelerator):
+        return {}
+    found = {}
+    for index, model in enumerate(models(accelerator)):
+        persistent = set(model.state_dict(keep_vars=True))
+        for name, buffer in model.named_buffers():
+            if name in persistent:
+                found[f'{index}/{name}'] = buffer.detach().cpu().clone()
+    return found
+
+
+def set_fsdp2_buffers(accelerator: Accelerator, buffers: Mapping[str, torch.Tensor]) -> None:
+    """Give the prepared models the buffers :func:`fsdp2_buffers` read
+    (after ``load_state``, which gave every rank the checkpoint's one copy).
+    Raises ``KeyError`` naming a buffer that a model lacks or that ``buffers``
+    lacks."""
+    expected = set(fsdp2_buffers(accelerator))
+    if set(buffers) != expected:
+        raise KeyError(f"buffers {sorted(expected - set(buffers))} missing, "
+                       f"{sorted(set(buffers) - expected)} unknown")
+    registered = models(accelerator)
+    for key, value in buffers.items():
+        index, name = key.split('/', 1)
+        with torch.no_grad():
+            registered[int(index)].get_buffer(name).copy_(value)
 
 
 def save_on_each_node(accelerator: Accelerator) -> bool:

@@ -18,6 +18,7 @@ from skorch_accel_callbacks import (
     epoch_position,
     fingerprint,
     format,
+    fsdp_layout,
     sync,
     training_state,
     triggers,
@@ -27,7 +28,7 @@ from skorch_accel_callbacks.errors import TrainingPreempted
 from skorch_accel_callbacks.export import LoadableCheckpoint
 from skorch_accel_callbacks.preemption import StepPoll, check_signals
 from skorch_accel_callbacks.storage import CheckpointStorage
-from skorch_accel_callbacks.wrapping import own_registries
+from skorch_accel_callbacks.wrapping import bare_modules, own_registries
 from skorch_accel_callbacks.writer import BackgroundWriter, Retention, SaveRequest, SyncWriter
 
 __all__ = ['AccelerateCheckpoint']
@@ -204,6 +205,8 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self._train_loader = None
         self._data = None
         self._epoch_end_seen = None
+        # the warning of per-rank buffers under FSDP2, once after initialize
+        self._buffers_warned = False
         return self
 
     def _check_arguments(self) -> None:
@@ -391,6 +394,9 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         accelerate_io.check_checkpointable(net, type(self).__name__, self.async_save)
         with own_registries(net):
             compat.model_layout(net)
+            if not self._buffers_warned:
+                self._buffers_warned = True
+                fsdp_layout.warn_per_rank_buffers(net.accelerator, bare_modules(net))
 
     # ------------------------------------------------------------ saving
 

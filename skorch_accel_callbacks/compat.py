@@ -238,16 +238,26 @@ def _describe_optimizers(layout: int | list[Any]) -> str:
 
 
 def check_rank_files(path: str, manifest: dict[str, Any], rank: int) -> None:
-    """Check that this rank's own files are there and load without code."""
+    """Check that this rank's own files are there and load without code:
+    its random and loader states, its place inside an epoch, and its copy of
+    each state the manifest says is stored per rank (``per_rank``).
+
+    Raises :class:`CorruptCheckpointError` naming the file and the rank.
+    """
     names = [accelerate_io.rng_file(rank), format.rank_state_name(rank)]
     if format.batches_into_epoch(manifest):
         names += [format.position_name(rank), *format.epoch_caches_names(rank)]
+    per_rank = format.per_rank(manifest)
+    for item in format.PER_RANK_ITEMS:
+        if item in per_rank:
+            names += format.per_rank_files(item, rank)
     for name in names:
         if name not in manifest['files']:
             raise CorruptCheckpointError(
-                f"{os.path.join(path, name)} is missing: {path} has no state for rank {rank}")
+                f"{os.path.join(path, name)} is missing: {path} has no state for rank {rank}"
+                + (" (its manifest says the ranks' states differ: "
+                   f"{', '.join(sorted(per_rank))} per rank)" if per_rank else ''))
     rng_file = os.path.join(path, accelerate_io.rng_file(rank))
     # accelerate's load_state silently skips random states it cannot read
     read_naming_fault([rng_file], lambda: load_without_code(rng_file),
                       failed='cannot be loaded (weights_only)')
-

@@ -31,6 +31,7 @@ from skorch_accel_callbacks.atomic import atomic_path, read_json
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.folder import CheckpointFolder, Found
 from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name
+from skorch_accel_callbacks.readers import load_without_code, read_naming_fault
 from skorch_accel_callbacks.remote import RemoteStorage, is_remote
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 
@@ -129,7 +130,7 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
     saved = format.read(path)
     files = {f_argument(name): os.path.join(path, file)
              for name, file in consolidate.model_files(saved, path)}
-    files['f_history'] = os.path.join(path, format.HISTORY_NAME)
+    files['f_history'] = os.path.join(path, format.plain_history_name(saved))
     return files
 
 
@@ -149,16 +150,18 @@ def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not problems:
         return saved
     files = saved['files']
+    history = format.plain_history_name(saved)
     needed = [file for _, file in consolidate.model_files(saved, path)]
-    needed.append(format.HISTORY_NAME)
+    needed.append(history)
+    if 'buffers' in format.per_rank(saved):
+        needed.append(format.buffers_name(0))
     for problem in problems:
         # a sharded model's pieces lie in its folder
         if problem.file is not None and problem.file.split(os.sep)[0] in needed:
             raise problem.error
     sealed = os.path.join(path, format.MANIFEST_NAME)
-    if format.HISTORY_NAME not in files:
-        raise CorruptCheckpointError(
-            f"{os.path.join(path, format.HISTORY_NAME)} is not listed in {sealed}")
+    if history not in files:
+        raise CorruptCheckpointError(f"{os.path.join(path, history)} is not listed in {sealed}")
     warnings.warn(f"{path} is not a complete checkpoint, it cannot be resumed from: "
                   + '; '.join(str(problem.error) for problem in problems)
                   + "; its model files and history are intact and are exported", UserWarning)
@@ -219,6 +222,24 @@ def _load_tensors(file: str) -> dict[str, torch.Tensor]:
     return {key: value.detach().clone().contiguous() for key, value in state.items()}
 
 
+def _take_rank_0_buffers(path: str, saved: dict[str, Any],
+                         models: list[tuple[str, dict[str, torch.Tensor]]]) -> None:
+    """Give ``models`` (name, state dict) of checkpoint ``path`` saved
+    rank 0's buffers, where the ranks' differed (FSDP2 keeps them per rank,
+    its sharded checkpoint holds one rank's), with a warning saying so."""
+    if 'buffers' not in format.per_rank(saved):
+        return
+    file = os.path.join(path, format.buffers_name(0))
+    buffers = read_naming_fault([file], lambda: load_without_code(file, 'safetensors'))
+    for key, value in buffers.items():
+        index, name = key.split('/', 1)
+        models[int(index)][1][name] = value.clone()
+    warnings.warn(
+        f"{path}: the ranks' module buffers differed (FSDP2 keeps BatchNorm's running "
+        f"statistics per rank): the model is exported with rank 0's ({file})",
+        UserWarning, stacklevel=3)
+
+
 def export(
         source: str | os.PathLike, out: str | os.PathLike, which: str | os.PathLike = 'latest',
         storage_options: dict[str, Any] | None = None,
@@ -230,7 +251,11 @@ def export(
     ``<out>/params.safetensors`` holds the module ``module``,
     ``<out>/<name>.safetensors`` each other module or criterion the
     checkpoint holds (those with trainable parameters), and
-    ``<out>/history.json`` the history. Each file is written atomically;
+    ``<out>/history.json`` the history. Where the checkpoint holds every
+    rank's own history (each rank of skorch's ``AccelerateMixin`` logs its
+    own losses) and, under FSDP2, every rank's own module buffers
+    (BatchNorm's running statistics), rank 0's are written, the buffers
+    with a warning naming rank 0. Each file is written atomically;
     files of an earlier export into ``out`` are replaced, the checkpoint
     is only read. A checkpoint whose model files and history are intact
     is exported even if another of its files (an optimizer or random state)
@@ -304,7 +329,7 @@ def export(
     inside = os.path.relpath(os.path.realpath(out), os.path.realpath(path))
     if not (inside == os.pardir or inside.startswith(os.pardir + os.sep)):
         raise ValueError(f"{out} is inside the checkpoint {path}: export into another folder")
-    history = os.path.join(path, format.HISTORY_NAME)
+    history = os.path.join(path, format.plain_history_name(saved))
     try:
         read_json(history)
     except (OSError, ValueError) as exc:
@@ -313,6 +338,7 @@ def export(
     # leaves ``out`` as it was
     models = [(name, _load_tensors(os.path.join(path, file)))
               for name, file in consolidate.model_files(saved, path)]
+    _take_rank_0_buffers(path, saved, models)
     os.makedirs(out, exist_ok=True)
     written = {}
     for name, tensors in models:
@@ -384,7 +410,10 @@ class LoadableCheckpoint:
         and the history of the newest complete checkpoint into any net,
         with or without accelerate, in one process or many (not the
         optimizer nor the rest of the training state: resuming is
-        :class:`AccelerateLoadInitState`'s). With a torch older than 2.13,
+        :class:`AccelerateLoadInitState`'s). Where the checkpoint holds
+        every rank's own history, rank 0's is loaded; the module buffers
+        are those of accelerate's model files (for every rank's own under
+        FSDP2, rank 0's, :func:`export` the checkpoint). With a torch older than 2.13,
         pass ``use_safetensors=True`` to ``load_params``.
 
         A model that FSDP2 saved sharded is merged in this process

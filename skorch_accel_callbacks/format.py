@@ -27,7 +27,14 @@ format change, the net's hyper-parameters that change training
 of silently continuing another training; and, also without a format
 change, a checksum of every listed file (``checksums``: relative path ->
 ``"xxh3_64:<16 hex digits>"``), which :func:`check` verifies when it is
-there, so that a byte changed inside a file of the same size is found.
+there, so that a byte changed inside a file of the same size is found;
+and, also without a format change, which of the states that exist per rank
+were stored per rank (``per_rank``: a list of :data:`PER_RANK_ITEMS`, the
+history and callbacks when the ranks' copies differed, the module buffers
+of FSDP2 when they did), each rank's copy in its own files
+(:func:`history_name`, :func:`callbacks_names`, :func:`buffers_name`);
+absent, or an item not in it, means one copy that every rank shares (the
+files of before), so that older manifests read as they did.
 
 This module imports nothing of the package but ``atomic`` and ``errors``:
 every other module may use it.
@@ -56,17 +63,24 @@ __all__ = [
     'LOCK_NAME',
     'MANIFEST_NAME',
     'PARTIAL_SUFFIX',
+    'PER_RANK_ITEMS',
     'POINTERS',
     'PROBE_PREFIX',
     'Problem',
     'batches_into_epoch',
+    'buffers_name',
+    'callbacks_names',
     'check',
     'checkpoint_name',
     'checksum_file',
     'checksum_stream',
     'epoch_caches_names',
+    'history_name',
     'is_checkpoint_name',
     'merged',
+    'per_rank',
+    'per_rank_files',
+    'plain_history_name',
     'pointed_name',
     'pointer_name',
     'position_name',
@@ -74,6 +88,7 @@ __all__ = [
     'rank_state_name',
     'read',
     'stopped_early',
+    'with_per_rank',
     'write',
 ]
 
@@ -133,6 +148,30 @@ HISTORY_NAME = 'history.json'
 # the callbacks' states: JSON, their tensors beside it
 CALLBACKS_NAME = 'callbacks.json'
 CALLBACK_TENSORS_NAME = 'callbacks.safetensors'
+
+
+#: the states that a checkpoint stores per rank when the ranks' copies differ
+PER_RANK_ITEMS = ('history', 'callbacks', 'buffers')
+
+
+def history_name(rank: int | None = None) -> str:
+    """The history: one copy that every rank shares (``rank`` None), or
+    rank ``rank``'s own."""
+    return HISTORY_NAME if rank is None else f'history_{rank}.json'
+
+
+def callbacks_names(rank: int | None = None) -> tuple[str, str]:
+    """The callbacks' states, JSON and the tensors beside it: one copy that
+    every rank shares (``rank`` None), or rank ``rank``'s own."""
+    if rank is None:
+        return CALLBACKS_NAME, CALLBACK_TENSORS_NAME
+    return f'callbacks_{rank}.json', f'callbacks_{rank}.safetensors'
+
+
+def buffers_name(rank: int) -> str:
+    """Rank ``rank``'s module buffers under FSDP2 (which keeps them per rank
+    and its sharded checkpoint once)."""
+    return f'buffers_{rank}.safetensors'
 
 
 def rank_state_name(rank: int) -> str:
@@ -261,6 +300,10 @@ def _manifest_problem(path: str, manifest: Any) -> Problem | None:
             and all(isinstance(value, str) for value in checksums.values())):
         return Problem(CorruptCheckpointError(
             f"{path} has checksums {checksums!r}, not a mapping of files to checksums"))
+    items = manifest.get('per_rank', [])
+    if not (isinstance(items, list) and all(item in PER_RANK_ITEMS for item in items)):
+        return Problem(CorruptCheckpointError(
+            f"{path} has per_rank {items!r}, not a list of some of {list(PER_RANK_ITEMS)}"))
     return None
 
 
@@ -323,6 +366,35 @@ def stopped_early(manifest: dict[str, Any]) -> bool:
     it trains nothing, whatever ``max_epochs``."""
     # format 1 marked only the end of training, and said finished for both
     return bool(manifest.get('stopped_early', manifest.get('finished')))
+
+
+def per_rank(manifest: dict[str, Any]) -> frozenset[str]:
+    """The items of :data:`PER_RANK_ITEMS` that ``manifest``'s checkpoint
+    stores per rank (none before the field existed); :func:`check` refused
+    a malformed field."""
+    return frozenset(manifest.get('per_rank') or ())
+
+
+def with_per_rank(manifest: dict[str, Any], items: list[str]) -> dict[str, Any]:
+    """``manifest`` saying that ``items`` are stored per rank (unchanged
+    without any: a checkpoint whose ranks agree reads as one of before)."""
+    return dict(manifest, per_rank=list(items)) if items else manifest
+
+
+def plain_history_name(manifest: dict[str, Any]) -> str:
+    """The history that a plain net gets of a checkpoint (an export,
+    ``load_params(checkpoint=...)``): the one copy, or rank 0's when the
+    ranks' histories differed."""
+    return history_name(0 if 'history' in per_rank(manifest) else None)
+
+
+def per_rank_files(item: str, rank: int) -> tuple[str, ...]:
+    """The files of rank ``rank``'s own copy of the per-rank ``item``."""
+    if item == 'history':
+        return (history_name(rank),)
+    if item == 'callbacks':
+        return callbacks_names(rank)
+    return (buffers_name(rank),)
 
 
 def batches_into_epoch(manifest: dict[str, Any]) -> int:

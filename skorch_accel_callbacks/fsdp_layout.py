@@ -7,17 +7,29 @@ a folder per model and per optimizer in which every rank writes its shard
 :func:`shard_layout` is what a manifest records of it (``fsdp``),
 :func:`check_shards` what a resume checks against the net before anything
 loads, and :func:`make_room_for_group_settings` what a sharded load needs.
+
+``fully_shard`` shards parameters only: every rank keeps its own buffers
+(BatchNorm's running statistics, from its own batches), which DDP would
+broadcast from rank 0 and FSDP2 leaves apart; the sharded checkpoint holds
+one rank's. A checkpoint stores every rank's besides when they differ
+(:mod:`~skorch_accel_callbacks.training_state`), and
+:func:`warn_per_rank_buffers` tells the user when training begins.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from skorch_accel_callbacks import accelerate_io
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 
-__all__ = ['check_shards', 'make_room_for_group_settings', 'shard_layout']
+__all__ = ['check_shards', 'make_room_for_group_settings', 'per_rank_buffer_modules',
+           'shard_layout', 'warn_per_rank_buffers']
 
 SHARDED = 'SHARDED_STATE_DICT'
 # torch.distributed.checkpoint's names in a folder of shards (its
@@ -93,3 +105,40 @@ def make_room_for_group_settings(accelerator: Any, manifest: dict[str, Any]) -> 
         for group, names in zip(groups, keys, strict=False):
             for name in names:
                 group.setdefault(name, group.get('lr'))
+
+
+def per_rank_buffer_modules(modules: Mapping[str, torch.nn.Module]) -> list[str]:
+    """``'<module>.<submodule>' (<class>)`` of each submodule of the net's
+    ``modules`` (name -> module) that holds buffers of its own which FSDP2
+    does not synchronise: every one but :class:`torch.nn.SyncBatchNorm`'s,
+    whose forward synchronises the statistics."""
+    found = []
+    for name, module in modules.items():
+        for path, sub in module.named_modules():
+            if isinstance(sub, torch.nn.SyncBatchNorm):
+                continue
+            if next(sub.named_buffers(recurse=False), None) is not None:
+                where = f"{name}.{path}" if path else name
+                found.append(f"{where!r} ({type(sub).__name__})")
+    return found
+
+
+def warn_per_rank_buffers(accelerator: Any, modules: Mapping[str, torch.nn.Module]) -> None:
+    """Warn (on the main process) when a net under FSDP2 has modules whose
+    buffers each rank keeps its own of, naming them; ``modules``: the net's
+    (name -> bare module), of which those that ``accelerator`` prepared count."""
+    if not (accelerate_io.is_fsdp2(accelerator) and accelerator.is_main_process):
+        return
+    # a criterion's buffers (a class weight) are no model's: they never change
+    sharded = {id(model) for model in accelerate_io.models(accelerator)}
+    found = per_rank_buffer_modules(
+        {name: module for name, module in modules.items() if id(module) in sharded})
+    if not found:
+        return
+    warnings.warn(
+        f"under FSDP2 every rank keeps its own buffers of {', '.join(found)} (BatchNorm's "
+        "running statistics come from the rank's own batches; DDP would broadcast rank "
+        "0's, FSDP2 does not): the ranks' models differ, checkpoints store every rank's "
+        "buffers, and an export or load_params(checkpoint=...) takes rank 0's. For "
+        "statistics of the whole batch on every rank, convert the module with "
+        "torch.nn.SyncBatchNorm.convert_sync_batchnorm", UserWarning, stacklevel=4)

@@ -36,11 +36,13 @@ def checkpoint_bytes(saved: dict[str, Any]) -> int | None:
     return sum(files.values())
 
 
-def _score(path: str | os.PathLike) -> tuple[str, float] | None:
-    """``(column, value)`` of the last complete epoch in a checkpoint's history:
-    ``valid_loss``, else ``train_loss``; None if neither can be read."""
+def _score(path: str | os.PathLike, saved: dict[str, Any]) -> tuple[str, float] | None:
+    """``(column, value)`` of the last complete epoch in a checkpoint's history
+    (rank 0's, where the ranks' differed): ``valid_loss``, else
+    ``train_loss``; None if neither can be read."""
     try:
-        with open(os.path.join(path, format.HISTORY_NAME), encoding='utf-8') as f:
+        history = format.plain_history_name(saved)
+        with open(os.path.join(path, history), encoding='utf-8') as f:
             rows = json.load(f)
         # inside an epoch, the last row has no scores yet
         last = next(row for row in reversed(rows)
@@ -125,7 +127,7 @@ def describe_one(name: str, path: str, saved: Any, problem: str | None) -> dict[
         'saved_at': _saved_at(path, saved),
         'save_seconds': saved.get('save_seconds'),
         'blocked_seconds': saved.get('blocked_seconds'),
-        'score': _score(path),
+        'score': _score(path, saved),
         'problem': problem,
     }
 

@@ -9,6 +9,7 @@ levels down.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -16,12 +17,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
-from skorch_accel_callbacks.atomic import write_json
 from skorch_accel_callbacks.readers import load_without_code
 
-__all__ = ['read_pair', 'write_pair']
+__all__ = ['encode_pair', 'read_pair', 'write_pair', 'write_bytes']
 
 Encode = Callable[[Any, str], Any]
 
@@ -75,19 +75,35 @@ def _decode(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     raise ValueError(f"unknown encoding {kind!r}")
 
 
-def write_pair(json_file: str | os.PathLike, tensors_file: str | os.PathLike,
-               build: Callable[[Encode], Any]) -> None:
-    """Write the tree that ``build(encode)`` returns, its values encoded by
-    ``encode(value, key)`` (``key`` names a tensor in ``tensors_file``;
-    ``TypeError`` for a value that cannot be saved without pickle).
+def encode_pair(build: Callable[[Encode], Any]) -> tuple[bytes, bytes]:
+    """The bytes of the pair of files of the tree that ``build(encode)``
+    returns, its values encoded by ``encode(value, key)`` (``key`` names a
+    tensor in the tensors file; ``TypeError`` for a value that cannot be
+    saved without pickle): the JSON file's, then the safetensors file's.
 
-    Written plainly, into a partial folder whose commit flushes it.
+    In memory, so that the ranks can compare their pairs before any is
+    written (the same tree gives the same bytes).
     """
     encoder = _Encoder()
     tree = build(encoder.encode)
-    write_json(json_file, tree, atomic=False)
+    # as atomic.write_json writes it, so that a pair reads back as before
+    text = json.dumps(tree, indent=1, sort_keys=True).encode('utf-8')
     # safetensors refuses an empty file
-    save_file(encoder.tensors or {'_': torch.zeros(0)}, tensors_file)
+    return text, save(encoder.tensors or {'_': torch.zeros(0)})
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` plainly, into a partial folder whose commit flushes it."""
+    with open(path, 'wb') as f:
+        f.write(data)
+
+
+def write_pair(json_file: str | os.PathLike, tensors_file: str | os.PathLike,
+               build: Callable[[Encode], Any]) -> None:
+    """Write the pair :func:`encode_pair` encodes, plainly, into a partial
+    folder whose commit flushes it."""
+    for path, data in zip((json_file, tensors_file), encode_pair(build), strict=True):
+        write_bytes(path, data)
 
 
 def read_pair(json_file: str | os.PathLike, tensors_file: str | os.PathLike,

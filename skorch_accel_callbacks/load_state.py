@@ -243,7 +243,9 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         source = self.loaded_from_
         if restored.reseeded_from is not None:
             source += (f" (written by {processes(restored.reseeded_from)}, "
-                       "random states derived anew)")
+                       "random states derived anew"
+                       + (f", saved rank {restored.states_of_rank}'s history and callbacks"
+                          if restored.states_of_rank is not None else '') + ")")
         return (f"Resumed from {source} {where}; "
                 + ("a callback had stopped training." if restored.stopped_early
                    else f"training {left} more epoch(s)." if left

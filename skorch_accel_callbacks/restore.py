@@ -93,6 +93,12 @@ class Restored:
     step: int
     #: the number of processes that wrote it, if another than now
     reseeded_from: int | None = None
+    #: the states stored per rank (the manifest's ``per_rank``: the ranks'
+    #: copies differed), which this rank resumed its own copy of ...
+    per_rank: frozenset[str] = frozenset()
+    #: ... or, on another number of processes, the saved rank whose copy
+    #: every rank resumed (0); None when it resumed its own or the one copy
+    states_of_rank: int | None = None
 
     @property
     def epochs_done(self) -> int:
@@ -171,10 +177,8 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
             compat.check_rank_files(path, saved, rank)
         hyperparameters = _load_accelerator_state(net, path, saved, changed_params)
         rng = rng_state.capture_rng()
-        history = _read_own(path, format.HISTORY_NAME, training_state.load_history)
-        callbacks = _read_own(
-            path, (format.CALLBACKS_NAME, format.CALLBACK_TENSORS_NAME),
-            training_state.load_callback_states)
+        history, callbacks = _read_rank_states(net, path, saved, rank if reads_own_rank
+                                               else None)
         rank_state = None
         if reads_own_rank:
             rank_state = _read_own(path, format.rank_state_name(rank),
@@ -183,8 +187,36 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
         if format.batches_into_epoch(saved) and reads_own_rank:
             inside = _read_position(path, rank, with_caches=not changed)
     restored = Restored(path, saved, history, callbacks, rng, rank_state, hyperparameters,
-                        inside, _saved_step(net, saved, history))
+                        inside, _saved_step(net, saved, history),
+                        per_rank=format.per_rank(saved))
     return _reseed(net, restored) if changed else restored
+
+
+def _read_rank_states(net: Any, path: str, manifest: dict,
+                      rank: int | None) -> tuple[Any, dict | None]:
+    """The history and callbacks' states of ``path`` for ``rank``: the copy
+    that every rank shares, or of what is stored per rank the rank's own
+    (None for ``rank`` None: a new rank, which rank 0's reach in
+    :func:`_reseed`); the rank's own buffers are put back into the models
+    (``load_state`` gave every rank the checkpoint's one copy)."""
+    per_rank = format.per_rank(manifest)
+    if 'buffers' in per_rank and rank is not None:
+        _read_own(path, format.buffers_name(rank), lambda folder: accelerate_io.set_fsdp2_buffers(
+            net.accelerator, training_state.load_buffers(folder, rank)))
+
+    def copy_of(item: str) -> int | None:
+        return rank if item in per_rank else None
+
+    history = callbacks = None
+    if 'history' not in per_rank or rank is not None:
+        own = copy_of('history')
+        history = _read_own(path, format.history_name(own),
+                            lambda folder: training_state.load_history(folder, own))
+    if 'callbacks' not in per_rank or rank is not None:
+        own = copy_of('callbacks')
+        callbacks = _read_own(path, format.callbacks_names(own),
+                              lambda folder: training_state.load_callback_states(folder, own))
+    return history, callbacks
 
 
 def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params: Any) -> list:
@@ -242,6 +274,30 @@ def _saved_step(net: Any, saved: dict, history: Any) -> int:
     return position['step']
 
 
+_ITEMS = {'history': 'history', 'callbacks': "callbacks' states", 'buffers': 'module buffers'}
+
+
+def _describe_items(items: frozenset[str]) -> str:
+    return ', '.join(_ITEMS[item] for item in format.PER_RANK_ITEMS if item in items)
+
+
+def _states_of_rank_0(net: Any, restored: Restored) -> Restored:
+    """``restored`` with saved rank 0's history, callbacks' states and
+    buffers, of those stored per rank, on every rank (which rank 0 alone
+    read: on another number of processes a new rank has no copy of its own)."""
+    with sync.agree(net, f"reading rank 0's states of {restored.path}"), own_registries(net):
+        buffers = None
+        if 'buffers' in restored.per_rank and sync.is_main_process(net):
+            buffers = accelerate_io.fsdp2_buffers(net.accelerator)
+    history, callbacks, buffers = sync.broadcast(
+        net, (restored.history, restored.callbacks, buffers))
+    with sync.agree(net, f"giving every rank rank 0's buffers of {restored.path}"), \
+            own_registries(net):
+        if buffers is not None and not sync.is_main_process(net):
+            accelerate_io.set_fsdp2_buffers(net.accelerator, buffers)
+    return replace(restored, history=history, callbacks=callbacks, states_of_rank=0)
+
+
 def _reseed(net: Any, restored: Restored) -> Restored:
     """``restored`` for a run on another number of processes than wrote it:
     this rank's random state, loader state and place in the epoch derived
@@ -266,6 +322,11 @@ def _reseed(net: Any, restored: Restored) -> Restored:
         "derived anew (on_world_size_change='reseed') and a step now "
         f"averages the batches of {world_size} process(es): the run goes on "
         "statistically, not bitwise, as the uninterrupted one would have")
+    if restored.per_rank:
+        restored = _states_of_rank_0(net, restored)
+        message += (
+            f". Its ranks' {_describe_items(restored.per_rank)} differed (each rank "
+            "logs its own losses): every rank resumes saved rank 0's")
     if position is not None:
         batches, start_iteration = position
         # as many rows of the epoch as the saved run had trained, in the

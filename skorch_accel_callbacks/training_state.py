@@ -2,13 +2,21 @@
 
 - the skorch history (JSON);
 - the state of the net's callbacks by name (JSON, tensors in safetensors);
+- under FSDP2, the models' buffers (safetensors), which FSDP2 does not
+  synchronise across ranks and its sharded checkpoint holds once;
 - per rank: the training loader's shuffling generator and epoch counter
   (:func:`~skorch_accel_callbacks.rng_state.loader_state`), which
   accelerate creates when the loader is prepared and does not save, and the
   callbacks' scratch space of the epoch under way.
 
 The callbacks' states and caches are pairs of JSON and safetensors files
-(:mod:`~skorch_accel_callbacks.json_tensors`). Nothing here is pickled, so
+(:mod:`~skorch_accel_callbacks.json_tensors`). Under skorch's
+``AccelerateMixin`` every rank logs its own losses, so the history, the
+callbacks' states and the buffers exist per rank: :func:`encode_rank_states`
+gives this rank's as bytes, the ranks compare their digests
+(:func:`per_rank_items`), and :func:`write_rank_states` writes one copy of
+what every rank holds alike (the files of before; the buffers then stay in
+accelerate's checkpoint) and every rank's own of the rest. Nothing here is pickled, so
 loading executes no code. The files are written into a checkpoint's partial
 folder, which nobody reads before it is committed, and the commit flushes
 every file of the folder to disk: so they are written plainly, without a
@@ -17,16 +25,19 @@ temporary name and a flush of their own each.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
 import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save, save_file
 from skorch.callbacks import (
     BatchScoring,
     Callback,
@@ -41,13 +52,21 @@ from skorch.history import History
 
 from skorch_accel_callbacks import accelerate_io
 from skorch_accel_callbacks.format import (
-    CALLBACK_TENSORS_NAME,
-    CALLBACKS_NAME,
-    HISTORY_NAME,
+    PER_RANK_ITEMS,
+    buffers_name,
+    callbacks_names,
     epoch_caches_names,
+    history_name,
+    per_rank_files,
     rank_state_name,
 )
-from skorch_accel_callbacks.json_tensors import Encode, read_pair, write_pair
+from skorch_accel_callbacks.json_tensors import (
+    Encode,
+    encode_pair,
+    read_pair,
+    write_bytes,
+    write_pair,
+)
 from skorch_accel_callbacks.rng_state import loader_state
 
 if TYPE_CHECKING:
@@ -61,10 +80,14 @@ __all__ = [
     'find_train_loader',
     'optimizer_hyperparameters',
     'restore_optimizer_hyperparameters',
-    'save_history',
+    'RankStates',
+    'encode_rank_states',
+    'per_rank_items',
+    'write_rank_states',
     'load_history',
-    'save_callback_states',
+    'encode_callback_states',
     'load_callback_states',
+    'load_buffers',
     'apply_callback_states',
     'save_epoch_caches',
     'load_epoch_caches',
@@ -107,12 +130,15 @@ def optimizer_steps(history: Iterable[Mapping[str, Any]], accumulation_steps: in
                for row in history if 'train_batch_count' in row)
 
 
-def save_history(folder: str | os.PathLike, net: NeuralNet) -> None:
-    net.history.to_file(f"{folder}/{HISTORY_NAME}")
+def _encode_history(net: NeuralNet) -> bytes:
+    # as History.to_file writes it
+    return json.dumps(net.history.to_list()).encode('utf-8')
 
 
-def load_history(folder: str | os.PathLike) -> History:
-    return History.from_file(f"{folder}/{HISTORY_NAME}")
+def load_history(folder: str | os.PathLike, rank: int | None = None) -> History:
+    """The history of ``folder``: the one that every rank shares (``rank``
+    None), or rank ``rank``'s own."""
+    return History.from_file(f"{folder}/{history_name(rank)}")
 
 
 # ---------------------------------------------------------------- optimizer
@@ -231,10 +257,11 @@ def _callback_state(callback: Callback) -> dict[str, dict[str, Any]]:
     return state
 
 
-def save_callback_states(
-        folder: str | os.PathLike, net: NeuralNet, skip: Collection[Callback] = (),
-) -> None:
-    """Save the state of every callback of ``net`` by name.
+def encode_callback_states(
+        net: NeuralNet, skip: Collection[Callback] = (),
+) -> tuple[bytes, bytes]:
+    """The state of every callback of ``net`` by name, as the bytes of its
+    pair of files (:func:`~skorch_accel_callbacks.json_tensors.encode_pair`).
 
     A callback with ``state_dict()``/``load_state_dict()`` methods decides
     itself what is saved; for the others, the fitted attributes (names ending
@@ -253,22 +280,24 @@ def save_callback_states(
                 try:
                     encoded[attr] = {kind: encode(value, key) for kind, value in entry.items()}
                 except TypeError as exc:
-                    # the caller of save_callback_states, past write_pair
+                    # the writer, past encode_pair and encode_rank_states
                     warnings.warn(
                         f"callback {name!r}: attribute {attr!r} of type {exc} cannot "
                         "be saved without pickle and is not restored on resume; give "
                         "the callback state_dict()/load_state_dict() methods to "
-                        "control what is saved", UserWarning, stacklevel=4)
+                        "control what is saved", UserWarning, stacklevel=5)
             encoded_states[name] = encoded
         return encoded_states
 
-    write_pair(f"{folder}/{CALLBACKS_NAME}", f"{folder}/{CALLBACK_TENSORS_NAME}", states)
+    return encode_pair(states)
 
 
-def load_callback_states(folder: str | os.PathLike) -> dict[str, dict[str, dict[str, Any]]]:
-    """Read what :func:`save_callback_states` wrote: name -> attr -> entry."""
-    return read_pair(f"{folder}/{CALLBACKS_NAME}", f"{folder}/{CALLBACK_TENSORS_NAME}",
-                     depth=3)
+def load_callback_states(folder: str | os.PathLike,
+                         rank: int | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+    """Read the callbacks' states of ``folder`` (the copy that every rank
+    shares, or with ``rank`` that rank's own): name -> attr -> entry."""
+    json_name, tensors_name = callbacks_names(rank)
+    return read_pair(f"{folder}/{json_name}", f"{folder}/{tensors_name}", depth=3)
 
 
 def apply_callback_states(
@@ -294,6 +323,73 @@ def apply_callback_states(
                 setattr(callback, attr, time.time() - entry['elapsed'])
             else:
                 setattr(callback, attr, entry['value'])
+
+
+# ---------------------------------------------------------------- per rank
+
+@dataclass(frozen=True)
+class RankStates:
+    """This rank's states that may differ between ranks, encoded."""
+
+    #: item of :data:`~skorch_accel_callbacks.format.PER_RANK_ITEMS` -> the
+    #: bytes of its files, in the order of their names
+    #: (:func:`~skorch_accel_callbacks.format.per_rank_files`)
+    files: dict[str, tuple[bytes, ...]]
+
+    def digests(self) -> dict[str, str]:
+        """Item -> a digest of its files' bytes, which the ranks compare."""
+        digests = {}
+        for item, parts in self.files.items():
+            hasher = xxhash.xxh3_128()
+            for part in parts:
+                # the parts' lengths too: the same bytes split otherwise differ
+                hasher.update(len(part).to_bytes(8, 'little'))
+                hasher.update(part)
+            digests[item] = hasher.hexdigest()
+        return digests
+
+
+def encode_rank_states(net: NeuralNet) -> RankStates:
+    """This rank's history, callbacks' states and (under FSDP2) buffers,
+    as the bytes that a checkpoint stores of them."""
+    files = {'history': (_encode_history(net),),
+             'callbacks': encode_callback_states(net)}
+    buffers = accelerate_io.fsdp2_buffers(net.accelerator)
+    if buffers:
+        files['buffers'] = (save(buffers),)
+    return RankStates(files)
+
+
+def per_rank_items(digests: Sequence[Mapping[str, str]]) -> list[str]:
+    """The items whose copies differ between the ranks (``digests``: every
+    rank's :meth:`RankStates.digests`, by rank), in the order of
+    :data:`~skorch_accel_callbacks.format.PER_RANK_ITEMS`."""
+    return [item for item in PER_RANK_ITEMS
+            if item in digests[0] and len({each[item] for each in digests}) > 1]
+
+
+def write_rank_states(folder: str | os.PathLike, states: RankStates, rank: int,
+                      per_rank: Collection[str], shared: bool) -> None:
+    """Write rank ``rank``'s own copy of the items ``per_rank``, and with
+    ``shared`` (on the committing process) the one copy of each other item,
+    under the names of before. Buffers that every rank holds alike are not
+    written: accelerate's checkpoint holds them."""
+    for item, parts in states.files.items():
+        if item in per_rank:
+            names = per_rank_files(item, rank)
+        elif shared and item == 'history':
+            names = (history_name(),)
+        elif shared and item == 'callbacks':
+            names = callbacks_names()
+        else:
+            continue
+        for name, data in zip(names, parts, strict=True):
+            write_bytes(f"{folder}/{name}", data)
+
+
+def load_buffers(folder: str | os.PathLike, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s buffers, as :func:`encode_rank_states` saved them."""
+    return load_file(f"{folder}/{buffers_name(rank)}")
 
 
 # ---------------------------------------------------------------- within an epoch

@@ -24,7 +24,14 @@ from typing import Any, NamedTuple, Protocol
 
 from skorch.utils import noop
 
-from skorch_accel_callbacks import accelerate_io, compat, epoch_position, sync, training_state
+from skorch_accel_callbacks import (
+    accelerate_io,
+    compat,
+    epoch_position,
+    format,
+    sync,
+    training_state,
+)
 from skorch_accel_callbacks.base import format_bytes, say
 from skorch_accel_callbacks.folder import is_committer
 from skorch_accel_callbacks.stager import HostStager, Staged
@@ -183,12 +190,20 @@ class SyncWriter:
 
         With a ``stager``, the model and optimizer states are copied into
         host memory instead of written (the rest of ``save_state`` is).
+
+        The history, the callbacks' states and (under FSDP2) the buffers
+        exist per rank: the ranks compare digests of them first; what every
+        rank holds alike is written once, as before, the rest by every rank
+        into its own files (the manifest's ``per_rank`` lists it).
         """
         committer = is_committer(net)
         partial = self.storage.partial_path(request.name)
-        with sync.agree(net, f"preparing {partial}"):
+        with sync.agree(net, f"preparing {partial}"), own_registries(net):
             if committer:
                 self.storage.start(request.name)
+            states = training_state.encode_rank_states(net)
+        # one copy of what every rank holds alike, every rank's own of the rest
+        per_rank = training_state.per_rank_items(sync.gather(net, states.digests()))
         with sync.agree(net, f"writing checkpoint {partial}"), own_registries(net):
             large = None
             if stager is None:
@@ -198,18 +213,17 @@ class SyncWriter:
                                      committer)
             rank = sync.process_index(net)
             training_state.save_rank_state(partial, rank, request.train_loader)
+            training_state.write_rank_states(partial, states, rank, per_rank, committer)
             if request.batches:
                 epoch_position.save_position(partial, rank, request.epoch_start,
                                              request.batches)
                 training_state.save_epoch_caches(partial, rank, net)
             if not committer:
                 return StagedSave(None, large)
-            training_state.save_history(partial, net)
-            training_state.save_callback_states(partial, net)
-            return StagedSave(compat.build_manifest(
+            return StagedSave(format.with_per_rank(compat.build_manifest(
                 net, request.name, request.best, request.finished, request.stopped_early,
                 request.data, {'step': request.step, 'batches': request.batches},
-                request.train_loader), large)
+                request.train_loader), per_rank), large)
 
     def commit(self, request: SaveRequest, content: dict, started: float) -> SaveReport:
         """Commit the staged checkpoint of ``request`` and retire old ones.
