@@ -119,8 +119,15 @@ def per_rank_buffer_modules(modules: Mapping[str, torch.nn.Module]) -> list[str]
                 continue
             if next(sub.named_buffers(recurse=False), None) is not None:
                 where = f"{name}.{path}" if path else name
-                found.append(f"{where!r} ({type(sub).__name__})")
+                found.append(f"{where!r} ({_user_class(sub).__name__})")
     return found
+
+
+def _user_class(module: torch.nn.Module) -> type:
+    """The class a module was made of: ``fully_shard`` changes a module's
+    class into one of its own (``FSDPBatchNorm1d``) derived from it."""
+    return next(cls for cls in type(module).__mro__
+                if not cls.__module__.startswith('torch.distributed.'))
 
 
 def warn_per_rank_buffers(accelerator: Any, modules: Mapping[str, torch.nn.Module]) -> None:
