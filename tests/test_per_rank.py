@@ -13,19 +13,22 @@ checkpoint with on_world_size_change='reseed'.
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from common import MLP, make_accelerator, make_data, make_net
-from launcher import free_port, launch
+from launcher import REPO, free_port, launch
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
     AccelerateLoadInitState,
     CheckpointError,
     CorruptCheckpointError,
     format,
+    inspection,
 )
 from skorch_accel_callbacks.export import export
 from testutil import edit_manifest, read_json, read_results
@@ -60,6 +63,9 @@ def runs(tmp_path_factory):
             trainings.append({'dirname': str(root / backend / kind), 'backend': backend,
                               'tag': f'{backend}-{kind}', 'every_n_steps': 3,
                               'resume': os.path.join(full, name)})
+    # the states are encoded on the training thread, the rest written in the background
+    trainings.append({'dirname': str(root / 'async'), 'tag': 'async-epoch', 'async_save': True,
+                      'every_n_steps': 3, 'resume': os.path.join(root / 'ddp' / 'full', EPOCH_END)})
     trainings.append({'dirname': str(root / 'agree'), 'tag': 'agree', 'agree': True,
                       'max_epochs': 2})
     launch_runs(results, trainings)
@@ -108,6 +114,15 @@ def test_each_rank_resumes_its_own_history_and_callbacks(runs, backend):
             assert_equal_tensors(rank_state(results, f'{backend}-{kind}', rank),
                                  rank_state(results, f'{backend}-full', rank),
                                  f"{kind} rank {rank}")
+    if backend == 'ddp':
+        resumed = read_results(results, 'async-epoch', 2)
+        for rank in (0, 1):
+            for key in ('history', 'early', 'rank_losses'):
+                assert resumed[rank][key] == full[rank][key], ('async', rank, key)
+            assert_equal_tensors(rank_state(results, 'async-epoch', rank),
+                                 rank_state(results, 'ddp-full', rank), f"async rank {rank}")
+        saved = read_json(root / 'async' / 'epoch-0004' / format.MANIFEST_NAME)
+        assert saved['per_rank'] == ['history', 'callbacks']
     for name in RESUMED.values():
         saved = read_json(root / backend / 'full' / name / format.MANIFEST_NAME)
         assert saved['per_rank'] == (['history', 'callbacks', 'buffers']
@@ -164,6 +179,26 @@ def test_reseed_to_one_process_takes_rank_0s_states_and_says_so(runs):
     assert len(said) == 1
     assert ("Its ranks' history, callbacks' states differed (each rank logs its own "
             "losses): every rank resumes saved rank 0's") in said[0]
+    assert reseed['said'][0].startswith(
+        f"Resumed from {root / 'ddp' / 'full' / EPOCH_END} (written by 2 processes, random "
+        "states derived anew, saved rank 0's history and callbacks) after epoch 2")
+
+
+@pytest.mark.slow
+def test_list_and_verify_read_per_rank_checkpoints(runs):
+    root, _ = runs
+    folder = root / 'ddp' / 'full'
+    rows = {row['name']: row for row in inspection.describe(folder)}
+    assert rows[EPOCH_END]['problem'] is None
+    # the score of rank 0's history
+    history = read_json(folder / EPOCH_END / 'history_0.json')
+    assert rows[EPOCH_END]['score'] == ('valid_loss', history[-1]['valid_loss'])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), os.environ.get('PYTHONPATH', '')]))
+    for args in (['list', folder], ['verify', folder / EPOCH_END], ['verify', folder / MID_EPOCH]):
+        out = subprocess.run([sys.executable, '-m', 'skorch_accel_callbacks', *map(str, args)],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_one_process_keeps_the_files_of_before(tmp_path):

@@ -7,13 +7,14 @@ usage: per_rank.py
   ``tag``, ``backend`` (``'ddp'`` or ``'fsdp2'``: FSDP2 forced on CPU, a
   model with BatchNorm), ``agree`` (every row of the data alike, no dropout
   and no clock: the ranks' histories and callbacks' states agree),
-  ``every_n_steps``, ``max_epochs``, ``resume`` (a checkpoint path, or
-  ``'latest'``) and ``reseed`` (``on_world_size_change='reseed'``).
+  ``every_n_steps``, ``async_save``, ``max_epochs``, ``resume`` (a
+  checkpoint path, or ``'latest'``) and ``reseed``
+  (``on_world_size_change='reseed'``).
 
 Every rank writes ``<TAG>-rank<r>.json`` when its training ends: its
 history (without durations), the states of its EarlyStopping and of a
-callback whose fitted attribute differs between ranks, the warnings and
-what was resumed; and ``<TAG>-rank<r>.pt``: its own parameters, optimizer
+callback whose fitted attribute differs between ranks, the warnings, what
+was resumed and what the resume said; and ``<TAG>-rank<r>.pt``: its own parameters, optimizer
 state and buffers (its shards under FSDP2) and its predictions.
 """
 
@@ -90,11 +91,13 @@ def _data(agree):
     return X, y
 
 
-def run(dirname, tag, backend='ddp', agree=False, every_n_steps=None, max_epochs=4,
-        resume='latest', reseed=False):
+def run(dirname, tag, backend='ddp', agree=False, every_n_steps=None, async_save=False,
+        max_epochs=4, resume='latest', reseed=False):
     accelerator = _accelerator(backend)
-    cp = AccelerateCheckpoint(dirname=dirname, every_n_steps=every_n_steps, keep_last=100)
-    load = AccelerateLoadInitState(cp, resume=resume,
+    cp = AccelerateCheckpoint(dirname=dirname, every_n_steps=every_n_steps, keep_last=100,
+                              async_save=async_save)
+    said = []
+    load = AccelerateLoadInitState(cp, resume=resume, sink=said.append,
                                    on_world_size_change='reseed' if reseed else 'raise')
     callbacks = [load, cp, ('early', EarlyStopping(patience=100))]
     kwargs = {}
@@ -121,6 +124,7 @@ def run(dirname, tag, backend='ddp', agree=False, every_n_steps=None, max_epochs
         'rank_losses': None if agree else dict(net.callbacks_)['rank_losses'].total_,
         'committed': cp.committed(),
         'loaded_from': load.loaded_from_ and os.path.basename(load.loaded_from_),
+        'said': said,
         'warnings': [str(w.message) for w in caught if issubclass(w.category, UserWarning)],
     })
     module = net.accelerator.unwrap_model(net.module_)
