@@ -43,7 +43,9 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     When training begins, every rank loads the checkpoint ``resume`` names
     (``accelerator.load_state``) and the net its history; when the first
     epoch begins, the random states, data order and callbacks' state come
-    back. ``fit`` then trains only the epochs left to reach ``max_epochs``
+    back, each rank's own (under skorch's ``AccelerateMixin`` each rank logs
+    its own losses: a checkpoint stores every rank's history, callbacks'
+    states and, under FSDP2, module buffers where they differ). ``fit`` then trains only the epochs left to reach ``max_epochs``
     (none once a callback such as ``EarlyStopping`` had stopped the run),
     bit for bit as the uninterrupted run; a checkpoint taken inside an epoch
     continues that epoch. The net's parameters are never changed. Without a
@@ -71,7 +73,9 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     on_world_size_change : str (default='raise')
       A checkpoint written by another number of processes: ``'raise'`` a
       :class:`CheckpointError`, or ``'reseed'``: resume it with random
-      states derived for the new ranks (not bit-exact; a warning says so).
+      states derived for the new ranks (not bit-exact; a warning says so);
+      where the saved ranks' histories and callbacks' states differed,
+      every rank resumes saved rank 0's.
 
     check_params : bool or tuple of str (default=True)
       Refuse a checkpoint trained with other values of the net's parameters

@@ -258,7 +258,7 @@ def _callback_state(callback: Callback) -> dict[str, dict[str, Any]]:
 
 
 def encode_callback_states(
-        net: NeuralNet, skip: Collection[Callback] = (),
+        net: NeuralNet, skip: Collection[Callback] = (), warn: bool = True,
 ) -> tuple[bytes, bytes]:
     """The state of every callback of ``net`` by name, as the bytes of its
     pair of files (:func:`~skorch_accel_callbacks.json_tensors.encode_pair`).
@@ -280,6 +280,8 @@ def encode_callback_states(
                 try:
                     encoded[attr] = {kind: encode(value, key) for kind, value in entry.items()}
                 except TypeError as exc:
+                    if not warn:
+                        continue
                     # the writer, past encode_pair and encode_rank_states
                     warnings.warn(
                         f"callback {name!r}: attribute {attr!r} of type {exc} cannot "
@@ -349,11 +351,13 @@ class RankStates:
         return digests
 
 
-def encode_rank_states(net: NeuralNet) -> RankStates:
+def encode_rank_states(net: NeuralNet, warn: bool) -> RankStates:
     """This rank's history, callbacks' states and (under FSDP2) buffers,
-    as the bytes that a checkpoint stores of them."""
+    as the bytes that a checkpoint stores of them; ``warn`` of a
+    callback's attribute that cannot be saved (on one rank: every rank
+    leaves it out)."""
     files = {'history': (_encode_history(net),),
-             'callbacks': encode_callback_states(net)}
+             'callbacks': encode_callback_states(net, warn=warn)}
     buffers = accelerate_io.fsdp2_buffers(net.accelerator)
     if buffers:
         files['buffers'] = (save(buffers),)

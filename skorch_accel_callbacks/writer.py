@@ -201,7 +201,7 @@ class SyncWriter:
         with sync.agree(net, f"preparing {partial}"), own_registries(net):
             if committer:
                 self.storage.start(request.name)
-            states = training_state.encode_rank_states(net)
+            states = training_state.encode_rank_states(net, warn=sync.is_main_process(net))
         # one copy of what every rank holds alike, every rank's own of the rest
         per_rank = training_state.per_rank_items(sync.gather(net, states.digests()))
         with sync.agree(net, f"writing checkpoint {partial}"), own_registries(net):
