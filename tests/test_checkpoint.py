@@ -305,6 +305,8 @@ def test_two_nodes(tmp_path, per_node):
             rng_files = sorted(p.name for p in latest.glob('random_states_*'))
             assert rng_files == [f'random_states_{node}.pkl']
             assert (latest / 'model.safetensors').exists()
+            # each rank logs its own losses: its own history, in its node's folder
+            assert sorted(p.name for p in latest.glob('history*')) == [f'history_{node}.json']
     else:
         latest = tmp_path / 'ckpt' / 'epoch-0006'
         assert sorted(p.name for p in latest.glob('random_states_*')) == [
