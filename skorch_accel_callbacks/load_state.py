@@ -45,10 +45,11 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     epoch begins, the random states, data order and callbacks' state come
     back, each rank's own (under skorch's ``AccelerateMixin`` each rank logs
     its own losses: a checkpoint stores every rank's history, callbacks'
-    states and, under FSDP2, module buffers where they differ). ``fit`` then trains only the epochs left to reach ``max_epochs``
-    (none once a callback such as ``EarlyStopping`` had stopped the run),
-    bit for bit as the uninterrupted run; a checkpoint taken inside an epoch
-    continues that epoch. The net's parameters are never changed. Without a
+    states and, under FSDP2, module buffers where they differ). ``fit``
+    then trains only the epochs left to reach ``max_epochs`` (none once a
+    callback such as ``EarlyStopping`` had stopped the run), bit for bit as
+    the uninterrupted run; a checkpoint taken inside an epoch continues that
+    epoch. The net's parameters are never changed. Without a
     checkpoint, training starts fresh. A checkpoint this run cannot continue
     exactly (another model, number of processes, data, hyper-parameters) is
     refused before any training step. See the README, section 'How the
