@@ -4,6 +4,7 @@ and how a net with an accelerator is pickled (:func:`dump_net`)."""
 from __future__ import annotations
 
 import pickle
+import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, BinaryIO, Self
@@ -11,10 +12,11 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Self
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from skorch.callbacks import LRScheduler
+from skorch.callbacks import Callback, LRScheduler
 from skorch.hf import AccelerateMixin
 
-from skorch_accel_callbacks import accelerate_io, sync
+from skorch_accel_callbacks import accelerate_io, preemption, sync
+from skorch_accel_callbacks.errors import DivergedDecisionError
 from skorch_accel_callbacks.wrapping import bare_modules, check_plain, gathered, unwrapped
 
 if TYPE_CHECKING:
@@ -80,7 +82,36 @@ def _bare_optimizers(net: NeuralNet) -> Iterator[None]:
 # clone passed them to a new net's __init__ as parameters (and refused a net
 # left wrapped by an exception in fit: __init__ sets the first one to False)
 _TRAINING_ATTRIBUTES = frozenset(
-    {'_wrapped_with_accelerator', '_accelerator_loaders', '_accelerator_registered'})
+    {'_wrapped_with_accelerator', '_accelerator_loaders', '_accelerator_registered',
+     '_sigint_watch'})
+
+# the hooks after which, with several processes, every rank says whether a
+# callback stopped training: each runs once an epoch (a batch's hooks would
+# cost a collective at every batch)
+_AGREED_HOOKS = ('on_epoch_begin', 'on_epoch_end')
+
+# what a process reports of a callback's hook
+_WENT_ON, _STOPPED, _CTRL_C, _FAILED = 0, 1, 2, 3
+
+
+def _verdict(outcomes: list[int]) -> str:
+    """What every rank does after a hook whose outcome on each rank is in
+    ``outcomes`` (by rank): ``'go'`` on, ``'stop'`` training (a
+    KeyboardInterrupt on every rank: the callback stopped it on all, or a
+    Ctrl-C reached one, which is meant for the whole job), ``'failed'`` or
+    ``'diverged'`` (raise on every rank)."""
+    if _FAILED in outcomes:
+        return 'failed'
+    if all(outcome == _WENT_ON for outcome in outcomes):
+        return 'go'
+    if _CTRL_C in outcomes or _WENT_ON not in outcomes:
+        return 'stop'
+    return 'diverged'
+
+
+def _overrides(callback: Any, hook: str) -> bool:
+    """Whether ``callback``'s ``hook`` is more than skorch's no-op."""
+    return getattr(type(callback), hook, None) is not getattr(Callback, hook)
 
 
 def _has_trainable_parameters(module: torch.nn.Module) -> bool:
@@ -154,9 +185,18 @@ class AccelerateFixesMixin:
 
     """
 
+    def __init__(self, *args: Any, reduce_metrics: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reduce_metrics = reduce_metrics
+
     def initialize(self) -> Self:
         self._wrapped_with_accelerator = False
         return super().initialize()
+
+    def _validate_params(self) -> None:
+        super()._validate_params()
+        if not isinstance(self.reduce_metrics, bool):
+            raise ValueError(f"reduce_metrics must be True or False, got {self.reduce_metrics!r}")
 
     def __getstate__(self) -> dict[str, Any]:
         with unwrapped(self), _bare_optimizers(self):
@@ -164,6 +204,7 @@ class AccelerateFixesMixin:
         # the loaders hold the data sets; the registry the accelerator's objects
         state.pop('_accelerator_loaders', None)
         state.pop('_accelerator_registered', None)
+        state.pop('_sigint_watch', None)
         if isinstance(state.get('accelerator'), Accelerator):
             state['accelerator'] = _ThisProcessAccelerator(state['accelerator'])
         return state
@@ -177,6 +218,8 @@ class AccelerateFixesMixin:
             # no storage to an indexed CPU such as accelerate's 'cpu:0'
             placed = accelerator.device
             state['device'] = 'cpu' if placed.type == 'cpu' else placed
+        # a net pickled before the parameter existed
+        state.setdefault('reduce_metrics', True)
         super().__setstate__(state)
         self.device = device
 
@@ -294,6 +337,88 @@ class AccelerateFixesMixin:
             for loader in self.__dict__.get('_accelerator_loaders', {}).values():
                 accelerate_io.leave_loader(loader)
             raise
+
+    def partial_fit(self, X: Any, y: Any = None, classes: Any = None, **fit_params: Any) -> Self:
+        # with several processes a KeyboardInterrupt of a Ctrl-C is noted
+        # (and still raised), so that it is not taken for a callback's
+        # decision (see notify); an AccelerateCheckpoint's own watch, once
+        # installed, replaces this one and turns a Ctrl-C into a stop on
+        # every rank
+        watch = preemption.SignalWatch()
+        if sync.is_distributed(self):
+            watch.install(type(self).__name__, (), (signal.SIGINT,))
+        self._sigint_watch = watch
+        try:
+            return super().partial_fit(X, y, classes, **fit_params)
+        finally:
+            watch.uninstall()
+
+    def notify(self, method_name: str, **cb_kwargs: Any) -> None:
+        if method_name not in _AGREED_HOOKS or not sync.is_distributed(self):
+            super().notify(method_name, **cb_kwargs)
+            return
+        getattr(self, method_name)(self, **cb_kwargs)
+        for name, callback in self.callbacks_:
+            if _overrides(callback, method_name):
+                self._agreed_hook(name, callback, method_name, cb_kwargs)
+
+    def _agreed_hook(self, name: str, callback: Any, hook: str, kwargs: dict[str, Any]) -> None:
+        """Run ``callback``'s ``hook`` on this rank, then find out in one
+        collective what it did on every rank: where it stopped training on
+        some ranks only, or failed on some, every rank raises, instead of
+        the ranks that went on waiting in their next collective."""
+        outcome, error = _WENT_ON, None
+        try:
+            getattr(callback, hook)(self, **kwargs)
+        except KeyboardInterrupt as exc:
+            watch = self.__dict__.get('_sigint_watch')
+            ctrl_c = watch is not None and watch.interrupted is not None
+            outcome, error = (_CTRL_C if ctrl_c else _STOPPED), exc
+        except Exception as exc:  # pylint: disable=broad-except
+            outcome, error = _FAILED, exc
+        outcomes = [flags[0] for flags in sync.exchange_flags(self, [outcome])]
+        verdict = _verdict(outcomes)
+        if verdict == 'go':
+            return
+        if verdict == 'stop':
+            raise error if error is not None else KeyboardInterrupt
+        if verdict == 'failed' and outcome == _FAILED:
+            raise error
+        described = f"{name!r} ({type(callback).__name__})"
+        ranks = {kind: tuple(rank for rank, got in enumerate(outcomes) if got == kind)
+                 for kind in (_WENT_ON, _STOPPED, _FAILED)}
+        if verdict == 'failed':
+            raise sync.RankError(f"callback {described} failed in {hook} on rank(s) "
+                                 f"{list(ranks[_FAILED])} (see their output)") from error
+        raise DivergedDecisionError(described, hook, len(self.history), ranks[_STOPPED],
+                                    ranks[_WENT_ON], self._advice_on_decisions()) from error
+
+    def _advice_on_decisions(self) -> str:
+        if not self.reduce_metrics:
+            return ("Set reduce_metrics=True on the net (the default), so that every rank "
+                    "records the epoch's train_loss and valid_loss over all ranks and "
+                    "decides on them, or decide on the main process and send the decision "
+                    "to every rank.")
+        return ("The epoch's losses are already the same on every rank (reduce_metrics=True): "
+                "the callback decides on something each rank computes on its own (a "
+                "score of its own, a clock); decide on the main process and send the "
+                "decision to every rank.")
+
+    def on_epoch_end(self, net: NeuralNet, **kwargs: Any) -> None:
+        # before any callback's end of the epoch (skorch's notify runs the
+        # net's own hook first): PassthroughScoring, BatchScoring and what
+        # decides on them see every rank's batches
+        if self.reduce_metrics and sync.is_distributed(self):
+            self._reduce_batch_rows()
+        super().on_epoch_end(net, **kwargs)
+
+    def _reduce_batch_rows(self) -> None:
+        """Make the epoch's batch rows every rank's, rank 0's first, on
+        every rank: the averages over them (weighted by the batch sizes)
+        are then the epoch's over all ranks, bit for bit the same on each."""
+        row = self.history[-1]
+        parts = sync.gather(self, row['batches'])
+        row['batches'] = [batch for part in parts for batch in part]
 
     def on_train_begin(self, net: NeuralNet, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         if self.initialized_ and not self._wrapped_with_accelerator:

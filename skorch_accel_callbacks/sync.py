@@ -37,6 +37,7 @@ __all__ = [
     'agree',
     'barrier',
     'broadcast',
+    'exchange_flags',
     'gather',
     'gather_for_metrics',
     'is_distributed',
@@ -115,6 +116,26 @@ def gather(net: NeuralNet, value: Any) -> list[Any]:
     if _on_gloo():
         return _gloo_gather(value)
     return gather_object([value])
+
+
+def exchange_flags(net: NeuralNet, flags: Sequence[int]) -> list[list[int]]:
+    """Every process's ``flags`` (small ints, as many on every process),
+    indexed by rank, in one collective.
+
+    One collective, not the two of :func:`gather`: a ``KeyboardInterrupt``
+    that lands on a process right before or after it cannot leave the
+    others inside half of an exchange. In one process nothing is sent.
+    """
+    flags = [int(flag) for flag in flags]
+    if not is_distributed(net):
+        return [flags]
+    mine = torch.tensor(flags, dtype=torch.int64)
+    if _on_gloo():
+        gathered = _gloo_gather_tensor(mine)
+    else:
+        accelerator = _accelerator(net)
+        gathered = accelerator.gather(mine.to(accelerator.device)).cpu()
+    return gathered.view(num_processes(net), len(flags)).tolist()
 
 
 def gather_for_metrics(net: NeuralNet, data: Any) -> Any:
