@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Self
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from skorch.callbacks import Callback, LRScheduler
+from skorch.callbacks import Callback, EpochScoring, LRScheduler
 from skorch.hf import AccelerateMixin
 
 from skorch_accel_callbacks import accelerate_io, preemption, sync
@@ -404,21 +404,47 @@ class AccelerateFixesMixin:
                 "score of its own, a clock); decide on the main process and send the "
                 "decision to every rank.")
 
-    def on_epoch_end(self, net: NeuralNet, **kwargs: Any) -> None:
+    def on_epoch_end(self, net: NeuralNet, dataset_train: Any = None, dataset_valid: Any = None,
+                     **kwargs: Any) -> None:
         # before any callback's end of the epoch (skorch's notify runs the
-        # net's own hook first): PassthroughScoring, BatchScoring and what
-        # decides on them see every rank's batches
+        # net's own hook first): the scores, and what decides on them, see
+        # every rank's batches
         if self.reduce_metrics and sync.is_distributed(self):
             self._reduce_batch_rows()
-        super().on_epoch_end(net, **kwargs)
+            self._reduce_scoring_caches(dataset_train, dataset_valid)
+        super().on_epoch_end(net, dataset_train=dataset_train, dataset_valid=dataset_valid,
+                             **kwargs)
 
     def _reduce_batch_rows(self) -> None:
         """Make the epoch's batch rows every rank's, rank 0's first, on
-        every rank: the averages over them (weighted by the batch sizes)
-        are then the epoch's over all ranks, bit for bit the same on each."""
+        every rank: the averages over them (weighted by the batch sizes) of
+        PassthroughScoring (train_loss, valid_loss) and BatchScoring are
+        then the epoch's over all ranks, bit for bit the same on each."""
         row = self.history[-1]
         parts = sync.gather(self, row['batches'])
         row['batches'] = [batch for part in parts for batch in part]
+
+    def _reduce_scoring_caches(self, dataset_train: Any, dataset_valid: Any) -> None:
+        """Give each caching ``EpochScoring`` the predictions and targets of
+        every rank's batches, in the order of the data and without the rows
+        that accelerate repeated to fill up the last batches: it scores the
+        whole pass, as it does without caching (``predict`` gathers)."""
+        passes = {}
+        for _, callback in self.callbacks_:
+            if not (isinstance(callback, EpochScoring) and self._caches(callback)):
+                continue
+            # every caching EpochScoring of a pass holds the same batches
+            if callback.on_train not in passes:
+                dataset = dataset_train if callback.on_train else dataset_valid
+                rows = len(dataset) if hasattr(dataset, '__len__') else None
+                passes[callback.on_train] = (
+                    sync.gather_pass(self, callback.y_preds_, rows),
+                    sync.gather_pass(self, callback.y_trues_, rows))
+            callback.y_preds_, callback.y_trues_ = map(list, passes[callback.on_train])
+
+    def _caches(self, scoring: EpochScoring) -> bool:
+        # skorch's rule: the net's use_caching overrides the callback's
+        return scoring.use_caching if self.use_caching == 'auto' else self.use_caching
 
     def on_train_begin(self, net: NeuralNet, X: Any = None, y: Any = None, **kwargs: Any) -> None:
         if self.initialized_ and not self._wrapped_with_accelerator:
