@@ -175,6 +175,60 @@ class AccelerateFixesMixin:
       prediction exits cleanly, instead of aborting now and then at exit
       (pytorch/pytorch#190489).
 
+    - With several processes, the epoch's metrics are those of every rank
+      (``reduce_metrics``), and a callback that stops training on some
+      ranks only raises :class:`~skorch_accel_callbacks.DivergedDecisionError`
+      on every rank instead of leaving the others waiting in a collective
+      until the process group's timeout (see below).
+
+    Parameters
+    ----------
+    reduce_metrics : bool (default=True)
+      With several processes, at the end of each epoch (before any
+      callback's ``on_epoch_end``), make the epoch's batch rows of the
+      history every rank's, rank 0's first, on every rank, as Lightning's
+      ``sync_dist=True`` does for its logged values: ``train_loss`` and
+      ``valid_loss`` (skorch's ``PassthroughScoring``: the mean of the
+      batch losses weighted by the batch sizes) and every ``BatchScoring``
+      are then over all ranks' batches, bit for bit the same on every
+      rank, and ``EarlyStopping``, ``LRScheduler(ReduceLROnPlateau)`` and
+      a checkpoint's ``monitor`` decide the same everywhere. Each caching
+      ``EpochScoring`` (``valid_acc``) gets every rank's predictions and
+      targets, in the order of the data and without the rows that
+      accelerate repeats to fill up the last batches: it scores the whole
+      validation data (or training data, ``on_train=True``), as it does
+      without caching (``predict`` gathers). One exchange of the batch
+      rows (and one of each pass's cached predictions) per epoch; ranks
+      with different numbers of batches (accelerate's
+      ``even_batches=False``) are fine. What is not reduced:
+      ``train_batch_count``/``valid_batch_count`` stay this rank's counts
+      (the optimizer steps are counted from them); a loss of a batch that
+      accelerate filled up with repeated rows counts them, as the rank's
+      own loss did; an epoch-level value that a callback computes from
+      its own state (a user's callback, a clock) is its own. With
+      ``False``, every rank records its own losses, as skorch does. In one
+      process nothing changes and nothing is exchanged. A change between
+      the launches of a resumed training is refused by
+      :class:`~skorch_accel_callbacks.AccelerateLoadInitState` (it changes
+      what the callbacks decide).
+
+    Notes
+    -----
+    With several processes, after each callback's ``on_epoch_begin`` and
+    ``on_epoch_end`` (those that a callback overrides), every rank says in
+    one small collective whether the callback stopped training (skorch's
+    ``KeyboardInterrupt``), failed or went on. All went on: training goes
+    on. All stopped: they stop, as in skorch. Some stopped and some not:
+    :class:`~skorch_accel_callbacks.DivergedDecisionError` on every rank,
+    naming the callback, the epoch and the ranks. One failed: it raises
+    its error, the others :class:`~skorch_accel_callbacks.RankError`. A
+    Ctrl-C that reached a rank in such a hook (noted by a signal handler
+    that still raises ``KeyboardInterrupt``) stops every rank, as a
+    Ctrl-C of the job is meant to; an ``AccelerateCheckpoint`` turns a
+    Ctrl-C into a save and a stop on every rank anyway. Decisions in a
+    batch's hooks are not compared (that would be a collective at every
+    batch): such a callback must decide the same on every rank.
+
     Examples
     --------
     >>> from skorch import NeuralNetClassifier
@@ -182,6 +236,22 @@ class AccelerateFixesMixin:
     >>> from skorch_accel_callbacks import AccelerateFixesMixin
     >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
     ...     pass
+
+    Every rank then records the losses of all ranks and EarlyStopping
+    stops them at the same epoch; ``reduce_metrics=False`` records each
+    rank's own, as skorch does:
+
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from skorch.callbacks import EarlyStopping
+    >>> net = AcceleratedNet(torch.nn.Linear, module__in_features=4,
+    ...                      module__out_features=2, criterion=torch.nn.CrossEntropyLoss,
+    ...                      accelerator=Accelerator(cpu=True), max_epochs=20,
+    ...                      callbacks=[EarlyStopping(patience=3)])
+    >>> net.reduce_metrics
+    True
+    >>> net.set_params(reduce_metrics=False).get_params()['reduce_metrics']
+    False
 
     """
 

@@ -16,7 +16,12 @@ from skorch.callbacks import EarlyStopping
 from common import FixedNet, StockNet, make_accelerator, make_data, make_net, plain_criterion
 from launcher import launch
 from mixin_decisions import history_rows
-from skorch_accel_callbacks import DivergedDecisionError
+from skorch_accel_callbacks import (
+    AccelerateCheckpoint,
+    AccelerateLoadInitState,
+    CheckpointError,
+    DivergedDecisionError,
+)
 from skorch_accel_callbacks.mixin import _verdict
 from testutil import read_results
 
@@ -196,3 +201,18 @@ def test_the_error_pickles_with_what_it_names():
     assert (again.callback, again.hook, again.epoch, again.stopped, again.went_on) == \
         ("'es' (EarlyStopping)", 'on_epoch_end', 3, (1,), (0,))
     assert str(again) == str(error)
+
+
+def test_a_change_of_reduce_metrics_between_launches_is_refused(tmp_path):
+    """It changes what EarlyStopping and the monitors decide on, so the
+    resume's hyper-parameter check covers it."""
+    X, y = make_data(n=64)
+
+    def net(**kwargs):
+        checkpoint = AccelerateCheckpoint(dirname=str(tmp_path))
+        return make_net(make_accelerator(), criterion=plain_criterion,
+                        callbacks=[AccelerateLoadInitState(checkpoint), checkpoint], **kwargs)
+
+    net(max_epochs=1).fit(X, y)
+    with pytest.raises(CheckpointError, match="reduce_metrics: True in the checkpoint, False now"):
+        net(max_epochs=2, reduce_metrics=False).fit(X, y)
