@@ -93,6 +93,23 @@ def test_reduced_metrics_stop_every_rank_at_the_same_epoch(decisions):
 
 
 @pytest.mark.slow
+def test_early_stopping_after_a_resume_stops_where_the_uninterrupted_run_did(decisions):
+    """The issue's case (a checkpoint holds rank 0's history and
+    EarlyStopping state, restored on every rank): with the reduction they
+    are every rank's, and a run preempted at the end of epoch 1 and resumed
+    stops at the uninterrupted run's epoch with its history and parameters,
+    on both ranks."""
+    runs = both(decisions, 'resume')
+    for run in runs:
+        assert run['preempted'] and run['loaded_from'] == 'epoch-0001'
+        assert run['resumed']['raised'] is None
+        assert run['resumed']['epochs'] == run['uninterrupted']['epochs'] < 15
+        assert run['resumed']['history'] == run['uninterrupted']['history']
+        assert run['same_params']
+    assert runs[0]['resumed']['history'] == runs[1]['resumed']['history']
+
+
+@pytest.mark.slow
 def test_reduce_lr_on_plateau_decides_the_same_on_every_rank(decisions):
     off = both(decisions, 'plateau_off')
     # the ranks' own losses had them lower the learning rate apart

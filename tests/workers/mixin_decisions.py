@@ -32,7 +32,12 @@ from common import (
     rank,
     write_result,
 )
-from skorch_accel_callbacks import AccelerateCheckpoint, DivergedDecisionError
+from skorch_accel_callbacks import (
+    AccelerateCheckpoint,
+    AccelerateLoadInitState,
+    DivergedDecisionError,
+    TrainingPreempted,
+)
 
 BATCH = 32
 TRAIN_ROWS = 256
@@ -116,6 +121,19 @@ class CtrlCOnRank(NotTrainingState, Callback):
             raise AssertionError("SIGINT did not interrupt")
 
 
+class SigtermOnRank(NotTrainingState, Callback):
+    """A preemption at the end of epoch ``epoch``: SIGTERM to one rank,
+    which the checkpoint (the last callback) saves and stops every rank on."""
+
+    def __init__(self, epoch, on_rank):
+        self.epoch = epoch
+        self.on_rank = on_rank
+
+    def on_epoch_end(self, net, **kwargs):
+        if len(net.history) == self.epoch and rank() == self.on_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def history_rows(net):
     """The history without the times, which no two runs share."""
     return [{key: value for key, value in row.items() if key != 'dur'}
@@ -173,6 +191,33 @@ def monitor(accelerator, reduce_metrics, folder):
     return out
 
 
+def with_checkpoint(dirname, *callbacks):
+    checkpoint = AccelerateCheckpoint(dirname=dirname)
+    return [*callbacks, ('early_stopping', EarlyStopping(patience=2)),
+            ('load', AccelerateLoadInitState(checkpoint)), ('checkpoint', checkpoint)]
+
+
+def resume(accelerator, folder):
+    """The issue's case: EarlyStopping goes on deciding after a resume. A
+    run preempted at the end of epoch 1 and resumed stops where the
+    uninterrupted one did, with its history, on both ranks."""
+    full, out = fit(accelerator, *with_checkpoint(os.path.join(folder, 'full')),
+                    reduce_metrics=True)
+    dirname = os.path.join(folder, 'cut')
+    try:
+        fit(accelerator, *with_checkpoint(dirname, ('sigterm', SigtermOnRank(1, on_rank=1))),
+            reduce_metrics=True)
+        preempted = False
+    except TrainingPreempted:
+        preempted = True
+    resumed, again = fit(accelerator, *with_checkpoint(dirname), reduce_metrics=True)
+    return {'preempted': preempted, 'uninterrupted': out, 'resumed': again,
+            'loaded_from': os.path.basename(dict(resumed.callbacks_)['load'].loaded_from_),
+            'same_params': all(torch.equal(a, b) for a, b in zip(
+                full.module_.state_dict().values(), resumed.module_.state_dict().values(),
+                strict=True))}
+
+
 def user_stop(accelerator):
     _, out = fit(accelerator, ('stop_on_rank', StopOnRank(epoch=2, on_rank=1)),
                  reduce_metrics=True)
@@ -200,6 +245,7 @@ def main():
         'plateau_on': plateau(accelerator, True),
         'monitor_off': monitor(accelerator, False, folder),
         'monitor_on': monitor(accelerator, True, folder),
+        'resume': resume(accelerator, folder),
         'user_stop': user_stop(accelerator),
         'ctrl_c': ctrl_c(accelerator),
     }
