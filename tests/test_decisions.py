@@ -74,7 +74,8 @@ def test_ranks_that_decide_apart_raise_on_every_rank_within_seconds(decisions):
 def test_reduced_metrics_stop_every_rank_at_the_same_epoch(decisions):
     """With the reduction, both ranks record the losses over both ranks'
     batches (the weighted mean of skorch's PassthroughScoring over all of
-    them), the accuracy over the whole validation data, and stop together."""
+    them), the accuracies (caching EpochScorings, on valid and on train)
+    over the whole data, and stop together."""
     runs = both(decisions, 'early_stopping_on')
     for run in runs:
         assert run['raised'] is None
@@ -90,6 +91,23 @@ def test_reduced_metrics_stop_every_rank_at_the_same_epoch(decisions):
     # the last epoch's valid_loss is the trained module's over all 128 rows
     assert runs[0]['predicted_rows'] == 128
     assert history[-1]['valid_loss'] == pytest.approx(runs[0]['loss_by_hand'], rel=1e-6)
+    # valid_acc (a caching EpochScoring) scores the predictions of all 128 rows
+    assert history[-1]['valid_acc'] == runs[0]['acc_by_hand']
+    assert all('train_acc' in row for row in history)
+
+
+@pytest.mark.slow
+def test_a_caching_epoch_scoring_scores_each_row_once(decisions):
+    """With 120 validation rows accelerate fills rank 1's last batch up
+    with 8 repeated rows: valid_acc is still over the 120 rows (the losses
+    of a filled batch count its repeated rows, as the rank's own did)."""
+    runs = both(decisions, 'early_stopping_uneven')
+    assert runs[0]['history'] == runs[1]['history']
+    assert runs[0]['predicted_rows'] == 120
+    for run in runs:
+        assert run['history'][-1]['valid_acc'] == run['acc_by_hand']
+    _, sizes = own_rows(runs, 1, training=False)
+    assert sum(sizes) == 128
 
 
 @pytest.mark.slow

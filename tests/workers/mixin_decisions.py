@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import torch
-from skorch.callbacks import Callback, EarlyStopping, LRScheduler
+from skorch.callbacks import Callback, EarlyStopping, EpochScoring, LRScheduler
 from skorch.dataset import Dataset
 from skorch.helper import predefined_split
 
@@ -53,10 +53,10 @@ def train_data():
     return X[:TRAIN_ROWS], y[:TRAIN_ROWS]
 
 
-def valid_data():
+def valid_data(n=VALID_ROWS):
     X, y = all_data()
-    X, y = X[TRAIN_ROWS:], y[TRAIN_ROWS:]
-    rows = np.arange(VALID_ROWS)
+    X, y = X[TRAIN_ROWS:TRAIN_ROWS + n], y[TRAIN_ROWS:TRAIN_ROWS + n]
+    rows = np.arange(n)
     # the rows of the batches that rank 1 validates
     flipped = (rows // BATCH) % 2 == 1
     y = np.where(flipped, 1 - y, y)
@@ -140,10 +140,10 @@ def history_rows(net):
             for row in net.history]
 
 
-def fit(accelerator, *callbacks, reduce_metrics, max_epochs=15):
+def fit(accelerator, *callbacks, reduce_metrics, max_epochs=15, valid_rows=VALID_ROWS):
     torch.manual_seed(0)
     X, y = train_data()
-    Xv, yv = valid_data()
+    Xv, yv = valid_data(valid_rows)
     net = make_net(accelerator, criterion=plain_criterion, max_epochs=max_epochs,
                    batch_size=BATCH, lr=0.05, reduce_metrics=reduce_metrics,
                    train_split=predefined_split(Dataset(Xv, yv)),
@@ -161,15 +161,18 @@ def fit(accelerator, *callbacks, reduce_metrics, max_epochs=15):
                  'own_losses': dict(net.callbacks_)['losses'].rows_}
 
 
-def early_stopping(accelerator, reduce_metrics):
-    net, out = fit(accelerator, ('early_stopping', EarlyStopping(patience=2)),
-                   reduce_metrics=reduce_metrics)
+def early_stopping(accelerator, reduce_metrics, valid_rows=VALID_ROWS):
+    net, out = fit(accelerator,
+                   ('train_acc', EpochScoring('accuracy', on_train=True, name='train_acc')),
+                   ('early_stopping', EarlyStopping(patience=2)),
+                   reduce_metrics=reduce_metrics, valid_rows=valid_rows)
     if out['raised'] is None:
         # the loss of the trained module over the whole validation data
-        Xv, yv = valid_data()
+        Xv, yv = valid_data(valid_rows)
         proba = net.predict_proba(Xv).astype(np.float64)
         out['loss_by_hand'] = float(-np.mean(np.log(proba[np.arange(len(yv)), yv])))
         out['predicted_rows'] = len(proba)
+        out['acc_by_hand'] = float(np.mean(proba.argmax(axis=1) == yv))
     return out
 
 
@@ -241,6 +244,8 @@ def main():
         # the one that raises is timed
         'early_stopping_on': early_stopping(accelerator, True),
         'early_stopping_off': early_stopping(accelerator, False),
+        # 120 rows: accelerate fills rank 1's last batch up with 8 repeated rows
+        'early_stopping_uneven': early_stopping(accelerator, True, valid_rows=120),
         'plateau_off': plateau(accelerator, False),
         'plateau_on': plateau(accelerator, True),
         'monitor_off': monitor(accelerator, False, folder),
