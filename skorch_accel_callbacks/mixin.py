@@ -198,9 +198,10 @@ class AccelerateFixesMixin:
       accelerate repeats to fill up the last batches: it scores the whole
       validation data (or training data, ``on_train=True``), as it does
       without caching (``predict`` gathers). One exchange of the batch
-      rows (and one of each pass's cached predictions) per epoch; ranks
-      with different numbers of batches (accelerate's
-      ``even_batches=False``) are fine. What is not reduced:
+      rows (and one of each pass's cached predictions) at the end of the
+      epoch, none at a batch, so that ranks with different numbers of
+      batches (accelerate's ``even_batches=False``) exchange the same
+      way. What is not reduced:
       ``train_batch_count``/``valid_batch_count`` stay this rank's counts
       (the optimizer steps are counted from them); a loss of a batch that
       accelerate filled up with repeated rows counts them, as the rank's
