@@ -40,6 +40,7 @@ from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
 from skorch_accel_callbacks.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    DivergedDecisionError,
     TrainingPreempted,
 )
 from skorch_accel_callbacks.load_state import AccelerateLoadInitState
@@ -57,6 +58,7 @@ __all__ = [
     'AccelerateLoadInitState',
     'CheckpointError',
     'CorruptCheckpointError',
+    'DivergedDecisionError',
     'FolderInUseError',
     'LoadInitParams',
     'ParamsCheckpoint',

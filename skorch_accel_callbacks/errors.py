@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import signal
+from typing import Any
 
-__all__ = ['CheckpointError', 'CorruptCheckpointError']
+__all__ = ['CheckpointError', 'CorruptCheckpointError', 'DivergedDecisionError']
 
 
 class CheckpointError(ValueError):
@@ -47,3 +48,52 @@ class TrainingPreempted(Exception):
 
     def __reduce__(self) -> tuple[type, tuple[signal.Signals, str | None]]:
         return type(self), (self.signal, self.checkpoint)
+
+
+class DivergedDecisionError(RuntimeError):
+    """A callback stopped training on some processes and not on the others.
+
+    skorch's callbacks stop training by raising ``KeyboardInterrupt`` from a
+    hook (``EarlyStopping`` at the end of an epoch). Where the processes
+    decide on numbers of their own (each rank's own losses, a score over
+    its own shard of the data), one rank may stop while another trains on,
+    and both would wait in the next collective until the process group's
+    timeout. :class:`~skorch_accel_callbacks.AccelerateFixesMixin` raises
+    this on every process instead, right after the hook.
+
+    Not a :class:`CheckpointError`: no checkpoint is at fault, and the run
+    cannot go on as it is set up (a relaunch decides the same way).
+
+    Attributes
+    ----------
+    callback : str
+      The callback's name in ``net.callbacks_``, with its class.
+
+    hook : str
+      The hook it stopped in, such as ``'on_epoch_end'``.
+
+    epoch : int
+      The epoch (``len(net.history)``) the hook ran in.
+
+    stopped, went_on : tuple of int
+      The ranks on which the callback stopped training, and those on which
+      it did not.
+    """
+
+    def __init__(self, callback: str, hook: str, epoch: int, stopped: tuple[int, ...],
+                 went_on: tuple[int, ...], advice: str) -> None:
+        super().__init__(
+            f"callback {callback} stopped training (KeyboardInterrupt) in {hook} of "
+            f"epoch {epoch} on rank(s) {list(stopped)} but not on rank(s) "
+            f"{list(went_on)}: the ranks decided on different numbers, and the ones "
+            f"that went on would wait in a collective for the others. {advice}")
+        self.callback = callback
+        self.hook = hook
+        self.epoch = epoch
+        self.stopped = tuple(stopped)
+        self.went_on = tuple(went_on)
+        self.advice = advice
+
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        return type(self), (self.callback, self.hook, self.epoch, self.stopped,
+                            self.went_on, self.advice)

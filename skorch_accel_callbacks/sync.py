@@ -37,8 +37,10 @@ __all__ = [
     'agree',
     'barrier',
     'broadcast',
+    'exchange_flags',
     'gather',
     'gather_for_metrics',
+    'gather_pass',
     'is_distributed',
     'is_local_main_process',
     'is_main_process',
@@ -117,6 +119,26 @@ def gather(net: NeuralNet, value: Any) -> list[Any]:
     return gather_object([value])
 
 
+def exchange_flags(net: NeuralNet, flags: Sequence[int]) -> list[list[int]]:
+    """Every process's ``flags`` (small ints, as many on every process),
+    indexed by rank, in one collective.
+
+    One collective, not the two of :func:`gather`: a ``KeyboardInterrupt``
+    that lands on a process right before or after it cannot leave the
+    others inside half of an exchange. In one process nothing is sent.
+    """
+    flags = [int(flag) for flag in flags]
+    if not is_distributed(net):
+        return [flags]
+    mine = torch.tensor(flags, dtype=torch.int64)
+    if _on_gloo():
+        gathered = _gloo_gather_tensor(mine)
+    else:
+        accelerator = _accelerator(net)
+        gathered = accelerator.gather(mine.to(accelerator.device)).cpu()
+    return gathered.view(num_processes(net), len(flags)).tolist()
+
+
 def gather_for_metrics(net: NeuralNet, data: Any) -> Any:
     """``accelerator.gather_for_metrics(data)``: the outputs of a batch of
     evaluation on every process, concatenated along the first dimension,
@@ -147,6 +169,48 @@ def gather_for_metrics(net: NeuralNet, data: Any) -> Any:
     if only_tensors:
         return recursively_apply(lambda tensor: tensor[:rows], gathered)
     return gathered[:rows]
+
+
+def gather_pass(net: NeuralNet, batches: Sequence[Any], rows: int | None) -> list[Any]:
+    """Every process's ``batches`` of one pass over a sharded loader, in the
+    order of the data, on every process: what :func:`gather_for_metrics`
+    of each batch in turn would have given, in one exchange at the end of
+    the pass (the processes may have run different numbers of batches, as
+    with accelerate's ``even_batches=False``, where an exchange at each
+    batch would pair different batches).
+
+    accelerate hands batch ``i`` of the pass to process ``i % n`` (with
+    ``split_batches``, part ``r`` of each batch to process ``r``): the
+    batches are interleaved back in that order. ``rows``, the length of the
+    data set (None if it has none), drops the rows that accelerate repeated
+    at the end to fill up the last batches. Tensors come back on the CPU.
+    """
+    if not is_distributed(net):
+        return list(batches)
+    on_cpu = [recursively_apply(lambda tensor: tensor.detach().cpu(), batch,
+                                error_on_other_type=False) for batch in batches]
+    parts = gather(net, on_cpu)
+    ordered = [part[i] for i in range(max(len(part) for part in parts))
+               for part in parts if i < len(part)]
+    if rows is None:
+        return ordered
+    kept, left = [], rows
+    for batch in ordered:
+        size = _batch_rows(batch)
+        if left <= 0:
+            break
+        kept.append(batch if size <= left else recursively_apply(
+            lambda tensor, end=left: tensor[:end], batch, error_on_other_type=False))
+        left -= size
+    return kept
+
+
+def _batch_rows(batch: Any) -> int:
+    """The number of rows of a batch: the length of its first tensor."""
+    found = []
+    recursively_apply(lambda tensor: found.append(len(tensor)) or tensor, batch,
+                      error_on_other_type=False)
+    return found[0] if found else 0
 
 
 # gloo lets go of a collective's tensors a moment after the collective

@@ -101,6 +101,11 @@ def position(checkpoint):
 
 
 def trained_batches(row):
+    """This rank's training batches of an epoch's history row: an ended
+    epoch's rows are every rank's (the mixin's reduce_metrics), its count
+    this rank's."""
+    if 'train_batch_count' in row:
+        return row['train_batch_count']
     return sum('train_loss' in batch for batch in row['batches'])
 
 
