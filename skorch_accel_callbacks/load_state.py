@@ -325,9 +325,13 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         (EarlyStopping) or build and step a new LR scheduler.
         """
         restored, self._pending = self._pending, None
-        training_state.apply_callback_states(net, restored.callbacks)
+        # the settings check_params let differ take effect: in the callbacks'
+        # states, and an optimizer's new lr as its schedulers' base
+        training_state.apply_callback_states(
+            net, restored.callbacks, settings.changed_callback_settings(restored.changed_params))
         training_state.restore_optimizer_hyperparameters(net_optimizers(net),
                                                          restored.hyperparameters)
+        training_state.keep_new_base_lrs(net, restored.changed_params)
         return restored
 
     def on_train_end(self, net: Any, **kwargs: Any) -> None:

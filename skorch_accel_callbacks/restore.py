@@ -93,6 +93,9 @@ class Restored:
     step: int
     #: the number of processes that wrote it, if another than now
     reseeded_from: int | None = None
+    #: the net's parameters and callbacks' settings that differ from the
+    #: checkpoint's, as check_params allowed (they take effect)
+    changed_params: tuple[str, ...] = ()
 
     @property
     def epochs_done(self) -> int:
@@ -183,7 +186,8 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
         if format.batches_into_epoch(saved) and reads_own_rank:
             inside = _read_position(path, rank, with_caches=not changed)
     restored = Restored(path, saved, history, callbacks, rng, rank_state, hyperparameters,
-                        inside, _saved_step(net, saved, history))
+                        inside, _saved_step(net, saved, history),
+                        changed_params=tuple(changed_params))
     return _reseed(net, restored) if changed else restored
 
 
