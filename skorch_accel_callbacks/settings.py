@@ -18,6 +18,7 @@ from collections.abc import Collection, Iterable
 from typing import Any, NoReturn
 
 from skorch.callbacks import (
+    Callback,
     Checkpoint,
     LoadInitState,
     PrintLog,
@@ -102,8 +103,19 @@ CALLBACKS_KEY = 'callbacks'
 _CALLBACK_PREFIX = 'callbacks__'
 
 
+# Callbacks whose get_params() are settings: skorch's, this package's, and
+# subclasses of them. A callback of the user's own is not recorded: skorch's
+# convention (fitted state in names ending with '_') is not always kept, so
+# that its get_params() may hold what it counts, and hooks that only
+# observe, log or inject a fault come and go between launches.
+_LIBRARIES = ('skorch.', 'skorch_accel_callbacks.')
+
+
 def _unrecorded(callback: Any) -> frozenset[str] | None:
     """The patterns of ``callback``'s unrecorded settings; None: all of them."""
+    if not any(cls.__module__.startswith(_LIBRARIES) for cls in type(callback).__mro__
+               if cls is not Callback):
+        return None
     patterns = set(_UNRECORDED_ANYWHERE)
     for cls in type(callback).__mro__:
         entry = _UNRECORDED_CALLBACK_SETTINGS.get(_qualified(cls), frozenset())
@@ -115,7 +127,8 @@ def _unrecorded(callback: Any) -> frozenset[str] | None:
 
 def callback_params(net: Any) -> dict[str, Any]:
     """The settings of the net's callbacks that change training, by
-    ``net.callbacks_`` name: ``callbacks__<name>`` its class,
+    ``net.callbacks_`` name, of skorch's callbacks and this package's (and
+    their subclasses; see ``_LIBRARIES``): ``callbacks__<name>`` its class,
     ``callbacks__<name>__<param>`` each of its ``get_params(deep=False)``
     (without those of ``_UNRECORDED_CALLBACK_SETTINGS``), described by
     :func:`describe`; :data:`CALLBACKS_KEY` the names recorded."""
@@ -285,24 +298,6 @@ def _reordered(changes: list[tuple[str, Any, Any]], saved: dict[str, Any],
     return reordered
 
 
-# the packages whose callbacks change training when they come or go
-_LIBRARIES = ('skorch.', 'skorch_accel_callbacks.')
-
-
-def _compared_callback(saved: dict[str, Any], current: dict[str, Any], name: str) -> bool:
-    """Whether the recorded callback setting ``name`` is compared: always
-    when its callback is in the checkpoint and in the net; when it is in
-    one of them only, if it is one of skorch's or this package's (adding an
-    EarlyStopping changes training). A callback of the user's own may come
-    and go between launches (a hook that only observes, logs, or injects a
-    fault into one launch); its settings are compared while it is in both."""
-    key = _CALLBACK_PREFIX + _callback_of(name)[0]
-    if key in saved and key in current:
-        return True
-    kind = saved.get(key, current.get(key))
-    return isinstance(kind, dict) and str(kind.get('callable', '')).startswith(_LIBRARIES)
-
-
 def _show_class(description: Any) -> str:
     return 'no such callback' if description is _MISSING else _show(description)
 
@@ -350,8 +345,7 @@ def check_same_params(net: Any, manifest: dict[str, Any], path: str,
     current = training_params(net)
     recorded = CALLBACKS_KEY in saved
     names = sorted(name for name in set(saved) | set(current) if name != CALLBACKS_KEY and (
-        _checked(name) or (recorded and name.startswith(_CALLBACK_PREFIX)
-                           and _compared_callback(saved, current, name))))
+        _checked(name) or (recorded and name.startswith(_CALLBACK_PREFIX))))
     changes = _changes(saved, current, names)
     refused = [change for change in changes if not allowed(change[0], check)]
     if refused:
