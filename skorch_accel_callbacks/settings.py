@@ -65,6 +65,14 @@ def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+# Callbacks whose get_params() are settings: skorch's, this package's, and
+# subclasses of them. A callback of the user's own is not recorded: skorch's
+# convention (fitted state in names ending with '_') is not always kept, so
+# that its get_params() may hold what it counts, and hooks that only
+# observe, log or inject a fault come and go between launches.
+_LIBRARIES = ('skorch.', 'skorch_accel_callbacks.')
+
+
 # The settings of callbacks that change nothing of what a resumed run trains,
 # by class (and its subclasses), as patterns of get_params() names; None: the
 # whole callback. Named by module and class, so that this module imports none
@@ -101,14 +109,6 @@ _UNRECORDED_ANYWHERE = frozenset({'sink', 'verbose', '_*'})
 #: it records (absent before callbacks were recorded: they are not checked)
 CALLBACKS_KEY = 'callbacks'
 _CALLBACK_PREFIX = 'callbacks__'
-
-
-# Callbacks whose get_params() are settings: skorch's, this package's, and
-# subclasses of them. A callback of the user's own is not recorded: skorch's
-# convention (fitted state in names ending with '_') is not always kept, so
-# that its get_params() may hold what it counts, and hooks that only
-# observe, log or inject a fault come and go between launches.
-_LIBRARIES = ('skorch.', 'skorch_accel_callbacks.')
 
 
 def _unrecorded(callback: Any) -> frozenset[str] | None:
