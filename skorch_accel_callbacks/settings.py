@@ -86,12 +86,12 @@ _UNRECORDED_CALLBACK_SETTINGS: dict[str, frozenset[str] | None] = {
         skorch_logging.MlflowLogger)},
     # it holds the check itself: its check_params decides what is compared
     'skorch_accel_callbacks.load_state.AccelerateLoadInitState': _NOT_TRAINING,
-    # where, when and how checkpoints are written and kept (a folder moved,
-    # another retention, a save more often): the training they hold is the same
-    'skorch_accel_callbacks.checkpoint.AccelerateCheckpoint': frozenset({
-        'dirname', 'local_dir', 'storage_options', 'durable', 'async_save',
-        'safe_serialization', 'keep_last', 'keep_best', 'every_n_epochs', 'every_n_steps',
-        'every_n_seconds', 'save_on_signal'}),
+    # every argument says where, when and how checkpoints are written, kept
+    # and marked best (dirname, local_dir, storage_options, durable,
+    # async_save, safe_serialization, keep_last, keep_best, sink, every_n_*,
+    # save_on_signal, monitor, event_name), none what is trained, and the
+    # name it is listed under does not matter (the loader finds it by folder)
+    'skorch_accel_callbacks.checkpoint.AccelerateCheckpoint': _NOT_TRAINING,
     # the files skorch's (and our drop-in) checkpoints write and read, and
     # what a failed save does; their monitor and load_best change the net
     _qualified(Checkpoint): frozenset({'f_*', 'fn_prefix', 'dirname', 'use_safetensors'}),

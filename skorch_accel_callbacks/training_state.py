@@ -185,6 +185,14 @@ def keep_new_base_lrs(net: NeuralNet, names: Collection[str]) -> None:
                 _rebase(value)
 
 
+def _rebased(last: float, base: float, before: float) -> float:
+    """The lr ``last`` that a schedule from the base lr ``before`` had
+    reached, from the base lr ``base`` instead."""
+    if base == before:
+        return last
+    return last * base / before if before else base
+
+
 def _rebase(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
     """See :func:`keep_new_base_lrs`: the scheduler's optimizer holds the new lrs."""
     groups = scheduler.optimizer.param_groups
@@ -197,7 +205,7 @@ def _rebase(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
         lrs = [base * lr_lambda(scheduler.last_epoch)
                for base, lr_lambda in zip(new, scheduler.lr_lambdas, strict=True)]
     else:
-        lrs = [last if base == before else last * base / before if before else base
+        lrs = [_rebased(last, base, before)
                for last, base, before in zip(scheduler.get_last_lr(), new, old, strict=True)]
     if old is not None:
         state['base_lrs'] = new

@@ -155,6 +155,21 @@ def test_another_policy_under_the_same_name_is_refused(tmp_path):
     assert 'callbacks__lr_scheduler__step_size: 1 in the checkpoint, not set now' in message
 
 
+def test_an_allowed_policy_goes_on_without_the_old_ones_settings(tmp_path):
+    build(tmp_path / 'ck', callbacks=[scheduler(gamma=0.8)]).fit(*make_data(n=N_ROWS))
+    seen = LrSeen()
+    net = build(tmp_path / 'ck', max_epochs=3, callbacks=[
+        scheduler(policy=CosineAnnealingLR, T_max=4), seen],
+        load_kwargs={'check_params': ('callbacks__lr_scheduler',)})
+    net.fit(*make_data(n=N_ROWS))
+    assert loaded_from(net).endswith('epoch-0002')
+    cosine = callback(net, 'lr_scheduler').lr_scheduler_
+    # no mixed state: the cosine's own settings, the position of the schedule
+    state = cosine.state_dict()
+    assert 'gamma' not in state and 'step_size' not in state and state['T_max'] == 4
+    assert state['last_epoch'] == 3 and state['base_lrs'] == [0.1]
+
+
 def test_another_class_under_the_same_name_is_refused_once(tmp_path):
     build(tmp_path / 'ck', callbacks=[('guard', EarlyStopping(patience=3))]).fit(
         *make_data(n=N_ROWS))
