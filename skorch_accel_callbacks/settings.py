@@ -272,10 +272,10 @@ def _positional_base(params: dict[str, Any], callback: str) -> str | None:
     """The class name skorch numbered ``callback`` after, if it is unnamed."""
     match = _POSITIONAL.fullmatch(callback)
     kind = params.get(_CALLBACK_PREFIX + callback)
-    if match and isinstance(kind, dict) and str(kind.get('callable', '')).split('.')[-1] == \
-            match['base']:
-        return match['base']
-    return None
+    if match is None or not isinstance(kind, dict):
+        return None
+    class_name = str(kind.get('callable', '')).rsplit('.', 1)[-1]
+    return match['base'] if class_name == match['base'] else None
 
 
 def _reordered(changes: list[tuple[str, Any, Any]], saved: dict[str, Any],
