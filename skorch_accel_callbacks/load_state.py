@@ -80,10 +80,9 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
       by name, ``callbacks__<name>``, and their ``get_params``,
       ``callbacks__<name>__<param>``, without those that only decide where
       and how verbosely they speak, or where and when checkpoints are
-      written), naming each; a skorch
-      callback added or gone, and unnamed callbacks of one class listed in
-      another order (skorch names them by position, ``EarlyStopping_1``...)
-      are refused too. A tuple of names, e.g. ``('lr',)`` or
+      written), naming each; a skorch callback added or gone, and unnamed
+      callbacks of one class listed in another order (skorch names them by
+      position, ``EarlyStopping_1``...) are refused too. A tuple of names, e.g. ``('lr',)`` or
       ``('callbacks__lr_scheduler__gamma',)``, lets those differ and take
       effect (``'callbacks__<name>'``: every setting of that callback);
       ``False`` lets any differ. A new ``lr`` becomes the new base lr of a
