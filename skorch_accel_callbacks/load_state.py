@@ -80,9 +80,19 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     check_params : bool or tuple of str (default=True)
       Refuse a checkpoint trained with other values of the net's parameters
-      that change training (not ``max_epochs``, ``verbose``, ...), naming
-      each. A tuple of names, e.g. ``('lr',)``, lets those differ and take
-      effect; ``False`` lets any differ.
+      that change training (not ``max_epochs``, ``verbose``, ...) or of the
+      settings of its callbacks (skorch's and this package's: their class
+      by name, ``callbacks__<name>``, and their ``get_params``,
+      ``callbacks__<name>__<param>``, without those that only decide where
+      and how verbosely they speak, or where and when checkpoints are
+      written), naming each; a skorch callback added or gone, and unnamed
+      callbacks of one class listed in another order (skorch names them by
+      position, ``EarlyStopping_1``...) are refused too. A tuple of names, e.g. ``('lr',)`` or
+      ``('callbacks__lr_scheduler__gamma',)``, lets those differ and take
+      effect (``'callbacks__<name>'``: every setting of that callback);
+      ``False`` lets any differ. A new ``lr`` becomes the new base lr of a
+      restored LR scheduler, which keeps its position; a callback setting's
+      new value wins over the one in the callback's restored state.
 
     Attributes
     ----------
@@ -129,9 +139,11 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     >>> load = AccelerateLoadInitState(cp, on_world_size_change='reseed')
 
-    Going on with a larger learning rate on purpose:
+    Going on with a larger learning rate on purpose, or with another decay
+    of a ``('lr_scheduler', LRScheduler(StepLR, step_size=1, gamma=...))``:
 
     >>> load = AccelerateLoadInitState(cp, check_params=('lr',))
+    >>> load = AccelerateLoadInitState(cp, check_params=('callbacks__lr_scheduler__gamma',))
 
     """
 
@@ -332,9 +344,13 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         (EarlyStopping) or build and step a new LR scheduler.
         """
         restored, self._pending = self._pending, None
-        training_state.apply_callback_states(net, restored.callbacks)
+        # the settings check_params let differ take effect: in the callbacks'
+        # states, and an optimizer's new lr as its schedulers' base
+        training_state.apply_callback_states(
+            net, restored.callbacks, settings.changed_callback_settings(restored.changed_params))
         training_state.restore_optimizer_hyperparameters(net_optimizers(net),
                                                          restored.hyperparameters)
+        training_state.keep_new_base_lrs(net, restored.changed_params)
         return restored
 
     def on_train_end(self, net: Any, **kwargs: Any) -> None:

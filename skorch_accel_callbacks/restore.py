@@ -99,6 +99,9 @@ class Restored:
     #: ... or, on another number of processes, the saved rank whose copy
     #: every rank resumed (0); None when it resumed its own or the one copy
     states_of_rank: int | None = None
+    #: the net's parameters and callbacks' settings that differ from the
+    #: checkpoint's, as check_params allowed (they take effect)
+    changed_params: tuple[str, ...] = ()
 
     @property
     def epochs_done(self) -> int:
@@ -188,7 +191,8 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
             inside = _read_position(path, rank, with_caches=not changed)
     restored = Restored(path, saved, history, callbacks, rng, rank_state, hyperparameters,
                         inside, _saved_step(net, saved, history),
-                        per_rank=format.per_rank(saved))
+                        per_rank=format.per_rank(saved),
+                        changed_params=tuple(changed_params))
     return _reseed(net, restored) if changed else restored
 
 

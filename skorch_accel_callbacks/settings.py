@@ -1,5 +1,5 @@
-"""The settings of a net that a resume must match: its hyper-parameters, and
-what the position inside an epoch depends on.
+"""The settings of a net that a resume must match: its hyper-parameters,
+its callbacks' settings, and what the position inside an epoch depends on.
 
 A checkpoint's manifest records them (:func:`training_params`,
 :func:`epoch_settings`, written by
@@ -11,14 +11,28 @@ continuing another training. Values are compared as
 them: the same in every run with the same value, without pickling.
 """
 
-from collections.abc import Collection
+import fnmatch
+import json
+import re
+from collections.abc import Collection, Iterable
 from typing import Any, NoReturn
+
+from skorch.callbacks import (
+    Callback,
+    Checkpoint,
+    LoadInitState,
+    PrintLog,
+    ProgressBar,
+    TrainEndCheckpoint,
+    logging as skorch_logging,
+)
 
 from skorch_accel_callbacks import accelerate_io, format
 from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.fingerprint import describe
 
-__all__ = ['check_epoch_settings', 'check_same_params', 'check_train_rows', 'epoch_settings',
+__all__ = ['CALLBACKS_KEY', 'allowed', 'callback_params', 'changed_callback_settings',
+           'check_epoch_settings', 'check_same_params', 'check_train_rows', 'epoch_settings',
            'train_batch_size', 'training_params']
 
 
@@ -47,11 +61,99 @@ def _checked(name: str) -> bool:
     return name not in _UNCHECKED_PARAMS and not name.startswith(_UNCHECKED_PREFIXES)
 
 
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# Callbacks whose get_params() are settings: skorch's, this package's, and
+# subclasses of them. A callback of the user's own is not recorded: skorch's
+# convention (fitted state in names ending with '_') is not always kept, so
+# that its get_params() may hold what it counts, and hooks that only
+# observe, log or inject a fault come and go between launches.
+_LIBRARIES = ('skorch.', 'skorch_accel_callbacks.')
+
+
+# The settings of callbacks that change nothing of what a resumed run trains,
+# by class (and its subclasses), as patterns of get_params() names; None: the
+# whole callback. Named by module and class, so that this module imports none
+# of the package's callbacks (which import it).
+_NOT_TRAINING = None
+_UNRECORDED_CALLBACK_SETTINGS: dict[str, frozenset[str] | None] = {
+    # they only say what happens, on the terminal or to a tracking service
+    **{_qualified(cls): _NOT_TRAINING for cls in (
+        PrintLog, ProgressBar, skorch_logging.TensorBoard, skorch_logging.WandbLogger,
+        skorch_logging.NeptuneLogger, skorch_logging.SacredLogger,
+        skorch_logging.MlflowLogger)},
+    # it holds the check itself: its check_params decides what is compared
+    'skorch_accel_callbacks.load_state.AccelerateLoadInitState': _NOT_TRAINING,
+    # every argument says where, when and how checkpoints are written, kept
+    # and marked best (dirname, local_dir, storage_options, durable,
+    # async_save, safe_serialization, keep_last, keep_best, sink, every_n_*,
+    # save_on_signal, monitor, event_name), none what is trained, and the
+    # name it is listed under does not matter (the loader finds it by folder)
+    'skorch_accel_callbacks.checkpoint.AccelerateCheckpoint': _NOT_TRAINING,
+    # the files skorch's (and our drop-in) checkpoints write and read, and
+    # what a failed save does; their monitor and load_best change the net
+    _qualified(Checkpoint): frozenset({'f_*', 'fn_prefix', 'dirname', 'use_safetensors'}),
+    _qualified(TrainEndCheckpoint): frozenset({'f_*', 'fn_prefix', 'dirname',
+                                               'use_safetensors'}),
+    _qualified(LoadInitState): frozenset({'checkpoint', 'use_safetensors'}),
+    'skorch_accel_callbacks.params.ParamsCheckpoint': frozenset({'on_error'}),
+    'skorch_accel_callbacks.params_train_end.TrainEndParamsCheckpoint': frozenset({'on_error'}),
+}
+# in every callback: where its messages go and how many; names with a
+# leading underscore are private state, not settings
+_UNRECORDED_ANYWHERE = frozenset({'sink', 'verbose', '_*'})
+
+#: the key of a manifest's ``params`` that lists the callbacks whose settings
+#: it records (absent before callbacks were recorded: they are not checked)
+CALLBACKS_KEY = 'callbacks'
+_CALLBACK_PREFIX = 'callbacks__'
+
+
+def _unrecorded(callback: Any) -> frozenset[str] | None:
+    """The patterns of ``callback``'s unrecorded settings; None: all of them."""
+    if not any(cls.__module__.startswith(_LIBRARIES) for cls in type(callback).__mro__
+               if cls is not Callback):
+        return None
+    patterns = set(_UNRECORDED_ANYWHERE)
+    for cls in type(callback).__mro__:
+        entry = _UNRECORDED_CALLBACK_SETTINGS.get(_qualified(cls), frozenset())
+        if entry is _NOT_TRAINING:
+            return None
+        patterns |= entry
+    return frozenset(patterns)
+
+
+def callback_params(net: Any) -> dict[str, Any]:
+    """The settings of the net's callbacks that change training, by
+    ``net.callbacks_`` name, of skorch's callbacks and this package's (and
+    their subclasses; see ``_LIBRARIES``): ``callbacks__<name>`` its class,
+    ``callbacks__<name>__<param>`` each of its ``get_params(deep=False)``
+    (without those of ``_UNRECORDED_CALLBACK_SETTINGS``), described by
+    :func:`describe`; :data:`CALLBACKS_KEY` the names recorded."""
+    params, names = {}, []
+    for name, callback in net.callbacks_:
+        unrecorded = _unrecorded(callback)
+        if unrecorded is None:
+            continue
+        names.append(name)
+        params[_CALLBACK_PREFIX + name] = describe(type(callback))
+        for param, value in sorted(callback.get_params(deep=False).items()):
+            if not any(fnmatch.fnmatchcase(param, pattern) for pattern in unrecorded):
+                params[f"{_CALLBACK_PREFIX}{name}__{param}"] = describe(value)
+    params[CALLBACKS_KEY] = names
+    return params
+
+
 def training_params(net: Any) -> dict[str, Any]:
     """The net's parameters that change what training does (``get_params``
-    without those in ``_UNCHECKED_PARAMS``), described by :func:`describe`."""
-    return {name: describe(value) for name, value in sorted(net.get_params(deep=False).items())
-            if _checked(name)}
+    without those in ``_UNCHECKED_PARAMS``) and its callbacks' settings
+    (:func:`callback_params`), described by :func:`describe`."""
+    params = {name: describe(value) for name, value in sorted(net.get_params(deep=False).items())
+              if _checked(name)}
+    params.update(callback_params(net))
+    return params
 
 
 def train_batch_size(net: Any) -> Any:
@@ -112,31 +214,154 @@ def _said(changes: list[tuple[str, Any, Any]]) -> str:
                      for name, old, new in changes)
 
 
+def _callback_of(name: str) -> tuple[str, str | None] | None:
+    """``(callback name, setting or None for its class)`` of a recorded
+    callback setting's name; None for a net parameter."""
+    if not name.startswith(_CALLBACK_PREFIX):
+        return None
+    callback, _, param = name[len(_CALLBACK_PREFIX):].partition('__')
+    return callback, param or None
+
+
+def allowed(name: str, check: bool | Collection[str]) -> bool:
+    """Whether ``check`` (``check_params`` of AccelerateLoadInitState) lets
+    the setting ``name`` differ: ``False`` every one, ``True`` none, a tuple
+    the names it lists, and all settings of a callback it lists by
+    ``callbacks__<name>``."""
+    if isinstance(check, bool):
+        return not check
+    return any(name == entry or (entry.startswith(_CALLBACK_PREFIX)
+                                 and name.startswith(entry + '__')) for entry in check)
+
+
+def changed_callback_settings(names: Iterable[str]) -> dict[str, frozenset[str] | None]:
+    """Of the settings ``names`` that differ from a checkpoint's (as
+    :func:`check_same_params` returns them), those of each callback by name:
+    the names of its changed ``get_params``, or None where its class
+    changed (or it is new)."""
+    settings: dict[str, set[str] | None] = {}
+    for name in names:
+        of = _callback_of(name)
+        if of is None:
+            continue
+        callback, param = of
+        if param is None:
+            settings[callback] = None
+        elif settings.get(callback, set()) is not None:
+            settings.setdefault(callback, set()).add(param)
+    return {name: None if params is None else frozenset(params)
+            for name, params in settings.items()}
+
+
+# the name skorch gives an unnamed callback that shares its class name with
+# another: <class>_<position among them, from 1>
+_POSITIONAL = re.compile(r'(?P<base>.+)_[1-9][0-9]*')
+
+
+def _settings_of(params: dict[str, Any], callback: str) -> str | None:
+    """The recorded class and settings of ``callback``, comparable; None if
+    ``params`` has none."""
+    prefix = _CALLBACK_PREFIX + callback
+    if prefix not in params:
+        return None
+    return json.dumps({key[len(prefix):]: value for key, value in params.items()
+                       if key == prefix or key.startswith(prefix + '__')}, sort_keys=True)
+
+
+def _positional_base(params: dict[str, Any], callback: str) -> str | None:
+    """The class name skorch numbered ``callback`` after, if it is unnamed."""
+    match = _POSITIONAL.fullmatch(callback)
+    kind = params.get(_CALLBACK_PREFIX + callback)
+    if match is None or not isinstance(kind, dict):
+        return None
+    class_name = str(kind.get('callable', '')).rsplit('.', 1)[-1]
+    return match['base'] if class_name == match['base'] else None
+
+
+def _reordered(changes: list[tuple[str, Any, Any]], saved: dict[str, Any],
+               current: dict[str, Any]) -> dict[str, list[str]]:
+    """The unnamed callbacks (by the class name they are numbered after)
+    whose settings are those of the checkpoint's, but in another order."""
+    bases = {base for name, _, _ in changes if (of := _callback_of(name)) is not None
+             for base in (_positional_base(saved, of[0]), _positional_base(current, of[0]))
+             if base is not None}
+    reordered = {}
+    for base in sorted(bases):
+        group = sorted({name for params in (saved, current)
+                        for name in params.get(CALLBACKS_KEY, [])
+                        if _positional_base(params, name) == base},
+                       key=lambda name: int(name.rsplit('_', 1)[1]))
+        before = sorted(filter(None, (_settings_of(saved, name) for name in group)))
+        after = sorted(filter(None, (_settings_of(current, name) for name in group)))
+        if before == after:
+            reordered[base] = group
+    return reordered
+
+
+def _show_class(description: Any) -> str:
+    return 'no such callback' if description is _MISSING else _show(description)
+
+
+def _explained(changes: list[tuple[str, Any, Any]], saved: dict[str, Any],
+               current: dict[str, Any]) -> tuple[list[tuple[str, str]], list[str]]:
+    """The refused ``changes`` said: ``(name to allow, text)`` for each
+    change, one for a callback whose class changed (or that is new or
+    gone), and a text for unnamed callbacks listed in another order."""
+    reordered = _reordered(changes, saved, current)
+    moved = {name for group in reordered.values() for name in group}
+    whole = {of[0] for name, _, _ in changes
+             if (of := _callback_of(name)) is not None and of[1] is None}
+    said = []
+    for name, old, new in changes:
+        of = _callback_of(name)
+        if of is not None and (of[0] in moved or (of[0] in whole and of[1] is not None)):
+            continue
+        shown = _show_class if of is not None and of[1] is None else _show
+        said.append((name, f"{name}: {shown(old)} in the checkpoint, {shown(new)} now"))
+    orders = [
+        f"the unnamed {base} callbacks ({', '.join(group)}) are listed in another order "
+        "than in the checkpoint: skorch names them by their position and their states "
+        "are restored by name, so each would resume another's; list them in the "
+        "checkpoint's order, or give each a name of its own in a new run "
+        f"(callbacks=[('name', {base}(...)), ...])" for base, group in reordered.items()]
+    return said, orders
+
+
 def check_same_params(net: Any, manifest: dict[str, Any], path: str,
                       check: bool | Collection[str] = True) -> list[str]:
     """Raise :class:`CheckpointError` naming each parameter of ``net`` that
-    changes training (:func:`training_params`) whose value differs from the
-    one ``path`` was trained with, if ``check`` is True or does not name it
-    (``check=False``: none); return the names of the allowed ones that
-    differ. A manifest without ``params`` (before 0.3) is not checked."""
+    changes training, or setting of one of its callbacks
+    (:func:`training_params`), whose value differs from the one ``path`` was
+    trained with, unless ``check`` allows it (:func:`allowed`); return the
+    names of the allowed ones that differ. A callback whose class changed
+    under its name, that is new or that is gone is named once; unnamed
+    callbacks of a class listed in another order are refused as such. A
+    manifest without ``params`` (before 0.3) is not checked; one without
+    callbacks' settings (:data:`CALLBACKS_KEY`) is checked for the net's
+    parameters only."""
     saved = manifest.get('params')
     if not isinstance(saved, dict):
         return []
     current = training_params(net)
-    names = sorted(name for name in set(saved) | set(current) if _checked(name))
+    recorded = CALLBACKS_KEY in saved
+    names = sorted(name for name in set(saved) | set(current) if name != CALLBACKS_KEY and (
+        _checked(name) or (recorded and name.startswith(_CALLBACK_PREFIX))))
     changes = _changes(saved, current, names)
-    refused = [change for change in changes
-               if check is True or (check is not False and change[0] not in check)]
+    refused = [change for change in changes if not allowed(change[0], check)]
     if refused:
-        # with the names allowed already, if any
-        names = tuple(dict.fromkeys(
-            [*(() if isinstance(check, bool) else check), *(name for name, _, _ in refused)]))
-        raise CheckpointError(
-            f"{path} was trained with other hyper-parameters: {_said(refused)}. "
-            "Resuming it would continue another training (in a hyper-parameter "
-            "search every fit needs its own dirname); to resume it with the new "
-            f"values on purpose, pass check_params={names!r} (or check_params=False) "
-            "to AccelerateLoadInitState")
+        said, orders = _explained(refused, saved, current)
+        message = f"{path} was trained with other hyper-parameters: " + '; '.join(
+            [text for _, text in said] + orders) + '. '
+        if said:
+            # with the names allowed already, if any
+            names = tuple(dict.fromkeys(
+                [*(() if isinstance(check, bool) else check), *(name for name, _ in said)]))
+            message += (
+                "Resuming it would continue another training (in a hyper-parameter "
+                "search every fit needs its own dirname); to resume it with the new "
+                f"values on purpose, pass check_params={names!r} (or check_params=False) "
+                "to AccelerateLoadInitState")
+        raise CheckpointError(message.rstrip(' '))
     return [name for name, _, _ in changes]
 
 

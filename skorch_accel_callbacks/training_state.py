@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
 __all__ = [
+    'keep_new_base_lrs',
     'keep_new_optimizer_settings',
     'epoch_completed',
     'optimizer_steps',
@@ -151,6 +152,15 @@ def optimizer_hyperparameters(
              for group in optimizer.param_groups] for optimizer in optimizers]
 
 
+def _new_keys(optimizer: str, names: Collection[str]) -> set[str]:
+    """The settings of the optimizer ``optimizer`` that the net's parameters
+    ``names`` decide: ``lr`` every optimizer's ``lr``, ``<optimizer>__<key>``
+    its ``key``, ``<optimizer>__param_groups`` all of them."""
+    keys = {'lr'} if 'lr' in names else set()
+    return keys | {name[len(optimizer) + 2:] for name in names
+                   if name.startswith(optimizer + '__')}
+
+
 def keep_new_optimizer_settings(
         net: NeuralNet,
         names: Collection[str],
@@ -162,15 +172,76 @@ def keep_new_optimizer_settings(
     them before the checkpoint was loaded) win over those of the checkpoint
     (``saved``, changed in place): ``lr`` sets every optimizer's ``lr``,
     ``<optimizer>__<key>`` that optimizer's ``key``, and
-    ``<optimizer>__param_groups`` all its settings."""
+    ``<optimizer>__param_groups`` all its settings. An LR scheduler's view
+    of a new lr follows in :func:`keep_new_base_lrs`."""
     present = [name for name in net._optimizers if getattr(net, name + '_', None) is not None]
     for optimizer, new_groups, old_groups in zip(present, fresh, saved, strict=True):
-        keys = {'lr'} if 'lr' in names else set()
-        keys |= {name[len(optimizer) + 2:] for name in names
-                 if name.startswith(optimizer + '__')}
+        keys = _new_keys(optimizer, names)
         for new, old in zip(new_groups, old_groups, strict=True):
             taken = new if 'param_groups' in keys else keys & set(new)
             old.update({key: new[key] for key in taken})
+
+
+def keep_new_base_lrs(net: NeuralNet, names: Collection[str]) -> None:
+    """Make the new lr of the optimizers whose ``lr`` the net's parameters
+    ``names`` changed (see :func:`keep_new_optimizer_settings`; their param
+    groups hold it now) the new base of the LR schedulers restored on them
+    (an attribute of a callback, as skorch's ``LRScheduler.lr_scheduler_``),
+    which would else go on from the checkpoint's ``base_lrs``.
+
+    The rule: the new lr replaces the base lr, and the schedule keeps its
+    position. The scheduler's ``base_lrs`` and each group's
+    ``initial_lr`` become the new lr; the lr the batches run at until the
+    scheduler's next step (and that ``get_last_lr()``, and so the history's
+    ``event_lr``, says) is the schedule's value at its position from the new
+    base: ``new_lr * lr_lambda(last_epoch)`` for ``LambdaLR``, the lr the
+    schedule had reached times ``new_lr / old base lr`` for the others (the
+    same for schedules proportional to their base lr: ``StepLR``,
+    ``MultiStepLR``, ``ExponentialLR``, ``MultiplicativeLR``,
+    ``CosineAnnealingLR`` with ``eta_min=0``...). ``ReduceLROnPlateau`` keeps
+    no base lr: the new lr is the lr from now on, reduced further on
+    plateaus."""
+    present = [name for name in net._optimizers if getattr(net, name + '_', None) is not None]
+    changed = [getattr(net, name + '_') for name in present
+               if {'lr', 'param_groups'} & _new_keys(name, names)]
+    for _, callback in net.callbacks_:
+        for value in list(vars(callback).values()):
+            if isinstance(value, torch.optim.lr_scheduler.LRScheduler) and any(
+                    value.optimizer is optimizer for optimizer in changed):
+                _rebase(value)
+
+
+def _rebased(last: float, base: float, before: float) -> float:
+    """The lr ``last`` that a schedule from the base lr ``before`` had
+    reached, from the base lr ``base`` instead."""
+    if base == before:
+        return last
+    return last * base / before if before else base
+
+
+def _rebase(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """See :func:`keep_new_base_lrs`: the scheduler's optimizer holds the new lrs."""
+    groups = scheduler.optimizer.param_groups
+    new = [group['lr'] for group in groups]
+    state = scheduler.state_dict()
+    old = getattr(scheduler, 'base_lrs', None)
+    if old is None:
+        lrs = new
+    elif isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        lrs = [base * lr_lambda(scheduler.last_epoch)
+               for base, lr_lambda in zip(new, scheduler.lr_lambdas, strict=True)]
+    else:
+        lrs = [_rebased(last, base, before)
+               for last, base, before in zip(scheduler.get_last_lr(), new, old, strict=True)]
+    if old is not None:
+        state['base_lrs'] = new
+    # what get_last_lr() says, and skorch's LRScheduler records
+    state['_last_lr'] = lrs
+    scheduler.load_state_dict(state)
+    for group, base, lr in zip(groups, new, lrs, strict=True):
+        group['lr'] = lr
+        if 'initial_lr' in group:
+            group['initial_lr'] = base
 
 
 def restore_optimizer_hyperparameters(
@@ -304,27 +375,63 @@ def load_callback_states(folder: str | os.PathLike,
 
 def apply_callback_states(
         net: NeuralNet, states: Mapping[str, Mapping[str, Mapping[str, Any]]],
+        changed: Mapping[str, Collection[str] | None] | None = None,
 ) -> None:
-    """Give the net's callbacks the state they had when it was saved."""
+    """Give the net's callbacks the state they had when it was saved.
+
+    ``changed``: the settings (``get_params`` names) of each callback by name
+    that a resume let differ from the checkpoint's
+    (:func:`~skorch_accel_callbacks.settings.changed_callback_settings`);
+    their new values win over the restored state. They are set again after
+    the state is loaded, and in a restored object's ``state_dict`` (the
+    scheduler of skorch's ``LRScheduler`` holds its ``gamma``,
+    ``step_size``...) the keys of their names keep the new object's values,
+    and keys it has no more (those of another policy) are dropped. A callback
+    whose class changed (None) starts afresh.
+    """
+    changed = changed or {}
     for name, callback in net.callbacks_:
         attrs = states.get(name)
-        if attrs is None:
+        new = changed.get(name, ())
+        if attrs is None or new is None:
             continue
-        if _OWN_STATE in attrs:
-            callback.load_state_dict(attrs[_OWN_STATE]['state_dict'])
-            continue
-        for attr, entry in attrs.items():
-            if 'state_dict' in entry:
-                target = getattr(callback, attr, None)
-                if target is None or not hasattr(target, 'load_state_dict'):
-                    raise ValueError(
-                        f"callback {name!r} has no {attr!r} to load the saved "
-                        "state into")
-                target.load_state_dict(entry['state_dict'])
-            elif 'elapsed' in entry:
-                setattr(callback, attr, time.time() - entry['elapsed'])
-            else:
-                setattr(callback, attr, entry['value'])
+        kept = {param: value for param, value in callback.get_params(deep=False).items()
+                if param in new}
+        _apply_state(name, callback, attrs, new)
+        for param, value in kept.items():
+            setattr(callback, param, value)
+
+
+def _with_new_settings(fresh: Mapping[str, Any], saved: Mapping[str, Any],
+                       new: Collection[str]) -> Mapping[str, Any]:
+    """``saved``, a state_dict, with the keys ``new`` of ``fresh`` (the
+    state_dict of the object it is loaded into), and without the keys that
+    ``fresh`` lacks; unchanged without ``new``."""
+    if not new:
+        return saved
+    state = {key: value for key, value in saved.items() if key in fresh}
+    state.update({key: fresh[key] for key in new if key in fresh})
+    return state
+
+
+def _apply_state(name: str, callback: Callback, attrs: Mapping[str, Mapping[str, Any]],
+                 new: Collection[str]) -> None:
+    if _OWN_STATE in attrs:
+        callback.load_state_dict(attrs[_OWN_STATE]['state_dict'])
+        return
+    for attr, entry in attrs.items():
+        if 'state_dict' in entry:
+            target = getattr(callback, attr, None)
+            if target is None or not hasattr(target, 'load_state_dict'):
+                raise ValueError(
+                    f"callback {name!r} has no {attr!r} to load the saved "
+                    "state into")
+            target.load_state_dict(
+                _with_new_settings(target.state_dict(), entry['state_dict'], new))
+        elif 'elapsed' in entry:
+            setattr(callback, attr, time.time() - entry['elapsed'])
+        else:
+            setattr(callback, attr, entry['value'])
 
 
 # ---------------------------------------------------------------- per rank
