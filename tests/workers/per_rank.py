@@ -104,6 +104,9 @@ def run(dirname, tag, backend='ddp', agree=False, every_n_steps=None, async_save
     if agree:
         kwargs.update(module__dropout=0.0, callbacks__epoch_timer=None)
     else:
+        # each rank logs its own losses, as stock skorch does: the ranks'
+        # histories and EarlyStopping states differ
+        kwargs.update(reduce_metrics=False)
         callbacks.append(('rank_losses', RankLosses()))
     if backend == 'fsdp2':
         kwargs.update(module=BatchNormMLP, criterion=torch.nn.NLLLoss)
