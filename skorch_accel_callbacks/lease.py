@@ -180,6 +180,7 @@ class ObjectLease:
     def _new_record(self) -> dict[str, Any]:
         now = datetime.now(UTC)
         return {'holder': os.getpid(), 'host': socket.gethostname(), 'boot_id': _boot_id(),
+                'pid_namespace': _pid_namespace(), 'started': _start_time(os.getpid()),
                 'token': uuid.uuid4().hex, 'acquired_at': now.isoformat(),
                 'expires_at': _expiry(now, self.ttl_seconds), 'ttl_seconds': self.ttl_seconds}
 
@@ -397,13 +398,39 @@ def _boot_id() -> str | None:
         return None
 
 
+def _pid_namespace() -> str | None:
+    """This process's PID namespace (``pid:[inode]``): a pid names a process
+    only within one, and two containers of one machine have their own."""
+    try:
+        return os.readlink('/proc/self/ns/pid')
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (``/proc``'s
+    ``stat``, field 22), or None: a pid that is used again by a new
+    process has another start time."""
+    try:
+        with open(f'/proc/{pid}/stat') as file:
+            stat = file.read()
+    except OSError:
+        return None
+    # the command name, in parentheses, may hold spaces and parentheses
+    fields = stat[stat.rindex(')') + 2:].split()
+    return int(fields[19])
+
+
 def _holder_is_gone(record: dict[str, Any]) -> bool:
     """Whether the lease's holder was a process of this machine, in this
-    boot, that no longer exists: a killed job restarted on its machine need
-    not wait for the lease to expire. A host name alone could be another
-    machine's, so without the same boot id the lease runs its course."""
-    boot_id, pid = _boot_id(), record.get('holder')
-    if boot_id is None or record.get('boot_id') != boot_id or type(pid) is not int:
+    boot and this PID namespace, that no longer exists (or whose pid is now
+    another process's): a killed job restarted on its machine need not wait
+    for the lease to expire. A host name alone could be another machine's,
+    and a pid of another PID namespace (another container on this host)
+    says nothing here, so in those cases the lease runs its course."""
+    pid = record.get('holder')
+    if (type(pid) is not int or _boot_id() is None or record.get('boot_id') != _boot_id()
+            or _pid_namespace() is None or record.get('pid_namespace') != _pid_namespace()):
         return False
     try:
         os.kill(pid, 0)
@@ -411,7 +438,8 @@ def _holder_is_gone(record: dict[str, Any]) -> bool:
         return True
     except OSError:
         return False  # exists, another user's
-    return False
+    started = record.get('started')
+    return started is not None and _start_time(pid) not in (None, started)
 
 
 def take_lease(fs: Any, path: str) -> ObjectLease | None:
