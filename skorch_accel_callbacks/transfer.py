@@ -310,8 +310,10 @@ def _link_same_files(local: str, sealed: bytes, partial: str) -> set[str]:
 
 
 def abort_uploads(store: Store) -> None:
-    """Abort the unfinished multipart uploads under the folder (S3; none
-    elsewhere)."""
+    """Abort the unfinished multipart uploads of the folder's checkpoints
+    (S3; none elsewhere): those of a file of a checkpoint folder right under
+    it. A run in a folder nested under this one (``run1/sub``) uploads
+    under the same prefix; its uploads, live or not, are its own."""
     if not is_s3(store.fs):
         return
     bucket, key, _ = store.fs.split_path(store.root)
@@ -321,6 +323,9 @@ def abort_uploads(store: Store) -> None:
         listed = store.fs.call_s3('list_multipart_uploads', Bucket=bucket,
                                   Prefix=prefix, **markers)
         for unfinished in listed.get('Uploads', []):
+            folder = unfinished['Key'][len(prefix):].split('/', 1)[0]
+            if not format.is_checkpoint_name(folder):
+                continue
             store.fs.call_s3('abort_multipart_upload', Bucket=bucket,
                              Key=unfinished['Key'], UploadId=unfinished['UploadId'])
         if not listed.get('IsTruncated'):
