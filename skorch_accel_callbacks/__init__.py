@@ -40,6 +40,7 @@ from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
 from skorch_accel_callbacks.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    StoreUnavailableError,
     TrainingPreempted,
 )
 from skorch_accel_callbacks.load_state import AccelerateLoadInitState
@@ -61,6 +62,7 @@ __all__ = [
     'LoadInitParams',
     'ParamsCheckpoint',
     'RankError',
+    'StoreUnavailableError',
     'TrainEndParamsCheckpoint',
     'TrainingPreempted',
     'unwrapped',

@@ -28,6 +28,7 @@ import weakref
 from datetime import UTC, datetime, timedelta
 from typing import Any, Self
 
+from skorch_accel_callbacks import transfer
 from skorch_accel_callbacks.lock import FolderInUseError
 
 __all__ = ['LeaseLostError', 'ObjectLease', 'take_lease']
@@ -129,7 +130,7 @@ class ObjectLease:
         for _ in range(_ATTEMPTS):
             record = self._new_record()
             try:
-                etag = _write(self.fs, self.path, record, mode='create')
+                etag = _write(self.fs, self.path, record, self.ttl_seconds, mode='create')
             except FileExistsError:
                 etag = self._take_over(record)
                 if etag is None:
@@ -203,7 +204,7 @@ class ObjectLease:
         if live and not gone:
             raise FolderInUseError(self._refusal(holder, previous['expires_at']))
         try:
-            new_etag = _write(self.fs, self.path, record, IfMatch=etag)
+            new_etag = _write(self.fs, self.path, record, self.ttl_seconds, IfMatch=etag)
         except OSError:
             if _changed(self.fs, self.path, etag):
                 return None  # another job took it over first
@@ -274,7 +275,8 @@ class _Held:
                 record = dict(self.record, expires_at=_expiry(datetime.now(UTC),
                                                               self.ttl_seconds))
                 try:
-                    self.etag = _write(self.fs, self.path, record, IfMatch=self.etag)
+                    self.etag = _write(self.fs, self.path, record, self.ttl_seconds,
+                                       IfMatch=self.etag)
                     self.record = record
                 except OSError:
                     if not _changed(self.fs, self.path, self.etag):
@@ -336,9 +338,13 @@ def _expiry(now: datetime, ttl_seconds: float) -> str:
     return (now + timedelta(seconds=ttl_seconds)).isoformat()
 
 
-def _write(fs: Any, path: str, record: dict[str, Any], **condition: Any) -> str:
-    """Write ``record`` to ``path`` under ``condition``; the new ETag."""
-    written = fs.pipe_file(path, json.dumps(record).encode(), **condition)
+def _write(fs: Any, path: str, record: dict[str, Any], ttl_seconds: float,
+           **condition: Any) -> str:
+    """Write ``record`` to ``path`` under ``condition``; the new ETag. A
+    write that goes unanswered for a third of the lease's ``ttl_seconds``
+    (a renewal's interval) is given up: the next renewal tries again."""
+    written = fs.pipe_file(path, json.dumps(record).encode(), **condition,
+                           **transfer.deadline(fs, ttl_seconds / 3))
     etag = (written or {}).get('ETag')
     if not etag:
         raise TypeError(
@@ -442,11 +448,12 @@ def _holder_is_gone(record: dict[str, Any]) -> bool:
     return started is not None and _start_time(pid) not in (None, started)
 
 
-def take_lease(fs: Any, path: str) -> ObjectLease | None:
+def take_lease(fs: Any, path: str, ttl_seconds: float = 60.0) -> ObjectLease | None:
     """The acquired lease at ``path`` of a store with S3's conditional
-    writes (through s3fs), or None for another store, which a lease cannot
-    guard (the job holds its local staging folder's lock only)."""
+    writes (through s3fs), lasting ``ttl_seconds`` after each renewal, or
+    None for another store, which a lease cannot guard (the job holds its
+    local staging folder's lock only)."""
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     if not set(protocols) & {'s3', 's3a'}:
         return None
-    return ObjectLease(fs, path).acquire()
+    return ObjectLease(fs, path, ttl_seconds=ttl_seconds).acquire()

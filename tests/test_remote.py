@@ -615,7 +615,7 @@ def test_files_that_failed_past_the_client_s_retries_are_sent_again(
 
     # the upload's thread warns: from the commit that starts it to the wait
     with pytest.warns(UserWarning, match=f'sending the files of {url}/epoch-0001 failed '
-                      r'\(.*\); sending them again in 1 s') as warned:
+                      r'\(.*\); sending it again for up to 30 s') as warned:
         back = threading.Thread(target=back_once_warned, args=(warned,))
         back.start()
         storage.commit('epoch-0001', {'format_version': format.FORMAT_VERSION},
