@@ -41,6 +41,7 @@ from skorch_accel_callbacks.errors import (
     CheckpointError,
     CorruptCheckpointError,
     DivergedDecisionError,
+    StoreUnavailableError,
     TrainingPreempted,
 )
 from skorch_accel_callbacks.load_state import AccelerateLoadInitState
@@ -63,6 +64,7 @@ __all__ = [
     'LoadInitParams',
     'ParamsCheckpoint',
     'RankError',
+    'StoreUnavailableError',
     'TrainEndParamsCheckpoint',
     'TrainingPreempted',
     'unwrapped',

@@ -27,7 +27,7 @@ from skorch_accel_callbacks.base import FolderStateCallback
 from skorch_accel_callbacks.errors import TrainingPreempted
 from skorch_accel_callbacks.export import LoadableCheckpoint
 from skorch_accel_callbacks.preemption import StepPoll, check_signals
-from skorch_accel_callbacks.storage import CheckpointStorage
+from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 from skorch_accel_callbacks.wrapping import bare_modules, own_registries
 from skorch_accel_callbacks.writer import BackgroundWriter, Retention, SaveRequest, SyncWriter
 
@@ -99,6 +99,25 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
 
     storage_options : dict or None (default=None)
       With a store's URL: fsspec's options for its filesystem (endpoint, profile).
+      For ``s3://``, each attempt of a request is bounded unless these say
+      otherwise: a connection within 5 s, an answer within 10 s, one retry
+      (``transfer.S3_CLIENT_DEFAULTS``).
+
+    outage_seconds : float (default=30.0)
+      With a store's URL: how long each request of an upload (its files, the
+      lease, the manifest, the pointers, the removals) is sent again while
+      the store fails or does not answer (warning at the first failure);
+      then the upload fails with :class:`StoreUnavailableError`, raised at
+      the next save or the end of training, with the checkpoint kept staged.
+      A store that accepts connections and never answers fails a save within
+      about ``outage_seconds`` + 30 s.
+
+    lease_seconds : float (default=60.0)
+      With an ``s3://`` URL: how long the folder's lease lasts after each
+      renewal (every third of it). A job on another machine is refused the
+      folder until the lease of a killed job expired, ``lease_seconds`` +
+      10 s (clock skew) after its last renewal; a job restarted on the same
+      machine (same boot, same PID namespace) takes it over at once.
 
     Attributes
     ----------
@@ -163,7 +182,8 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             async_save: bool = False, every_n_steps: int | None = None,
             every_n_seconds: float | None = None, save_on_signal: tuple = ('SIGTERM',),
             keep_best: int | None = None, local_dir: str | os.PathLike | None = None,
-            storage_options: dict | None = None,
+            storage_options: dict | None = None, *, outage_seconds: float = 60.0,
+            lease_seconds: float = 60.0,
     ) -> None:
         self.dirname = dirname
         self.monitor = monitor
@@ -180,6 +200,8 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self.keep_best = keep_best
         self.local_dir = local_dir
         self.storage_options = storage_options
+        self.outage_seconds = outage_seconds
+        self.lease_seconds = lease_seconds
 
     def initialize(self) -> AccelerateCheckpoint:
         self._check_arguments()
@@ -224,12 +246,25 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         if not (self.storage_options is None or isinstance(self.storage_options, dict)):
             raise ValueError(f"{owner}: storage_options must be a dict or None, "
                              f"got {self.storage_options!r}")
+        for name in ('outage_seconds', 'lease_seconds'):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{owner}: {name} must be a number of seconds > 0, "
+                                 f"got {value!r}")
         if not (self.event_name is None or isinstance(self.event_name, str)):
             raise ValueError(
                 f"{owner}: event_name must be a string or None, got {self.event_name!r}")
         triggers.check_triggers(owner, self.monitor, self.every_n_epochs, self.every_n_steps,
                                 self.every_n_seconds, self.keep_best)
         base.check_sink(self.sink, owner)
+
+    def open_storage(self) -> CheckpointStorage:
+        """A new storage object of ``dirname`` (with a store's URL, staged in
+        ``local_dir``, opened with ``storage_options``, as patient and with
+        a lease as ``outage_seconds`` and ``lease_seconds`` say)."""
+        return open_storage(self.dirname, self.local_dir, self.storage_options,
+                            outage_seconds=self.outage_seconds,
+                            lease_seconds=self.lease_seconds)
 
     @property
     def resumed_from_(self) -> str | None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-__all__ = ['CheckpointError', 'CorruptCheckpointError', 'DivergedDecisionError']
+__all__ = ['CheckpointError', 'CorruptCheckpointError', 'DivergedDecisionError',
+           'StoreUnavailableError', 'TrainingPreempted']
 
 
 class CheckpointError(ValueError):
@@ -17,6 +18,12 @@ class CorruptCheckpointError(CheckpointError):
 
     The message names the file at fault.
     """
+
+
+class StoreUnavailableError(CheckpointError):
+    """An object store failed or did not answer a request of an upload for
+    longer than ``outage_seconds``; the message names the request and how
+    long it failed. The checkpoint stays staged: the next job uploads it."""
 
 
 class TrainingPreempted(Exception):

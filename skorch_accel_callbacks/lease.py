@@ -28,6 +28,7 @@ import weakref
 from datetime import UTC, datetime, timedelta
 from typing import Any, Self
 
+from skorch_accel_callbacks import transfer
 from skorch_accel_callbacks.lock import FolderInUseError
 
 __all__ = ['LeaseLostError', 'ObjectLease', 'take_lease']
@@ -129,7 +130,7 @@ class ObjectLease:
         for _ in range(_ATTEMPTS):
             record = self._new_record()
             try:
-                etag = _write(self.fs, self.path, record, mode='create')
+                etag = _write(self.fs, self.path, record, self.ttl_seconds, mode='create')
             except FileExistsError:
                 etag = self._take_over(record)
                 if etag is None:
@@ -180,6 +181,7 @@ class ObjectLease:
     def _new_record(self) -> dict[str, Any]:
         now = datetime.now(UTC)
         return {'holder': os.getpid(), 'host': socket.gethostname(), 'boot_id': _boot_id(),
+                'pid_namespace': _pid_namespace(), 'started': _start_time(os.getpid()),
                 'token': uuid.uuid4().hex, 'acquired_at': now.isoformat(),
                 'expires_at': _expiry(now, self.ttl_seconds), 'ttl_seconds': self.ttl_seconds}
 
@@ -202,7 +204,7 @@ class ObjectLease:
         if live and not gone:
             raise FolderInUseError(self._refusal(holder, previous['expires_at']))
         try:
-            new_etag = _write(self.fs, self.path, record, IfMatch=etag)
+            new_etag = _write(self.fs, self.path, record, self.ttl_seconds, IfMatch=etag)
         except OSError:
             if _changed(self.fs, self.path, etag):
                 return None  # another job took it over first
@@ -273,7 +275,8 @@ class _Held:
                 record = dict(self.record, expires_at=_expiry(datetime.now(UTC),
                                                               self.ttl_seconds))
                 try:
-                    self.etag = _write(self.fs, self.path, record, IfMatch=self.etag)
+                    self.etag = _write(self.fs, self.path, record, self.ttl_seconds,
+                                       IfMatch=self.etag)
                     self.record = record
                 except OSError:
                     if not _changed(self.fs, self.path, self.etag):
@@ -335,9 +338,13 @@ def _expiry(now: datetime, ttl_seconds: float) -> str:
     return (now + timedelta(seconds=ttl_seconds)).isoformat()
 
 
-def _write(fs: Any, path: str, record: dict[str, Any], **condition: Any) -> str:
-    """Write ``record`` to ``path`` under ``condition``; the new ETag."""
-    written = fs.pipe_file(path, json.dumps(record).encode(), **condition)
+def _write(fs: Any, path: str, record: dict[str, Any], ttl_seconds: float,
+           **condition: Any) -> str:
+    """Write ``record`` to ``path`` under ``condition``; the new ETag. A
+    write that goes unanswered for a third of the lease's ``ttl_seconds``
+    (a renewal's interval) is given up: the next renewal tries again."""
+    written = fs.pipe_file(path, json.dumps(record).encode(), **condition,
+                           **transfer.deadline(fs, ttl_seconds / 3))
     etag = (written or {}).get('ETag')
     if not etag:
         raise TypeError(
@@ -397,13 +404,39 @@ def _boot_id() -> str | None:
         return None
 
 
+def _pid_namespace() -> str | None:
+    """This process's PID namespace (``pid:[inode]``): a pid names a process
+    only within one, and two containers of one machine have their own."""
+    try:
+        return os.readlink('/proc/self/ns/pid')
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (``/proc``'s
+    ``stat``, field 22), or None: a pid that is used again by a new
+    process has another start time."""
+    try:
+        with open(f'/proc/{pid}/stat') as file:
+            stat = file.read()
+    except OSError:
+        return None
+    # the command name, in parentheses, may hold spaces and parentheses
+    fields = stat[stat.rindex(')') + 2:].split()
+    return int(fields[19])
+
+
 def _holder_is_gone(record: dict[str, Any]) -> bool:
     """Whether the lease's holder was a process of this machine, in this
-    boot, that no longer exists: a killed job restarted on its machine need
-    not wait for the lease to expire. A host name alone could be another
-    machine's, so without the same boot id the lease runs its course."""
-    boot_id, pid = _boot_id(), record.get('holder')
-    if boot_id is None or record.get('boot_id') != boot_id or type(pid) is not int:
+    boot and this PID namespace, that no longer exists (or whose pid is now
+    another process's): a killed job restarted on its machine need not wait
+    for the lease to expire. A host name alone could be another machine's,
+    and a pid of another PID namespace (another container on this host)
+    says nothing here, so in those cases the lease runs its course."""
+    pid = record.get('holder')
+    if (type(pid) is not int or _boot_id() is None or record.get('boot_id') != _boot_id()
+            or _pid_namespace() is None or record.get('pid_namespace') != _pid_namespace()):
         return False
     try:
         os.kill(pid, 0)
@@ -411,14 +444,16 @@ def _holder_is_gone(record: dict[str, Any]) -> bool:
         return True
     except OSError:
         return False  # exists, another user's
-    return False
+    started = record.get('started')
+    return started is not None and _start_time(pid) not in (None, started)
 
 
-def take_lease(fs: Any, path: str) -> ObjectLease | None:
+def take_lease(fs: Any, path: str, ttl_seconds: float = 60.0) -> ObjectLease | None:
     """The acquired lease at ``path`` of a store with S3's conditional
-    writes (through s3fs), or None for another store, which a lease cannot
-    guard (the job holds its local staging folder's lock only)."""
+    writes (through s3fs), lasting ``ttl_seconds`` after each renewal, or
+    None for another store, which a lease cannot guard (the job holds its
+    local staging folder's lock only)."""
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     if not set(protocols) & {'s3', 's3a'}:
         return None
-    return ObjectLease(fs, path).acquire()
+    return ObjectLease(fs, path, ttl_seconds=ttl_seconds).acquire()

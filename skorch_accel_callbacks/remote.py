@@ -41,7 +41,7 @@ from skorch_accel_callbacks import (
     sync,
     transfer,
 )
-from skorch_accel_callbacks.errors import CheckpointError
+from skorch_accel_callbacks.errors import CheckpointError, StoreUnavailableError
 from skorch_accel_callbacks.folder import CheckpointFolder, Found, is_committer
 from skorch_accel_callbacks.lease import ObjectLease, take_lease
 from skorch_accel_callbacks.lock import FolderInUseError
@@ -83,14 +83,28 @@ class RemoteStorage:
       folder named after the URL (:func:`default_staging`).
     storage_options : dict or None (default=None)
       Arguments of the fsspec filesystem (``key``, ``secret``,
-      ``endpoint_url``, ...).
+      ``endpoint_url``, ...). For ``s3://``, those of
+      :data:`~skorch_accel_callbacks.transfer.S3_CLIENT_DEFAULTS` that it
+      does not set bound each attempt of a request (a connection within
+      5 s, an answer within 10 s, one retry), on a filesystem of its own.
+    outage_seconds : float (default=60.0)
+      How long each request of an upload may fail, or go unanswered, before
+      the upload fails; it is sent again meanwhile
+      (:meth:`~skorch_accel_callbacks.transfer.Store.persist`).
+    lease_seconds : float (default=60.0)
+      How long the lease of the folder in the store lasts after each
+      renewal (S3): how long a job elsewhere is refused the folder after
+      this job was killed (plus 10 s for clocks that disagree).
     """
 
     def __init__(self, dirname: str, local_dir: str | os.PathLike[str] | None = None,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, *,
+                 outage_seconds: float = 60.0, lease_seconds: float = 60.0) -> None:
         self.dirname = os.fspath(dirname).rstrip('/')
         self.local_dir = os.fspath(local_dir or default_staging(self.dirname))
         self.storage_options = dict(storage_options or {})
+        self.outage_seconds = outage_seconds
+        self.lease_seconds = lease_seconds
         self.staging = CheckpointFolder(self.local_dir)
         self._fs = None
         self._root = None
@@ -129,13 +143,11 @@ class RemoteStorage:
     def _filesystem(self) -> tuple[Any, str]:
         """The fsspec filesystem and the path of ``dirname`` in it."""
         if self._fs is None:
-            # imported here: fsspec is optional (the [s3] extra)
-            import fsspec
-            self._fs, self._root = fsspec.core.url_to_fs(self.dirname, **self.storage_options)
+            self._fs, self._root = transfer.open_filesystem(self.dirname, self.storage_options)
         return self._fs, self._root
 
     def _store(self) -> transfer.Store:
-        return transfer.Store(*self._filesystem(), self.dirname)
+        return transfer.Store(*self._filesystem(), self.dirname, self.outage_seconds)
 
     def _remote(self, *parts: str) -> str:
         return self._store().path(*parts)
@@ -176,7 +188,7 @@ class RemoteStorage:
         with sync.agree(net, f"taking the lease of {self.dirname}"):
             if self._main:
                 # one job at a time in the store, before this one changes it
-                self._lease = _take_lease(self._store())
+                self._lease = _take_lease(self._store(), self.lease_seconds)
             if is_committer(net):
                 self._known = set(self.committed())
         self._finish_upload(net)
@@ -310,18 +322,24 @@ class RemoteStorage:
                 node_upload.upload_from_nodes(
                     self._nodes, self._store(), self.staging.path(name), name, best,
                     replace=name in self._known, before_manifest=self._check_lease)
+        except StoreUnavailableError as exc:
+            raise StoreUnavailableError(
+                f"the upload of {self.url(name)} failed: {exc}; {self._kept(name)}") from exc
         except (CheckpointError, FolderInUseError):
             raise
         except Exception as exc:
             raise CheckpointError(
-                f"the upload of {self.url(name)} failed ({type(exc).__name__}: {exc}); the "
-                f"checkpoint stays staged in {self.staging.path(name)}, " + (
-                    "which the next job on this machine with this dirname and local_dir "
-                    "uploads before it trains: nothing is lost" if self._known else
-                    "but the store holds no checkpoint yet: the next job starts afresh")
-            ) from exc
+                f"the upload of {self.url(name)} failed ({type(exc).__name__}: {exc}); "
+                f"{self._kept(name)}") from exc
         self._known.add(name)
         return time.monotonic() - started
+
+    def _kept(self, name: str) -> str:
+        """What became of checkpoint ``name`` when its upload failed."""
+        return f"the checkpoint stays staged in {self.staging.path(name)}, " + (
+            "which the next job on this machine with this dirname and local_dir uploads "
+            "before it trains: nothing is lost" if self._known else
+            "but the store holds no checkpoint yet: the next job starts afresh")
 
     def _check_lease(self) -> None:
         if self._lease is not None:
@@ -343,7 +361,7 @@ class RemoteStorage:
                 keep: tuple[str | None, ...]) -> None:
         if upload is not None and upload.exception() is not None:
             return  # the newest is not in the store: keep what is there
-        fs, _ = self._filesystem()
+        store = self._store()
         names = self.committed()
         kept = set(names[-keep_last:]) | set(keep) | {self.pointed('best')}
         if keep_best:
@@ -353,9 +371,15 @@ class RemoteStorage:
             if name in kept:
                 continue
             try:
-                fs.rm_file(self._remote(name, format.MANIFEST_NAME))
-                fs.rm(self._remote(name), recursive=True)
-            except OSError as exc:
+                store.persist(f"removing {self.url(name)}/{format.MANIFEST_NAME}",
+                              lambda seconds, name=name: store.fs.rm_file(
+                                  self._remote(name, format.MANIFEST_NAME),
+                                  **transfer.deadline(store.fs, seconds)))
+                store.persist(f"removing {self.url(name)}",
+                              lambda seconds, name=name: store.fs.rm(
+                                  self._remote(name), recursive=True,
+                                  **transfer.deadline(store.fs, seconds)))
+            except (OSError, CheckpointError) as exc:
                 warnings.warn(f"could not remove old checkpoint {self.url(name)}: {exc}",
                               UserWarning)
 
@@ -411,9 +435,9 @@ class RemoteStorage:
         return None if found is None else found.path
 
 
-def _take_lease(store: transfer.Store) -> ObjectLease | None:
+def _take_lease(store: transfer.Store, ttl_seconds: float) -> ObjectLease | None:
     try:
-        return take_lease(store.fs, store.path(format.LEASE_NAME))
+        return take_lease(store.fs, store.path(format.LEASE_NAME), ttl_seconds)
     except FolderInUseError:
         raise
     except Exception as exc:

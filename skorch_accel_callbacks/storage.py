@@ -73,16 +73,21 @@ class CheckpointStorage(Protocol):
 
 
 def open_storage(dirname: str | os.PathLike, local_dir: str | os.PathLike | None = None,
-                 storage_options: dict[str, Any] | None = None) -> CheckpointStorage:
+                 storage_options: dict[str, Any] | None = None, *,
+                 outage_seconds: float = 60.0, lease_seconds: float = 60.0,
+                 ) -> CheckpointStorage:
     """The storage of the checkpoints of ``dirname``.
 
     A path or a ``file://`` URL is a local folder; any other fsspec URL
     (``s3://bucket/run1``) an object store, staged in ``local_dir`` (None:
-    a folder of the system's temporary folder named after the URL) and
-    opened with the fsspec ``storage_options``.
+    a folder of the system's temporary folder named after the URL), opened
+    with the fsspec ``storage_options``, its requests sent again for up to
+    ``outage_seconds`` and its lease lasting ``lease_seconds``
+    (:class:`RemoteStorage`).
     """
     if is_remote(dirname):
-        return RemoteStorage(os.fspath(dirname), local_dir, storage_options)
+        return RemoteStorage(os.fspath(dirname), local_dir, storage_options,
+                             outage_seconds=outage_seconds, lease_seconds=lease_seconds)
     dirname = os.fspath(dirname)
     if dirname.lower().startswith('file://'):
         dirname = dirname[len('file://'):]

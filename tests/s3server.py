@@ -51,13 +51,15 @@ class Proxy:
     regular expression of bytes), the proxy cuts itself when a request
     matches it, before forwarding it; with ``drop_on``, it drops every
     request that matches, each retry too, and forwards the others. Either
-    sets ``fired`` when it acts.
+    sets ``fired`` when it acts. :meth:`silence` makes it an endpoint that
+    accepts connections and reads requests but never answers.
     """
 
     def __init__(self, port):
         self.target = port
         self.cut_on = None
         self.drop_on = None
+        self.silent = False
         self.fired = threading.Event()
         self._lock = threading.Lock()
         self._sockets = set()
@@ -78,6 +80,10 @@ class Proxy:
         self.port = listener.getsockname()[1]
         self._listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def silence(self):
+        """From now on, read every request and answer none."""
+        self.silent = True
 
     def cut(self):
         """Close every connection and stop listening."""
@@ -111,6 +117,9 @@ class Proxy:
                     self.fired.set()
                     self.cut()
                     return
+                if request and self.silent:
+                    self.fired.set()
+                    continue
                 if request and self.drop_on is not None and re.search(self.drop_on, data):
                     self.fired.set()
                     return

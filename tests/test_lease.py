@@ -4,6 +4,7 @@ against a real S3 server (moto, over HTTP, through s3fs)."""
 import json
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
@@ -90,10 +91,13 @@ def test_an_expired_lease_is_taken_over_with_a_warning(s3):
     assert not fs.exists(path)
 
 
-def live_lease_of(fs, path, pid, boot_id):
-    """A lease renewed a moment ago by ``pid`` of the boot ``boot_id``."""
+def live_lease_of(fs, path, pid, boot_id, pid_namespace=None, started=None):
+    """A lease renewed a moment ago by ``pid`` of the boot ``boot_id``, in
+    the PID namespace ``pid_namespace`` (this process's by default)."""
     now = datetime.now(UTC)
     record = {'holder': pid, 'host': socket.gethostname(), 'boot_id': boot_id,
+              'pid_namespace': pid_namespace or os.readlink('/proc/self/ns/pid'),
+              'started': started,
               'token': 'killed', 'ttl_seconds': 3600.0, 'acquired_at': now.isoformat(),
               'expires_at': (now + timedelta(hours=1)).isoformat()}
     fs.pipe_file(path, json.dumps(record).encode())
@@ -121,6 +125,72 @@ def test_a_live_lease_of_a_killed_process_of_this_machine_is_taken_at_once(s3):
         lease = ObjectLease(fs, path).acquire()
     assert stored(fs, path)['token'] != 'killed'
     lease.release()
+
+
+def test_a_live_lease_whose_pid_is_now_another_process_s_is_taken_at_once(s3):
+    """A pid used again by a new process (after a reboot-less restart)
+    does not keep a killed holder's lease alive: its start time differs."""
+    fs, path = s3
+    boot_id = Path('/proc/sys/kernel/random/boot_id').read_text().strip()
+    with subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']) as other:
+        try:
+            live_lease_of(fs, path, other.pid, boot_id, started=1)
+            with pytest.warns(UserWarning, match=f'from pid {other.pid} on host .*, a process '
+                                                 'of this machine that is gone'):
+                ObjectLease(fs, path).acquire().release()
+        finally:
+            other.kill()
+
+
+def test_a_live_lease_of_a_killed_process_of_another_pid_namespace_runs_its_course(s3):
+    """Another container of this machine: its pids mean nothing here."""
+    fs, path = s3
+    boot_id = Path('/proc/sys/kernel/random/boot_id').read_text().strip()
+    record = live_lease_of(fs, path, gone_pid(), boot_id, pid_namespace='pid:[1]')
+    with pytest.raises(FolderInUseError, match='is in use by another running job'):
+        ObjectLease(fs, path).acquire()
+    assert stored(fs, path) == record
+
+
+@pytest.mark.skipif(shutil.which('unshare') is None or os.geteuid() != 0,
+                    reason='needs unshare (util-linux) and root, as CI has')
+def test_a_job_in_another_pid_namespace_is_refused_a_live_lease(s3, s3_endpoint):
+    """Two containers (pods) of one machine: the second job, in a PID
+    namespace of its own, cannot see the first's pid and must not take its
+    live lease for a killed process's."""
+    fs, path = s3
+    held = ObjectLease(fs, path).acquire()
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
+        from s3server import filesystem
+        from skorch_accel_callbacks.lease import ObjectLease
+        from skorch_accel_callbacks.lock import FolderInUseError
+        print(os.readlink('/proc/self/ns/pid'), flush=True)
+        try:
+            os.kill({os.getpid()}, 0)
+        except ProcessLookupError:
+            print('holder not visible', flush=True)
+        try:
+            ObjectLease(filesystem({s3_endpoint!r}), {path!r}).acquire()
+        except FolderInUseError as error:
+            print('refused:', error, flush=True)
+        else:
+            print('taken', flush=True)
+    """)
+    done = subprocess.run(['unshare', '--pid', '--fork', '--mount-proc', sys.executable,
+                           '-c', script], capture_output=True, text=True, timeout=120)
+    try:
+        assert done.returncode == 0, done.stderr
+        namespace, visible, outcome = done.stdout.strip().splitlines()
+        # the job ran in another PID namespace, where the holder's pid is unknown
+        assert namespace != os.readlink('/proc/self/ns/pid')
+        assert visible == 'holder not visible'
+        assert outcome.startswith('refused: checkpoint folder') and 'in use by' in outcome
+        assert held.held
+        held.check()
+    finally:
+        held.release()
 
 
 def test_a_live_lease_of_another_boot_is_refused_whatever_its_pid(s3):

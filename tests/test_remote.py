@@ -356,15 +356,17 @@ def test_leftovers_of_a_cut_upload_are_ignored_then_removed_at_the_next_claim(s3
     unfinished = fs.call_s3('create_multipart_upload', Bucket=s3_bucket, Key=key)
     fs.call_s3('upload_part', Bucket=s3_bucket, Key=key, PartNumber=1,
                UploadId=unfinished['UploadId'], Body=b'a part')
-    # not under the folder: not this job's to abort
+    # not under the folder, or under a run nested in it: not this job's to abort
     fs.call_s3('create_multipart_upload', Bucket=s3_bucket, Key='run-other/file')
+    nested = 'run/sub/epoch-0001/model.safetensors'
+    fs.call_s3('create_multipart_upload', Bucket=s3_bucket, Key=nested)
     storage = open_storage(url)
     assert storage.committed() == ['epoch-0001', 'epoch-0002']
     assert storage.find_checkpoint('latest').manifest['epoch'] == 2
     _, cp, load = fit(url, max_epochs=3)
     assert load.loaded_from_.endswith('epoch-0002')
     uploads = fs.call_s3('list_multipart_uploads', Bucket=s3_bucket).get('Uploads', [])
-    assert [upload['Key'] for upload in uploads] == ['run-other/file']
+    assert sorted(upload['Key'] for upload in uploads) == ['run-other/file', nested]
     assert not [path for path in listing(f'{s3_bucket}/run') if 'epoch-0009' in path]
     assert cp.committed() == ['epoch-0002', 'epoch-0003']
 
@@ -613,7 +615,7 @@ def test_files_that_failed_past_the_client_s_retries_are_sent_again(
 
     # the upload's thread warns: from the commit that starts it to the wait
     with pytest.warns(UserWarning, match=f'sending the files of {url}/epoch-0001 failed '
-                      r'\(.*\); sending them again in 1 s') as warned:
+                      r'\(.*\); sending it again for up to 30 s') as warned:
         back = threading.Thread(target=back_once_warned, args=(warned,))
         back.start()
         storage.commit('epoch-0001', {'format_version': format.FORMAT_VERSION},

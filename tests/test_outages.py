@@ -1,0 +1,132 @@
+"""A store that fails or goes silent while checkpoints are uploaded, against
+a real local S3 server (moto) behind a TCP proxy that the test cuts or
+silences: every request of an upload rides out a 10 s outage, and a store
+that accepts connections and never answers fails the save within a bounded
+time, saying so."""
+
+import threading
+import time
+import warnings
+
+import fsspec
+import pytest
+from skorch.callbacks import Callback
+
+from checkpointed import fit
+from s3server import Proxy
+from skorch_accel_callbacks import StoreUnavailableError
+from skorch_accel_callbacks.transfer import S3_CLIENT_DEFAULTS, client_options
+
+OUTAGE_S = 10
+
+
+@pytest.fixture
+def network(s3_endpoint, monkeypatch):
+    """The network between the job and the S3 server: a proxy the test cuts."""
+    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
+    monkeypatch.setenv('AWS_ENDPOINT_URL', proxy.endpoint)
+    yield proxy
+    proxy.cut()
+
+
+def through(network):
+    """Storage options that reach the server through ``network`` (a
+    filesystem of fsspec's cache could bypass it)."""
+    return {'client_kwargs': {'endpoint_url': network.endpoint}}
+
+
+def back_after_outage(network):
+    """Once the proxy cut itself, listen again after ``OUTAGE_S`` seconds."""
+    def restore():
+        if network.fired.wait(120):
+            time.sleep(OUTAGE_S)
+            network.restore()
+
+    thread = threading.Thread(target=restore, daemon=True)
+    thread.start()
+    return thread
+
+
+# the requests of an upload, each matched as the proxy sees it go out
+REQUESTS = {
+    'files': rb'PUT /[^ ]*/run/epoch-0002/model\.safetensors',
+    'lease renewal before the manifest': rb'(?is)PUT /[^ ]*/run/\.lease\.json.*if-match:',
+    'manifest': rb'PUT /[^ ]*/run/epoch-0002/manifest\.json',
+    'pointer': rb'PUT /[^ ]*/run/latest\.json',
+    'removal of a retired checkpoint': rb'DELETE /[^ ]*/run/epoch-0001/manifest\.json',
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('request_cut', list(REQUESTS))
+def test_every_request_of_an_upload_rides_out_a_10_s_outage(s3_bucket, network, request_cut):
+    """The network goes down at one request of an upload and comes back
+    10 s later: the upload goes on, training finishes, nothing is left
+    behind (the client's own retries last about 2 s)."""
+    url = f's3://{s3_bucket}/run'
+    network.cut_on = REQUESTS[request_cut]
+    restoring = back_after_outage(network)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        _, cp, _ = fit(url, max_epochs=3, keep_last=1, storage_options=through(network))
+    restoring.join()
+    assert network.fired.is_set(), f"the {request_cut} request was never cut"
+    retried = [str(w.message) for w in caught if 'sending it again' in str(w.message)]
+    assert retried, [str(w.message) for w in caught]
+    assert cp.committed() == ['epoch-0003']
+    fs = fsspec.filesystem('s3', skip_instance_cache=True, client_kwargs={
+        'endpoint_url': network.endpoint})
+    # the lease is removed at the end of training, the retired checkpoints
+    # once the upload after them succeeded
+    assert sorted(path.rsplit('/', 1)[-1] for path in fs.ls(f'{s3_bucket}/run')) == [
+        'epoch-0003', 'latest.json']
+
+
+class SilenceAt(Callback):
+    """From the beginning of epoch ``epoch`` on, the store never answers."""
+
+    def __init__(self, network, epoch):
+        self.network = network
+        self.epoch = epoch
+
+    def on_epoch_begin(self, net, **kwargs):
+        if len(net.history) == self.epoch and not self.network.silent:
+            self.silenced_at_ = time.monotonic()
+            self.network.silence()
+
+
+@pytest.mark.slow
+def test_a_store_that_never_answers_fails_the_save_within_a_bounded_time(
+        s3_bucket, network):
+    """A store that accepts connections and never answers: the upload's
+    request is given up once it went unanswered for ``outage_seconds``, and
+    the save fails naming the request and the setting; with botocore's
+    and s3fs's defaults it blocked for minutes (aiohttp's read timeout
+    does not cover the wait for an upload's ``100 Continue``)."""
+    url = f's3://{s3_bucket}/run'
+    silence = SilenceAt(network, epoch=2)
+    began = None
+    with pytest.raises(StoreUnavailableError) as raised:
+        began = time.monotonic()
+        fit(url, max_epochs=4, callbacks=[silence], outage_seconds=5,
+            storage_options=through(network))
+    failed_after = time.monotonic() - silence.silenced_at_
+    assert network.fired.is_set()
+    message = str(raised.value)
+    assert f'the upload of {url}/epoch-000' in message
+    assert 'past outage_seconds=5: the store did not answer' in message
+    assert 'the checkpoint stays staged in' in message
+    # outage_seconds, then the end of training releases the lease: the
+    # renewal under way (a third of its 60 s) and its removal (a DELETE,
+    # which the client's read timeout bounds: 2 x 10 s)
+    assert failed_after < 5 + 20 + 20 + 10, (failed_after, time.monotonic() - began)
+
+
+def test_storage_options_override_the_client_defaults_key_by_key():
+    mine = {'key': 'k', 'config_kwargs': {'read_timeout': 120}}
+    options = client_options('s3://bucket/run', mine)
+    assert options['key'] == 'k' and options['skip_instance_cache'] is True
+    assert options['config_kwargs'] == dict(S3_CLIENT_DEFAULTS['config_kwargs'],
+                                            read_timeout=120)
+    assert mine == {'key': 'k', 'config_kwargs': {'read_timeout': 120}}
+    assert client_options('memory://run', mine) == mine
