@@ -99,13 +99,13 @@ def test_a_sigterm_in_the_second_call_resumes_there(uninterrupted, tmp_path, war
     with pytest.raises(TrainingPreempted) as preempted:
         script(tmp_path / 'ck', Interrupt('sigterm', 6, batch, 'in-process'), warm=warm)
     assert os.path.basename(preempted.value.checkpoint) == taken
-    saved = json.loads((tmp_path / 'ck' / taken / 'manifest.json').read_text())
-    # taken in the second call, which began after epoch 4 and ends after 8
-    assert saved['position']['fit_calls'] == [[0, 4], [4, 8]]
     relaunched, trained = script(tmp_path / 'ck', warm=warm)
     assert_same_end(full, relaunched)
     # only what the interrupted script had not trained
     assert trained == (7 - batch) + 2 * 7
+    saved = json.loads((tmp_path / 'ck' / taken / 'manifest.json').read_text())
+    # taken in the second call, which began after epoch 4 and ends after 8
+    assert saved['position']['fit_calls'] == [[0, 4], [4, 8]]
 
 
 def test_a_finished_script_run_again_trains_nothing(uninterrupted):
