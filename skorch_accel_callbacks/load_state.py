@@ -55,12 +55,14 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     was under way: calls are counted from the net's ``initialize``, and a
     checkpoint records the call it was taken in and where each call so far
     began and ends. The first call loads the newest checkpoint; if a later
-    call took it, the calls before that one train nothing (their work is
-    done: the net holds the checkpoint's parameters and history between
+    call of the same script took it (the first call's ``max_epochs`` is
+    the one recorded), the calls before that one train nothing (their work
+    is done: the net holds the checkpoint's parameters and history between
     them), and that call gets the random states, the callbacks' state and
     the position inside an epoch, and trains the epochs left of its own
-    ``max_epochs`` (counted from the epoch it began at). A checkpoint
-    without that record counts as the first call's. A checkpoint this run cannot continue
+    ``max_epochs`` (counted from the epoch it began at). A first call with
+    another ``max_epochs``, or a checkpoint without that record, continues
+    it itself, as a single ``fit`` does. A checkpoint this run cannot continue
     exactly (another model, number of processes, data, hyper-parameters) is
     refused before any training step. See the README, section 'How the
     callbacks differ from skorch's'.
@@ -244,6 +246,10 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             data=self.check_data, params=self.check_params,
             reseed=self.on_world_size_change == 'reseed', storage=self._storage), X, y)
         self._fit_calls = format.fit_calls(restored.manifest, restored.path)
+        if self._fit_calls[0] != (0, net.max_epochs):
+            # not the script that took it (its first call had another
+            # max_epochs): this fit continues it, as a single fit does
+            self._fit_calls = [(0, net.max_epochs)]
         net.history = restored.history
         self._pending, self._inside = restored, restored.inside
         self.loaded_from_ = self._named(restored.path)
