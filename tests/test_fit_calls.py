@@ -13,6 +13,7 @@ too many.
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -20,7 +21,12 @@ import torch
 from common import make_accelerator, make_data, make_net
 from fit_calls import CountBatches, Interrupt, state
 from launcher import launch
-from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, TrainingPreempted
+from skorch_accel_callbacks import (
+    AccelerateCheckpoint,
+    AccelerateLoadInitState,
+    CheckpointError,
+    TrainingPreempted,
+)
 from testutil import read_results
 
 # make_data()'s 256 rows, 205 of them trained on: 7 batches of 32 an epoch
@@ -188,3 +194,20 @@ def test_the_second_call_resumes_there_in_two_processes(tmp_path):
         assert res['loaded_from'] == 'epoch-0005-step-00000021'
         assert res['trained'] == 3 + 2 * LAST_BATCH[nproc]
     assert_same_ends(full, end_states(tmp_path, 'after-kill', nproc))
+
+
+def test_a_checkpoint_inside_an_epoch_this_fit_does_not_reach_is_refused(tmp_path):
+    cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'))
+    torch.manual_seed(0)
+    net = make_net(make_accelerator(), max_epochs=4,
+                   callbacks=[cp, AccelerateLoadInitState(cp), Interrupt('sigterm', 3, 2, 'x')])
+    with pytest.raises(TrainingPreempted):
+        net.fit(*make_data())
+    # a fit of 2 epochs ends before the epoch the checkpoint goes on in
+    cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'))
+    net = make_net(make_accelerator(), max_epochs=2, callbacks=[cp, AccelerateLoadInitState(cp)])
+    with pytest.raises(CheckpointError, match=r"taken inside epoch 3, which this fit call .*"
+                                              r"raise max_epochs to 3 or more, or resume from "
+                                              + re.escape(str(tmp_path / 'ck' / 'epoch-0002'))):
+        net.fit(*make_data())
+    cp.close()
