@@ -321,7 +321,8 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             net.history.pop()
         if self._continues():
             loader = training_state.find_train_loader(net, dataset_train)
-            if self._inside is not None and not ends:
+            # (a call that ends before the epoch it was taken in was refused)
+            if self._inside is not None:
                 self._continue_epoch(net, loader)
                 return
             restored = self._restore_callbacks(net)
