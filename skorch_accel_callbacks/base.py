@@ -36,9 +36,11 @@ class Resumed:
     """What a fit was resumed from, as :class:`AccelerateLoadInitState`
     publishes it (``resumed_``) for the checkpoint callback of its folder.
 
-    A new record is made by each resume, so that a callback can tell a fit
-    that resumed from a later one (``partial_fit``, ``warm_start``) that
-    continues the same training.
+    A new record is made for each ``fit``/``partial_fit`` call that the
+    resume is for: the calls from the one that loaded the checkpoint up to
+    the one that continues it (the call it was taken in, counted from the
+    net's ``initialize``). A later call (``partial_fit``, ``warm_start``)
+    finds no new record, and continues the same training.
     """
 
     #: the folder of checkpoints it was looked for in (a real path)
@@ -51,9 +53,14 @@ class Resumed:
     step: int
     #: training batches of the epoch under way (0 at an epoch's end)
     batches: int
-    #: complete epochs after which the resumed fit ends: ``max_epochs``, or
-    #: the epochs done if a callback had stopped training or they are more
+    #: complete epochs after which the call ends: where the call that
+    #: continues the checkpoint began plus ``max_epochs``, or the epochs done
+    #: if a callback had stopped training or they are more; the epochs done
+    #: in a call before that one (its work is done)
     last_epoch: int
+    #: the fit calls since ``initialize`` up to this one: for each, the
+    #: complete epochs when it began and those after which it ends
+    fit_calls: tuple[tuple[int, int], ...]
 
 
 def find_resumed(net: NeuralNet, dirname: str | os.PathLike) -> Resumed | None:

@@ -57,8 +57,9 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
       Save at the end of every n-th epoch, counted over resumes.
 
     keep_last : int (default=2)
-      How many of the newest checkpoints to keep, besides the best ones and
-      the one this run resumed from.
+      How many of the newest checkpoints to keep, besides the best ones, the
+      newest taken at an epoch's end and, while the fit that resumed from it
+      runs, the one it resumed from.
 
     every_n_steps : int or None (default=None)
       Also save after every n-th optimizer step, counted over resumes; as
@@ -132,7 +133,8 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
       Name of the last checkpoint saved (maybe still being written).
 
     resumed_from_ : str or None
-      Name of the checkpoint this training resumed from; never retired.
+      Name of the checkpoint this training resumed from; not retired while
+      the fit call that continues it runs.
 
     global_step_ : int
       Optimizer steps taken since training began, over resumes.
@@ -223,6 +225,11 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self._resumed = None
         # complete epochs after which the fit under way ends
         self._last_epoch = None
+        # the fit/partial_fit calls since initialize, up to the one under
+        # way: the complete epochs when each began, those after which it ends
+        self._fit_calls: list[tuple[int, int]] = []
+        # the checkpoint the call under way resumed from, kept by retention
+        self._keep = None
         self._fit_began = False
         self._train_loader = None
         self._data = None
@@ -281,6 +288,8 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         base.move_callback(net, self, 'last')
         self.folder_.claim(net)
         self._data = fingerprint.data_fingerprint(X, y)
+        self._fit_calls.append((len(net.history), len(net.history) + net.max_epochs))
+        self._keep = None
         self._fit_began = False
         self._deferred = None
         self._poll.begin(net)
@@ -293,7 +302,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             # the resume callback, which runs first, has loaded the checkpoint
             if not self._take_resumed(net):
                 # a fresh start or a partial_fit: skorch trains max_epochs more
-                self._last_epoch = len(net.history) - 1 + net.max_epochs
+                self._last_epoch = self._fit_calls[-1][1]
             # once every callback's on_train_begin went through: a fit that
             # fails before training leaves no handler behind
             self._poll.install(net, type(self).__name__, self.signals_)
@@ -403,6 +412,10 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self._resumed = record
         self.global_step_, self._batches = record.step, record.batches
         self._last_epoch = record.last_epoch
+        # the resume counts the calls (one of them may have begun before
+        # the checkpoint was loaded)
+        self._fit_calls = list(record.fit_calls)
+        self._keep = record.name
         return True
 
     def _stop(self, net: Any, received: signal.Signals, path: str | None) -> None:
@@ -454,7 +467,8 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             batches=self._batches if inside_epoch else 0,
             train_loader=self._train_loader, epoch_start=self._epoch_start,
             data=self._data, best=best, finished=finished, stopped_early=stopped_early,
-            keep=(self.resumed_from_,), requested_at=requested_at))
+            keep=(self._keep,), requested_at=requested_at,
+            fit_calls=tuple(self._fit_calls)))
         if report is not None:
             base.say(net, self.sink, report.message())
         self.last_saved_ = name

@@ -92,7 +92,10 @@ def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_earl
     fingerprint of the training data
     (:func:`~skorch_accel_callbacks.fingerprint.data_fingerprint`);
     ``position``: ``{'step': optimizer steps, 'batches': training batches
-    of the epoch under way}`` (0 batches at an epoch's end); ``loader``: the
+    of the epoch under way}`` (0 batches at an epoch's end), and
+    optionally ``'fit_calls'``: ``[[first epoch, last epoch], ...]`` of each
+    ``fit``/``partial_fit`` call since ``initialize``, the last the one it is
+    taken in (:func:`~skorch_accel_callbacks.format.fit_calls`); ``loader``: the
     training loader of the epoch (for its number of rows).
     """
     manifest = {

@@ -383,10 +383,12 @@ class LoadableCheckpoint:
         return self._reader().find(which)
 
     @property
-    def f_history(self) -> str:
-        """The history's file in a checkpoint; skorch's ``load_params``
-        reads the history of a checkpoint when this is not None."""
-        return format.HISTORY_NAME
+    def f_history(self) -> None:
+        """None: skorch's ``load_params`` then takes the history's file from
+        :meth:`get_formatted_files`, with the models', so that the
+        checkpoint is found (and a damaged newer one skipped, with a
+        warning) once, and both come from the same one."""
+        return None
 
     @property
     def f_history_(self) -> str:

@@ -21,7 +21,7 @@ from skorch_accel_callbacks import accelerate_io, atomic, format, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.lock import FolderLock
 
-__all__ = ['CheckpointFolder', 'Found', 'is_committer']
+__all__ = ['CheckpointFolder', 'Found', 'is_committer', 'retained']
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,17 @@ def is_committer(net: Any) -> bool:
     if accelerate_io.save_on_each_node(net.accelerator):
         return sync.is_local_main_process(net)
     return sync.is_main_process(net)
+
+
+def retained(names: list[str], keep_last: int, best: Iterable[str | None],
+             keep: Iterable[str | None]) -> set[str | None]:
+    """The committed checkpoints ``names`` (oldest first) that retention
+    keeps, in a folder and in a store alike: the ``keep_last`` newest, the
+    newest taken at an epoch's end (the one a refusal to continue inside an
+    epoch advises, while checkpoints inside epochs rotate), the ``best``
+    ones and those in ``keep`` (the one the fit under way resumed from)."""
+    return (set(names[-keep_last:]) | {format.newest_at_epoch_end(names)}
+            | set(best) | set(keep))
 
 
 class CheckpointFolder:
@@ -332,14 +343,16 @@ class CheckpointFolder:
 
     def retire(self, keep_last: int, keep_best: int | None = None,
                keep: Iterable[str | None] = ()) -> None:
-        """Remove all but the ``keep_last`` newest checkpoints, the best one
-        (or the ``keep_best`` newest of those marked best) and those named in
-        ``keep`` (the one a job resumed from); the files go in the background."""
+        """Remove all but the checkpoints :func:`retained` keeps: the
+        ``keep_last`` newest, the newest taken at an epoch's end, the best
+        one (or the ``keep_best`` newest of those marked best) and those named
+        in ``keep`` (the one the fit under way resumed from); the files go in
+        the background."""
         names = self.committed()
-        keep = set(names[-keep_last:]) | set(keep) | {self.pointed('best')}
+        best = [self.pointed('best')]
         if keep_best:
-            best = [name for name in names if self._marked_best(name)]
-            keep |= set(best[-keep_best:])
+            best += [name for name in names if self._marked_best(name)][-keep_best:]
+        keep = retained(names, keep_last, best, keep)
         for name in names:
             if name in keep:
                 continue

@@ -34,7 +34,11 @@ history and callbacks when the ranks' copies differed, the module buffers
 of FSDP2 when they did), each rank's copy in its own files
 (:func:`history_name`, :func:`callbacks_names`, :func:`buffers_name`);
 absent, or an item not in it, means one copy that every rank shares (the
-files of before), so that older manifests read as they did.
+files of before), so that older manifests read as they did; and,
+also without a format change, the ``fit``/``partial_fit`` calls since
+the net's ``initialize`` up to the one it was taken in
+(``position['fit_calls']``, see :func:`fit_calls`), so that a relaunched
+script with several calls goes on in the call that wrote it.
 
 This module imports nothing of the package but ``atomic`` and ``errors``:
 every other module may use it.
@@ -75,9 +79,11 @@ __all__ = [
     'checksum_file',
     'checksum_stream',
     'epoch_caches_names',
+    'fit_calls',
     'history_name',
     'is_checkpoint_name',
     'merged',
+    'newest_at_epoch_end',
     'per_rank',
     'per_rank_files',
     'plain_history_name',
@@ -123,6 +129,17 @@ def checkpoint_name(epochs: int, step: int | None = None) -> str:
 def is_checkpoint_name(name: str) -> bool:
     """Whether ``name`` is the name of a checkpoint folder (``epoch-NNNN``)."""
     return bool(_CHECKPOINT_NAME_RE.match(name))
+
+
+def newest_at_epoch_end(names: list[str], epochs: int | None = None) -> str | None:
+    """The last of the checkpoint ``names`` (oldest first) taken at an
+    epoch's end (``epoch-NNNN``), after at most ``epochs`` complete epochs
+    if given; None if there is none."""
+    for name in reversed(names):
+        match = _CHECKPOINT_NAME_RE.match(name)
+        if match and match.group(2) is None and (epochs is None or int(match.group(1)) <= epochs):
+            return name
+    return None
 
 
 def pointer_name(which: str) -> str:
@@ -401,6 +418,33 @@ def batches_into_epoch(manifest: dict[str, Any]) -> int:
     """The training batches of the epoch under way when the checkpoint was
     taken: 0 at an epoch's end (and in formats before 3)."""
     return (manifest.get('position') or {}).get('batches', 0)
+
+
+def fit_calls(manifest: dict[str, Any], path: str | os.PathLike[str]) -> list[tuple[int, int]]:
+    """The ``fit``/``partial_fit`` calls since the net's ``initialize`` up to
+    the one the checkpoint was taken in (its last): for each, the complete
+    epochs when it began and those after which it was to end. A manifest
+    without them (written before they were recorded) has one: the call
+    that began at epoch 0 and was to end after ``epoch`` epochs, the
+    checkpoint's.
+
+    Raises :class:`CorruptCheckpointError` naming the manifest of ``path``
+    when the entry is not such a list.
+    """
+    recorded = (manifest.get('position') or {}).get('fit_calls')
+    if recorded is None:
+        return [(0, manifest.get('epoch', 0))]
+    epochs = manifest.get('epoch')
+    if (isinstance(recorded, list) and recorded
+            and all(isinstance(call, list) and len(call) == 2
+                    and all(type(epoch) is int and epoch >= 0 for epoch in call)
+                    and call[0] <= call[1] for call in recorded)
+            # the call it was taken in had begun
+            and (type(epochs) is not int or recorded[-1][0] <= epochs)):
+        return [(begins, ends) for begins, ends in recorded]
+    raise CorruptCheckpointError(
+        f"{os.path.join(path, MANIFEST_NAME)} has position['fit_calls'] {recorded!r}, not a "
+        "list of [first epoch, last epoch] of each fit call")
 
 
 # ---------------------------------------------------------------- checksums

@@ -12,6 +12,7 @@ from skorch.utils import noop
 from skorch_accel_callbacks import (
     accelerate_io,
     epoch_position,
+    format,
     restore,
     rng_state,
     settings,
@@ -49,8 +50,22 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     then trains only the epochs left to reach ``max_epochs`` (none once a
     callback such as ``EarlyStopping`` had stopped the run), bit for bit as
     the uninterrupted run; a checkpoint taken inside an epoch continues that
-    epoch. The net's parameters are never changed. Without a
-    checkpoint, training starts fresh. A checkpoint this run cannot continue
+    epoch. The net's parameters are never changed. Without a checkpoint,
+    training starts fresh.
+
+    A script of several calls (``fit`` then ``partial_fit``, or ``fit``
+    twice with ``warm_start=True``), run again, goes on in the call that
+    was under way: calls are counted from the net's ``initialize``, and a
+    checkpoint records the call it was taken in and where each call so far
+    began and ends. The first call loads the newest checkpoint; if a later
+    call of the same script took it (the first call's ``max_epochs`` is
+    the one recorded), the calls before that one train nothing (their work
+    is done: the net holds the checkpoint's parameters and history between
+    them), and that call gets the random states, the callbacks' state and
+    the position inside an epoch, and trains the epochs left of its own
+    ``max_epochs`` (counted from the epoch it began at). A first call with
+    another ``max_epochs``, or a checkpoint without that record, continues
+    it itself, as a single ``fit`` does. A checkpoint this run cannot continue
     exactly (another model, number of processes, data, hyper-parameters) is
     refused before any training step. See the README, section 'How the
     callbacks differ from skorch's'.
@@ -106,8 +121,9 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     resumed_ : Resumed or None
       What the net was resumed from (path, name, optimizer steps, batches
-      into its epoch, the epochs after which the resumed fit ends); the
-      checkpoint callback of the folder counts on from it.
+      into its epoch, the epochs after which the call under way ends, the
+      fit calls so far); a new one in each call up to the one that continues
+      the checkpoint. The checkpoint callback of the folder counts on from it.
 
     Raises
     ------
@@ -192,6 +208,10 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self._undo_skip = None
         self._skipped = 0
         self._storage: CheckpointStorage | None = None
+        # the fit/partial_fit call under way, counted from initialize
+        self._call = -1
+        # the calls the checkpoint read records: the last one continues it
+        self._fit_calls: list[tuple[int, int]] = []
         return self
 
     def __getstate__(self) -> dict:
@@ -212,6 +232,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     # pylint: disable=arguments-differ
     def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
+        self._call += 1
         self._last_epoch = None
         accelerator = getattr(net, 'accelerator', None)
         if accelerator is not None:
@@ -222,30 +243,67 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self._storage = self._checkpoint_storage(net)
         # a job refused by the lock must not have read another job's checkpoint
         self._storage.claim(net)
-        if self.did_load_:
-            return
-        self.did_load_ = True
+        if not self.did_load_:
+            self.did_load_ = True
+            if not self._load(net, X, y):
+                return
+        if self._pending is not None and self._call < len(self._fit_calls):
+            self._begin_call(net)
+            if self._call == 0:
+                say(net, self.sink, self._resumed_message(self._pending))
+
+    def _load(self, net: Any, X: Any, y: Any) -> bool:
+        """Read the checkpoint to resume from, if any: whether there was one."""
         chosen = restore.choose_checkpoint(net, self._storage, self.resume)
         if chosen is None:
             say(net, self.sink, f"No checkpoint in {self.checkpoint.dirname}; "
                                 "training from scratch.")
-            return
+            return False
         restored = restore.read_checkpoint(net, chosen, restore.ResumeChecks(
             data=self.check_data, params=self.check_params,
-            reseed=self.on_world_size_change == 'reseed'), X, y)
+            reseed=self.on_world_size_change == 'reseed', storage=self._storage), X, y)
+        self._fit_calls = format.fit_calls(restored.manifest, restored.path)
+        if self._fit_calls[0] != (0, net.max_epochs):
+            # not the script that took it (its first call had another
+            # max_epochs): this fit continues it, as a single fit does
+            self._fit_calls = [(0, net.max_epochs)]
         net.history = restored.history
         self._pending, self._inside = restored, restored.inside
-        path = restored.path
-        self.loaded_from_ = self._named(path)
+        self.loaded_from_ = self._named(restored.path)
+        return True
+
+    def _continues(self) -> bool:
+        """Whether the call under way is the one the checkpoint read was
+        taken in, and its state is not applied yet."""
+        return self._pending is not None and self._call == len(self._fit_calls) - 1
+
+    def _begin_call(self, net: Any) -> None:
+        """Where the call under way ends, up to the call the checkpoint was
+        taken in: a call before that one trains nothing (its work is done),
+        that one the epochs left of its ``max_epochs``."""
+        restored, call = self._pending, self._call
         done = restored.epochs_done
-        self._last_epoch = done if restored.stopped_early else max(done, net.max_epochs)
+        if not self._continues():
+            last = done
+            calls = self._fit_calls[:call + 1]
+        else:
+            begins = self._fit_calls[call][0]
+            last = done if restored.stopped_early else max(done, begins + net.max_epochs)
+            if restored.inside is not None and last <= done:
+                raise CheckpointError(
+                    f"{self.loaded_from_} was taken inside epoch {done + 1}, which this "
+                    f"fit call (it began at epoch {begins}, max_epochs={net.max_epochs}) "
+                    "does not reach: it cannot go on inside that epoch; raise max_epochs "
+                    f"to {done + 1 - begins} or more, or "
+                    + settings.epoch_end_advice(self._storage, restored.manifest))
+            calls = [*self._fit_calls[:call], (begins, last)]
+        self._last_epoch = last
         self.resumed_ = Resumed(
-            dirname=os.path.realpath(self.checkpoint.dirname), path=path,
-            name=CheckpointFolder.name_of(path), step=restored.step,
+            dirname=os.path.realpath(self.checkpoint.dirname), path=restored.path,
+            name=CheckpointFolder.name_of(restored.path), step=restored.step,
             # on another number of processes, the batches this run skips
             batches=restored.inside.batches if restored.inside else 0,
-            last_epoch=self._last_epoch)
-        say(net, self.sink, self._resumed_message(restored))
+            last_epoch=last, fit_calls=tuple(calls))
 
     def _named(self, path: str) -> str:
         """How the checkpoint read at ``path`` is named: its URL if it is
@@ -254,7 +312,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         return self._storage.url(name) if self._storage.path(name) == path else path
 
     def _resumed_message(self, restored: restore.Restored) -> str:
-        done, left = restored.epochs_done, self._last_epoch - restored.epochs_done
+        done = restored.epochs_done
         where = (f"at batch {restored.inside.batches} of epoch {done + 1}" if restored.inside
                  else f"after epoch {done}")
         source = self.loaded_from_
@@ -263,6 +321,12 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                        "random states derived anew"
                        + (f", saved rank {restored.states_of_rank}'s history and callbacks"
                           if restored.states_of_rank is not None else '') + ")")
+        taken_in = len(self._fit_calls) - 1
+        if taken_in:
+            return (f"Resumed from {source} {where}, taken in fit call {taken_in + 1} since "
+                    f"initialize (a partial_fit or warm_start fit): the {taken_in} call(s) "
+                    "before it train nothing, it goes on.")
+        left = self._last_epoch - done
         return (f"Resumed from {source} {where}; "
                 + ("a callback had stopped training." if restored.stopped_early
                    else f"training {left} more epoch(s)." if left
@@ -274,9 +338,10 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             'train_loss' in row for row in net.history[:-1]) >= self._last_epoch
         if ends:
             net.history.pop()
-        if self._pending is not None:
+        if self._continues():
             loader = training_state.find_train_loader(net, dataset_train)
-            if self._inside is not None and not ends:
+            # (a call that ends before the epoch it was taken in was refused)
+            if self._inside is not None:
                 self._continue_epoch(net, loader)
                 return
             restored = self._restore_callbacks(net)
@@ -294,10 +359,12 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         if not epoch_position.can_skip(loader):
             raise CheckpointError(
                 f"{self.loaded_from_} was taken inside an epoch, but this run's training "
-                "data cannot skip batches by index (an IterableDataset)")
+                "data cannot skip batches by index (an IterableDataset): resume it with "
+                "a map-style data set, or "
+                + settings.epoch_end_advice(self._storage, self._pending.manifest))
         # the train split is made by now, before the epoch's first step
         settings.check_train_rows(self._pending.manifest, len(loader.dataset),
-                                  self.loaded_from_)
+                                  self.loaded_from_, self._storage)
         # on another number of processes the share of an epoch changed; at
         # least one batch is left, which the resume begins at
         batches = min(self._inside.batches, max(len(loader) - 1, 0))
@@ -318,7 +385,8 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self._skipped = batches
 
     def on_batch_begin(self, net: Any, training: bool = False, **kwargs: Any) -> None:
-        if self._inside is None or not training:
+        # armed by _continue_epoch, in the call that continues the checkpoint
+        if self._undo_skip is None or not training:
             return
         inside, self._inside = self._inside, None
         # the pass over the loader has begun: it keeps its skip
@@ -358,7 +426,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             if self._undo_skip is not None:
                 self._undo_skip()
                 self._undo_skip = None
-            if self._pending is not None:
+            if self._continues():
                 # a finished run trained no epoch; end with the state it was saved with
                 self._restore_callbacks(net)
             self._last_epoch = None

@@ -42,7 +42,7 @@ from skorch_accel_callbacks import (
     transfer,
 )
 from skorch_accel_callbacks.errors import CheckpointError, StoreUnavailableError
-from skorch_accel_callbacks.folder import CheckpointFolder, Found, is_committer
+from skorch_accel_callbacks.folder import CheckpointFolder, Found, is_committer, retained
 from skorch_accel_callbacks.lease import ObjectLease, take_lease
 from skorch_accel_callbacks.lock import FolderInUseError
 
@@ -348,10 +348,12 @@ class RemoteStorage:
 
     def retire(self, keep_last: int, keep_best: int | None = None,
                keep: Iterable[str | None] = ()) -> None:
-        """Remove from the store all but the ``keep_last`` newest checkpoints,
-        the best one (or the ``keep_best`` newest marked best) and those in
-        ``keep``, once the upload before it succeeded: a checkpoint's
-        manifest first, then its files."""
+        """Remove from the store all but the checkpoints
+        :func:`~skorch_accel_callbacks.folder.retained` keeps (the
+        ``keep_last`` newest, the newest taken at an epoch's end, the best one
+        or the ``keep_best`` newest marked best, and those in ``keep``), once
+        the upload before it succeeded: a checkpoint's manifest first, then
+        its files."""
         if not self._main:
             return  # the main process's upload commits, and retires, for every node
         upload = self._pending[-1][0] if self._pending else None
@@ -363,10 +365,11 @@ class RemoteStorage:
             return  # the newest is not in the store: keep what is there
         store = self._store()
         names = self.committed()
-        kept = set(names[-keep_last:]) | set(keep) | {self.pointed('best')}
+        best = [self.pointed('best')]
         if keep_best:
-            kept |= set([name for name in names
-                         if remote_read.marked_best(self._store(), name)][-keep_best:])
+            best += [name for name in names
+                     if remote_read.marked_best(self._store(), name)][-keep_best:]
+        kept = retained(names, keep_last, best, keep)
         for name in names:
             if name in kept:
                 continue

@@ -53,6 +53,8 @@ class ResumeChecks:
     params: bool | tuple[str, ...] = True
     #: derive new random states on another number of processes, instead of refusing
     reseed: bool = False
+    #: the checkpoints a refusal may advise instead (a CheckpointStorage)
+    storage: Any = None
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,7 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
             compat.check_same_data(saved, fingerprint.data_fingerprint(X, y), path)
         changed_params = settings.check_same_params(net, saved, path, checks.params)
         # the number of training rows is checked when the first epoch begins
-        settings.check_epoch_settings(net, saved, path)
+        settings.check_epoch_settings(net, saved, path, checks.storage)
         # on another number of processes the new ranks' random states
         # derive from rank 0's: the other saved ranks' files are not read
         reads_own_rank = not changed or rank == 0

@@ -32,8 +32,8 @@ from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.fingerprint import describe
 
 __all__ = ['CALLBACKS_KEY', 'allowed', 'callback_params', 'changed_callback_settings',
-           'check_epoch_settings', 'check_same_params', 'check_train_rows', 'epoch_settings',
-           'train_batch_size', 'training_params']
+           'check_epoch_settings', 'check_same_params', 'check_train_rows', 'epoch_end_advice',
+           'epoch_settings', 'train_batch_size', 'training_params']
 
 
 # Net parameters that change nothing of what a resumed run trains: they
@@ -365,37 +365,58 @@ def check_same_params(net: Any, manifest: dict[str, Any], path: str,
     return [name for name, _, _ in changes]
 
 
+def epoch_end_advice(storage: Any, manifest: dict[str, Any]) -> str:
+    """How to go on instead of from the checkpoint of ``manifest``, taken
+    inside an epoch: from the newest checkpoint of ``storage`` (a
+    :class:`~skorch_accel_callbacks.storage.CheckpointStorage`) taken at an
+    epoch's end before it, named by its URL and its name for ``resume``
+    (retention keeps one while those inside epochs rotate); if there is
+    none, by training to the end of the checkpoint's epoch first, which
+    saves there."""
+    epochs = manifest.get('epoch', 0)
+    name = None if storage is None else format.newest_at_epoch_end(storage.committed(), epochs)
+    if name is not None:
+        return (f"resume from {storage.url(name)}, taken at an epoch's end: pass "
+                f"resume={name!r} to AccelerateLoadInitState")
+    return ("there is no checkpoint taken at an epoch's end to resume instead: resume "
+            f"it as it was saved, with max_epochs={epochs + 1}, which ends and saves at "
+            f"the end of epoch {epochs + 1}, then go on from there")
+
+
 def _refuse_inside_epoch(manifest: dict[str, Any], path: str,
-                         changes: list[tuple[str, Any, Any]]) -> NoReturn:
+                         changes: list[tuple[str, Any, Any]], storage: Any) -> NoReturn:
     raise CheckpointError(
         f"{path} was taken inside an epoch, after {format.batches_into_epoch(manifest)} "
         f"training batches, and what resuming it skips of that epoch depends on "
         f"settings that changed: {_said(changes)}. Rows would be trained twice or "
-        "not at all: resume with the checkpoint's settings, or from a checkpoint "
-        "taken at an epoch's end (resume=<its folder>), which a new batch size "
-        "does not affect")
+        "not at all (what an epoch's end resumes, these settings do not affect): resume "
+        "with the checkpoint's settings, or " + epoch_end_advice(storage, manifest))
 
 
-def check_epoch_settings(net: Any, manifest: dict[str, Any], path: str) -> None:
+def check_epoch_settings(net: Any, manifest: dict[str, Any], path: str,
+                         storage: Any = None) -> None:
     """Raise :class:`CheckpointError` naming each setting the position inside
     an epoch depends on (:func:`epoch_settings`, but the number of training
     rows: see :func:`check_train_rows`) whose value changed, if ``path`` was
-    taken inside an epoch. A checkpoint of an epoch's end, or one without
-    ``epoch_settings`` (before 0.3), is not checked."""
+    taken inside an epoch; the message advises a checkpoint of ``storage``
+    (:func:`epoch_end_advice`). A checkpoint of an epoch's end, or one
+    without ``epoch_settings`` (before 0.3), is not checked."""
     saved = manifest.get('epoch_settings')
     if not format.batches_into_epoch(manifest) or not isinstance(saved, dict):
         return
     current = epoch_settings(net)
     changes = _changes(saved, current, [name for name in current if name != 'train_rows'])
     if changes:
-        _refuse_inside_epoch(manifest, path, changes)
+        _refuse_inside_epoch(manifest, path, changes, storage)
 
 
-def check_train_rows(manifest: dict[str, Any], rows: int, path: str) -> None:
+def check_train_rows(manifest: dict[str, Any], rows: int, path: str,
+                     storage: Any = None) -> None:
     """Raise :class:`CheckpointError` if ``path`` was taken inside an epoch
     of another number of training rows than ``rows`` (known once the train
-    split is made, when the first epoch begins)."""
+    split is made, when the first epoch begins), advising a checkpoint of
+    ``storage`` (:func:`epoch_end_advice`)."""
     saved = (manifest.get('epoch_settings') or {}).get('train_rows')
     if format.batches_into_epoch(manifest) and saved is not None and saved != rows:
-        _refuse_inside_epoch(manifest, path, [('train_rows', saved, rows)])
+        _refuse_inside_epoch(manifest, path, [('train_rows', saved, rows)], storage)
 

@@ -64,10 +64,21 @@ class SaveRequest:
     finished: bool = False
     #: a callback stopped training: resuming it trains nothing
     stopped_early: bool = False
-    #: checkpoints that retirement keeps besides its policy (the resumed one)
+    #: checkpoints that retirement keeps besides its policy (the one the
+    #: fit under way resumed from)
     keep: tuple[str | None, ...] = ()
     #: when the callback asked (``time.monotonic()``): training is blocked from then
     requested_at: float = field(default_factory=time.monotonic)
+    #: the fit calls since ``initialize`` up to the one under way: for each,
+    #: the complete epochs when it began and those after which it ends
+    fit_calls: tuple[tuple[int, int], ...] = ()
+
+    def position(self) -> dict[str, Any]:
+        """Where in training it is taken, as the manifest records it."""
+        position = {'step': self.step, 'batches': self.batches}
+        if self.fit_calls:
+            position['fit_calls'] = [list(call) for call in self.fit_calls]
+        return position
 
 
 @dataclass(frozen=True)
@@ -222,8 +233,7 @@ class SyncWriter:
                 return StagedSave(None, large)
             return StagedSave(format.with_per_rank(compat.build_manifest(
                 net, request.name, request.best, request.finished, request.stopped_early,
-                request.data, {'step': request.step, 'batches': request.batches},
-                request.train_loader), per_rank), large)
+                request.data, request.position(), request.train_loader), per_rank), large)
 
     def commit(self, request: SaveRequest, content: dict, started: float) -> SaveReport:
         """Commit the staged checkpoint of ``request`` and retire old ones.

@@ -131,7 +131,7 @@ def test_a_change_that_moves_the_data_inside_an_epoch_is_refused(
                 accelerator=make_accelerator(**accelerator_kwargs), **kwargs)
     message = refused_before_training(net, said)
     assert str(path) in message and 'inside an epoch, after 3 training batches' in message
-    assert "a checkpoint taken at an epoch's end" in message
+    assert "checkpoint taken at an epoch's end" in message
 
 
 def test_another_number_of_training_rows_inside_an_epoch_is_refused(tmp_path):
