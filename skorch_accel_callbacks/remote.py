@@ -364,12 +364,24 @@ class RemoteStorage:
         if upload is not None and upload.exception() is not None:
             return  # the newest is not in the store: keep what is there
         store = self._store()
-        names = self.committed()
-        best = [self.pointed('best')]
-        if keep_best:
-            best += [name for name in names
-                     if remote_read.marked_best(self._store(), name)][-keep_best:]
-        kept = retained(names, keep_last, best, keep)
+
+        def choose(seconds: float) -> tuple[list[str], set[str]]:
+            # listings and reads: the client's read timeout bounds each
+            names = self.committed()
+            best = [self.pointed('best')]
+            if keep_best:
+                best += [name for name in names
+                         if remote_read.marked_best(store, name)][-keep_best:]
+            return names, retained(names, keep_last, best, keep)
+
+        try:
+            names, kept = store.persist(f"listing the checkpoints of {self.dirname} to retire",
+                                        choose)
+        except CheckpointError as exc:
+            # the newest is in the store: an older one too many is no loss
+            warnings.warn(f"could not retire old checkpoints of {self.dirname}: {exc}",
+                          UserWarning)
+            return
         for name in names:
             if name in kept:
                 continue
