@@ -99,7 +99,7 @@ def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_earl
     training loader of the epoch (for its number of rows).
     """
     manifest = {
-        'format_version': format.FORMAT_VERSION,
+        'format_version': format.SHARED_STATES_FORMAT,
         'name': name,
         # complete epochs
         'epoch': len(net.history) - (1 if position['batches'] else 0),

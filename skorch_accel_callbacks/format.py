@@ -70,6 +70,7 @@ __all__ = [
     'PER_RANK_ITEMS',
     'POINTERS',
     'PROBE_PREFIX',
+    'SHARED_STATES_FORMAT',
     'Problem',
     'batches_into_epoch',
     'buffers_name',
@@ -100,7 +101,12 @@ __all__ = [
 
 # on-disk format; a change of what is written bumps it (CHANGES.rst).
 # 2: optimizer classes and param groups, stopped_early, the data fingerprint
-FORMAT_VERSION = 3
+# 4: states stored per rank (``per_rank``: history_<r>.json, ...), where an
+#    older version would read the one history.json there is not
+FORMAT_VERSION = 4
+#: the format of a checkpoint whose ranks' states agree (no ``per_rank``):
+#: its files are those of format 3, which older versions read
+SHARED_STATES_FORMAT = 3
 
 # ---------------------------------------------------------------- the folder of checkpoints
 
@@ -395,7 +401,9 @@ def per_rank(manifest: dict[str, Any]) -> frozenset[str]:
 def with_per_rank(manifest: dict[str, Any], items: list[str]) -> dict[str, Any]:
     """``manifest`` saying that ``items`` are stored per rank (unchanged
     without any: a checkpoint whose ranks agree reads as one of before)."""
-    return dict(manifest, per_rank=list(items)) if items else manifest
+    if not items:
+        return manifest
+    return dict(manifest, format_version=FORMAT_VERSION, per_rank=list(items))
 
 
 def plain_history_name(manifest: dict[str, Any]) -> str:

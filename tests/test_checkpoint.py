@@ -17,7 +17,7 @@ from skorch.callbacks import Callback
 from common import MLP, make_accelerator, make_data, make_net
 from resume_runs import run
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
-from skorch_accel_callbacks.format import FORMAT_VERSION
+from skorch_accel_callbacks.format import SHARED_STATES_FORMAT
 from testutil import assert_identical, edit_manifest, final_state, read_results
 
 
@@ -47,7 +47,7 @@ def test_manifest_describes_the_checkpoint(tmp_path):
     fit(tmp_path / 'ck', max_epochs=1)
     folder = tmp_path / 'ck' / 'epoch-0001'
     manifest = json.loads((folder / 'manifest.json').read_text())
-    assert manifest['format_version'] == FORMAT_VERSION and manifest['world_size'] == 1
+    assert manifest['format_version'] == SHARED_STATES_FORMAT and manifest['world_size'] == 1
     assert manifest['models'] == [['module', {
         'lin.weight': [32, 20], 'lin.bias': [32], 'out.weight': [2, 32], 'out.bias': [2]}]]
     assert manifest['optimizers'] == [['SGD', [4]]]

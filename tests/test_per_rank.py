@@ -127,6 +127,8 @@ def test_each_rank_resumes_its_own_history_and_callbacks(runs, backend):
         saved = read_json(root / backend / 'full' / name / format.MANIFEST_NAME)
         assert saved['per_rank'] == (['history', 'callbacks', 'buffers']
                                      if backend == 'fsdp2' else ['history', 'callbacks'])
+        # a version that reads one history.json refuses it as newer
+        assert saved['format_version'] == format.FORMAT_VERSION > format.SHARED_STATES_FORMAT
         assert {'history_0.json', 'history_1.json', 'callbacks_1.json'} <= set(saved['files'])
         assert format.HISTORY_NAME not in saved['files']
 
@@ -160,7 +162,7 @@ def test_states_that_agree_are_stored_once_as_before(runs):
     assert agree[0]['history'] == agree[1]['history']
     for name in ('epoch-0001', 'epoch-0002'):
         saved = read_json(root / 'agree' / name / format.MANIFEST_NAME)
-        assert 'per_rank' not in saved
+        assert 'per_rank' not in saved and saved['format_version'] == format.SHARED_STATES_FORMAT
         assert {format.HISTORY_NAME, format.CALLBACKS_NAME,
                 format.CALLBACK_TENSORS_NAME} <= set(saved['files'])
         assert not [file for file in saved['files']

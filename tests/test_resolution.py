@@ -79,7 +79,7 @@ def test_verify_and_resume_report_the_same_problems(tmp_path):
     with open(manifest, encoding='utf-8') as f:
         text = f.read()
     with open(manifest, 'w', encoding='utf-8') as f:
-        f.write(text.replace(f'"format_version": {format.FORMAT_VERSION}',
+        f.write(text.replace(f'"format_version": {format.SHARED_STATES_FORMAT}',
                              f'"format_version": {format.FORMAT_VERSION + 1}'))
     with pytest.raises(CheckpointError) as info:
         format.read(path)
