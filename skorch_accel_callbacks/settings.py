@@ -327,6 +327,18 @@ def _explained(changes: list[tuple[str, Any, Any]], saved: dict[str, Any],
     return said, orders
 
 
+def _with_introduced(saved: dict[str, Any], manifest: dict[str, Any],
+                     current: dict[str, Any]) -> dict[str, Any]:
+    """The recorded parameters, with those that a checkpoint written before
+    they existed was trained as: without ``reduce_metrics`` each rank
+    logged its own losses (False), which makes no difference in one
+    process (then as this run has it)."""
+    if 'reduce_metrics' in saved or 'reduce_metrics' not in current:
+        return saved
+    one_process = manifest.get('world_size', 1) == 1
+    return dict(saved, reduce_metrics=current['reduce_metrics'] if one_process else False)
+
+
 def check_same_params(net: Any, manifest: dict[str, Any], path: str,
                       check: bool | Collection[str] = True) -> list[str]:
     """Raise :class:`CheckpointError` naming each parameter of ``net`` that
@@ -343,6 +355,7 @@ def check_same_params(net: Any, manifest: dict[str, Any], path: str,
     if not isinstance(saved, dict):
         return []
     current = training_params(net)
+    saved = _with_introduced(saved, manifest, current)
     recorded = CALLBACKS_KEY in saved
     names = sorted(name for name in set(saved) | set(current) if name != CALLBACKS_KEY and (
         _checked(name) or (recorded and name.startswith(_CALLBACK_PREFIX))))

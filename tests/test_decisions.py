@@ -5,6 +5,7 @@ stops training on some ranks only raising on every rank, never hanging.
 The 2-process checks share one launch of tests/workers/mixin_decisions.py
 (see there for the data: the ranks' own valid losses part ways)."""
 
+import json
 import pickle
 
 import numpy as np
@@ -21,6 +22,7 @@ from skorch_accel_callbacks import (
     AccelerateLoadInitState,
     CheckpointError,
     DivergedDecisionError,
+    settings,
 )
 from skorch_accel_callbacks.mixin import _verdict
 from testutil import read_results
@@ -251,3 +253,26 @@ def test_a_change_of_reduce_metrics_between_launches_is_refused(tmp_path):
     net(max_epochs=1).fit(X, y)
     with pytest.raises(CheckpointError, match="reduce_metrics: True in the checkpoint, False now"):
         net(max_epochs=2, reduce_metrics=False).fit(X, y)
+
+
+def test_a_checkpoint_from_before_reduce_metrics_is_checked_as_what_it_trained(tmp_path):
+    """A checkpoint written before the parameter existed records none: one
+    process resumes it whatever the setting (it changes nothing there); of
+    several processes each rank had logged its own losses, so it counts as
+    ``reduce_metrics=False``."""
+    X, y = make_data(n=64)
+
+    def net(**kwargs):
+        checkpoint = AccelerateCheckpoint(dirname=str(tmp_path))
+        return make_net(make_accelerator(), criterion=plain_criterion,
+                        callbacks=[AccelerateLoadInitState(checkpoint), checkpoint], **kwargs)
+
+    net(max_epochs=1).fit(X, y)
+    manifest_path = tmp_path / 'epoch-0001' / 'manifest.json'
+    manifest = json.loads(manifest_path.read_text())
+    del manifest['params']['reduce_metrics']
+    assert settings.check_same_params(net().initialize(), manifest, 'old') == []
+    with pytest.raises(CheckpointError, match="reduce_metrics: False in the checkpoint, True now"):
+        settings.check_same_params(net().initialize(), dict(manifest, world_size=2), 'old')
+    assert settings.check_same_params(net(reduce_metrics=False).initialize(),
+                                      dict(manifest, world_size=2), 'old') == []
