@@ -1,0 +1,154 @@
+"""The resume contract, fuzzed (issue 28): Hypothesis draws a net, skorch's
+callbacks and a user callback with per-rank state, a schedule of saves, a
+script of fit calls, an interruption and a change between launches; the
+oracle (tests/contract_fuzz.py) checks the relaunch against the
+uninterrupted run on every rank.
+
+- test_one_process_contract: in this process (each "launch" a fresh net
+  and Accelerator, the global generators seeded as a script seeds them);
+  interruptions: SIGTERM, SIGINT, an exception raised by a callback;
+- test_ddp_contract, test_fsdp2_contract: launched in 2 processes (DDP;
+  FSDP2 forced on CPU as tests/workers/fsdp_backend.py does), a batch of
+  examples per Hypothesis example so that the launches are shared; also
+  SIGKILL at a step and inside a save, and 2 -> 1 processes with
+  ``on_world_size_change='reseed'`` (DDP).
+
+Bounds, from the environment (``make test``: the defaults; ``make fuzz``:
+``FUZZ_EXAMPLES=500 FUZZ_LAUNCHED=7``): FUZZ_EXAMPLES in-process examples,
+FUZZ_LAUNCHED launched batches of FUZZ_BATCH (default 2) examples for each
+of DDP and FSDP2. The runs are derandomized (the same examples every run);
+FUZZ_SEED draws others. FUZZ_INTERRUPTS, FUZZ_CHANGES and FUZZ_SCRIPTS
+(comma-separated kinds) focus a run on some kinds. A failure prints its
+shrunk configuration(s) and a command line that reruns them (test_replay).
+
+On the code before issue 28's fixes (main at 78b9e19) the fuzzer finds:
+see the report of the fuzz helper, summarized in the issue's note; the
+tests here are expected to fail there.
+"""
+
+import json
+import os
+import signal
+from contextlib import contextmanager
+
+import pytest
+from hypothesis import HealthCheck, given, note, seed, settings, strategies as st
+
+from contract_fuzz import (
+    check_batch,
+    check_example,
+    configs,
+    reproduction,
+    run_in_process,
+    run_launched,
+    temp_folder,
+)
+
+EXAMPLES = int(os.environ.get('FUZZ_EXAMPLES', '25'))
+LAUNCHED = int(os.environ.get('FUZZ_LAUNCHED', '1'))
+BATCH = int(os.environ.get('FUZZ_BATCH', '2'))
+# an in-process example past this many seconds is a hang
+IN_PROCESS_DEADLINE = int(os.environ.get('FUZZ_DEADLINE', '180'))
+
+
+def chosen(variable, default):
+    """A focused run's choice (comma-separated), else all of ``default``."""
+    names = tuple(os.environ.get(variable, '').replace(' ', '').split(',')) \
+        if os.environ.get(variable) else default
+    unknown = set(names) - set(default)
+    if unknown:
+        raise ValueError(f"{variable}: unknown {sorted(unknown)}, choose from {default}")
+    return names
+
+
+ONE_PROCESS_INTERRUPTS = chosen('FUZZ_INTERRUPTS', ('none', 'sigterm', 'crash', 'sigint'))
+LAUNCHED_INTERRUPTS = chosen('FUZZ_INTERRUPTS', ('none', 'sigterm', 'crash', 'sigint',
+                                                 'sigkill', 'sigkill_in_save'))
+ONE_PROCESS_CHANGES = chosen('FUZZ_CHANGES', ('none', 'net', 'callback', 'reorder'))
+DDP_CHANGES = chosen('FUZZ_CHANGES', ('none', 'net', 'callback', 'reorder', 'world_size'))
+FSDP2_CHANGES = chosen('FUZZ_CHANGES', ('none', 'net', 'callback', 'reorder'))
+SCRIPTS = chosen('FUZZ_SCRIPTS', ('fit', 'fit+partial_fit', 'warm_start'))
+
+
+def bounded(max_examples):
+    """Hypothesis settings of a bounded, seeded run."""
+    derandomize = 'FUZZ_SEED' not in os.environ
+    chosen = settings(max_examples=max_examples, deadline=None, derandomize=derandomize,
+                      database=None, print_blob=True,
+                      suppress_health_check=[HealthCheck.too_slow,
+                                             HealthCheck.data_too_large])
+
+    def decorate(test):
+        test = chosen(test)
+        return test if derandomize else seed(int(os.environ['FUZZ_SEED']))(test)
+    return decorate
+
+
+@contextmanager
+def deadline(seconds):
+    """Fail an in-process example that runs past ``seconds`` (a hang)."""
+    def expired(signum, frame):
+        raise TimeoutError(f"the example ran past {seconds} s: a hang")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def check_one_process(config):
+    note(reproduction(config))
+    with temp_folder() as where, deadline(IN_PROCESS_DEADLINE):
+        check_example(config, run_in_process(config, where))
+
+
+def check_launched(batch):
+    note(reproduction(batch))
+    with temp_folder() as where:
+        results, launches = run_launched(batch, where)
+        for result in results:
+            for outcome in (result.get('reference') or []) + (result.get('relaunch') or []):
+                if outcome is not None and outcome.get('num_processes') not in (None, 1, 2):
+                    raise AssertionError(outcome)
+        two = [o for result in results for o in result.get('reference') or [] if o]
+        assert all(o['num_processes'] == 2 for o in two), \
+            [o['num_processes'] for o in two]
+        check_batch(batch, results, launches)
+
+
+@pytest.mark.slow
+@bounded(EXAMPLES)
+@given(config=configs(interrupts=ONE_PROCESS_INTERRUPTS, change_kinds=ONE_PROCESS_CHANGES,
+                      scripts=SCRIPTS))
+def test_one_process_contract(config):
+    check_one_process(config)
+
+
+@pytest.mark.slow
+@bounded(LAUNCHED)
+@given(batch=st.lists(configs(nproc=2, backend='ddp', interrupts=LAUNCHED_INTERRUPTS,
+                              change_kinds=DDP_CHANGES, scripts=SCRIPTS),
+                      min_size=BATCH, max_size=BATCH))
+def test_ddp_contract(batch):
+    check_launched(batch)
+
+
+@pytest.mark.slow
+@bounded(LAUNCHED)
+@given(batch=st.lists(configs(nproc=2, backend='fsdp2', interrupts=LAUNCHED_INTERRUPTS,
+                              change_kinds=FSDP2_CHANGES, scripts=SCRIPTS),
+                      min_size=BATCH, max_size=BATCH))
+def test_fsdp2_contract(batch):
+    check_launched(batch)
+
+
+@pytest.mark.skipif('CONTRACT_CONFIG' not in os.environ,
+                    reason="reruns the configuration(s) a failure printed (CONTRACT_CONFIG)")
+def test_replay():
+    drawn = json.loads(os.environ['CONTRACT_CONFIG'])
+    if isinstance(drawn, dict):
+        check_one_process(drawn)
+    else:
+        check_launched(drawn)
