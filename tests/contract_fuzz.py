@@ -38,6 +38,7 @@ import math
 import os
 import re
 import shlex
+import sys
 import tempfile
 from pathlib import Path
 
@@ -359,11 +360,24 @@ def run_launched(batch, where):
 # ------------------------------------------------------------------ oracle
 
 class ContractViolation(AssertionError):
-    pass
+    """A breach of the contract; a subclass per check (see :func:`fail`)."""
 
 
-def fail(message):
-    raise ContractViolation(message)
+_KINDS = {}
+
+
+def fail(message, kind=None):
+    """Raise a :class:`ContractViolation` of the check that failed: its
+    ``kind``, by default the calling check's name and line. Hypothesis
+    tells failures apart by their exception's type and place, and all are
+    raised here: by the type, each check's failures are shrunk and reported
+    on their own, not only the simplest of them all."""
+    if kind is None:
+        caller = sys._getframe(1)
+        kind = f'{caller.f_code.co_name}_line{caller.f_lineno}'
+    if kind not in _KINDS:
+        _KINDS[kind] = type(f'ContractViolation_{kind}', (ContractViolation,), {})
+    raise _KINDS[kind](message)
 
 
 def assert_same(a, b, where):
@@ -451,7 +465,14 @@ def check_exact(reference, relaunch, config):
         for part in ('params', 'optimizer', 'buffers', 'history', 'callbacks', 'global_step'):
             if config['backend'] == 'fsdp2' and rank > 0 and part in ('params', 'optimizer'):
                 continue  # gathered on rank 0 only
-            assert_same(a[part], b[part], f"rank {rank}: {part}")
+            try:
+                assert_same(a[part], b[part], f"rank {rank}: {part}")
+                differs = None
+            except ContractViolation as exc:
+                differs = str(exc)
+            if differs is not None:
+                # a kind of its own for each part (outside the except: no chained context)
+                fail(differs, kind=f'differs_{part}')
 
 
 def expected_epochs(config):
@@ -543,21 +564,16 @@ def _refusal_names(config, facts):
 
 
 def _swapped_unnamed(config):
-    """The names of unnamed callbacks whose name now belongs to a callback
-    of other settings (skorch names them by position)."""
+    """The names that, after the reorder, belong to a callback of other
+    settings (skorch names unnamed callbacks by class and position)."""
     change = config['change']
     if change['kind'] != 'reorder':
         return []
     specs = config['callbacks']
     moved = [specs[i] for i in change['order']]
-    names = []
-    for position, spec in enumerate(specs):
-        name_before = skorch_name(specs, position)
-        now = moved[[skorch_name(moved, j) for j in range(len(moved))].index(name_before)] \
-            if name_before in [skorch_name(moved, j) for j in range(len(moved))] else None
-        if now is not None and now['params'] != spec['params']:
-            names.append(name_before)
-    return names
+    now = {skorch_name(moved, j): spec for j, spec in enumerate(moved)}
+    return [skorch_name(specs, i) for i, spec in enumerate(specs)
+            if now[skorch_name(specs, i)]['params'] != spec['params']]
 
 
 def check_example(config, results):
@@ -636,7 +652,7 @@ def check_batch(batch, results, launches):
             hung = [launch for launch in launches if launch.timed_out]
             extra = ("\n(a launch timed out: a hang)\n" + hung[0].report()[-4000:]
                      if hung else '')
-            raise ContractViolation(f"example {i} of the batch: {exc}{extra}") from None
+            raise type(exc)(f"example {i} of the batch: {exc}{extra}") from None
     for launch_ in launches:
         if launch_.timed_out:
             fail(f"a launch timed out (a hang):\n{launch_.report()[-4000:]}")
