@@ -51,23 +51,31 @@ BATCH = int(os.environ.get('FUZZ_BATCH', '2'))
 IN_PROCESS_DEADLINE = int(os.environ.get('FUZZ_DEADLINE', '180'))
 
 
-def chosen(variable, default):
-    """A focused run's choice (comma-separated), else all of ``default``."""
-    names = tuple(os.environ.get(variable, '').replace(' ', '').split(',')) \
-        if os.environ.get(variable) else default
-    unknown = set(names) - set(default)
+def chosen(variable, default, every):
+    """Those of ``default`` a focused run chose (comma-separated names
+    of ``every``), else all of ``default``."""
+    if not os.environ.get(variable):
+        return default
+    names = os.environ[variable].replace(' ', '').split(',')
+    unknown = set(names) - set(every)
     if unknown:
-        raise ValueError(f"{variable}: unknown {sorted(unknown)}, choose from {default}")
-    return names
+        raise ValueError(f"{variable}: unknown {sorted(unknown)}, choose from {every}")
+    return tuple(name for name in default if name in names) or ('none',)
 
 
-ONE_PROCESS_INTERRUPTS = chosen('FUZZ_INTERRUPTS', ('none', 'sigterm', 'crash', 'sigint'))
-LAUNCHED_INTERRUPTS = chosen('FUZZ_INTERRUPTS', ('none', 'sigterm', 'crash', 'sigint',
-                                                 'sigkill', 'sigkill_in_save'))
-ONE_PROCESS_CHANGES = chosen('FUZZ_CHANGES', ('none', 'net', 'callback', 'reorder'))
-DDP_CHANGES = chosen('FUZZ_CHANGES', ('none', 'net', 'callback', 'reorder', 'world_size'))
-FSDP2_CHANGES = chosen('FUZZ_CHANGES', ('none', 'net', 'callback', 'reorder'))
-SCRIPTS = chosen('FUZZ_SCRIPTS', ('fit', 'fit+partial_fit', 'warm_start'))
+INTERRUPTS = ('none', 'sigterm', 'crash', 'sigint', 'sigkill', 'sigkill_in_save')
+CHANGES = ('none', 'net', 'callback', 'reorder', 'world_size')
+
+
+# SIGKILLs only where a launch can die of them
+ONE_PROCESS_INTERRUPTS = chosen('FUZZ_INTERRUPTS', INTERRUPTS[:4], INTERRUPTS)
+LAUNCHED_INTERRUPTS = chosen('FUZZ_INTERRUPTS', INTERRUPTS, INTERRUPTS)
+# another number of processes: from 2 DDP processes to 1
+ONE_PROCESS_CHANGES = chosen('FUZZ_CHANGES', CHANGES[:4], CHANGES)
+DDP_CHANGES = chosen('FUZZ_CHANGES', CHANGES, CHANGES)
+FSDP2_CHANGES = chosen('FUZZ_CHANGES', CHANGES[:4], CHANGES)
+SCRIPTS = chosen('FUZZ_SCRIPTS', ('fit', 'fit+partial_fit', 'warm_start'),
+                 ('fit', 'fit+partial_fit', 'warm_start'))
 
 
 def bounded(max_examples):
