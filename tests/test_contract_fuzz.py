@@ -21,9 +21,27 @@ FUZZ_SEED draws others. FUZZ_INTERRUPTS, FUZZ_CHANGES and FUZZ_SCRIPTS
 (comma-separated kinds) focus a run on some kinds. A failure prints its
 shrunk configuration(s) and a command line that reruns them (test_replay).
 
-On the code before issue 28's fixes (main at 78b9e19) the fuzzer finds:
-see the report of the fuzz helper, summarized in the issue's note; the
-tests here are expected to fail there.
+What it found on the code before issue 28's fixes (main at 78b9e19),
+where these tests fail (shrunk examples in the fuzz helper's report):
+
+- 1, per-rank state: in 2 processes (DDP and FSDP2) rank 1 ends with rank
+  0's history and callback states (``differs_history`` on rank 1);
+- 2, FSDP2 with BatchNorm1d: ``running_mean`` differs on rank 0 after the
+  resume (``differs_params``);
+- 3, a callback setting changed between launches (e.g. the user
+  callback's ``scale``, ``callbacks__PerRankTally__scale``) is not refused;
+- 4, ``check_params=('lr',)`` with a scheduler: its ``base_lrs`` keep the
+  checkpoint's lr (StepLR, LambdaLR);
+- 5, two unnamed EarlyStoppings reordered: not refused;
+- 6, a script of two fit calls (``warm_start=True``, or fit then
+  partial_fit) relaunched after it finished, or after an interruption in
+  its second call, ends with other parameters (epochs trained again) or
+  crashes (``TypeError`` in load_state);
+- 7, a batch-size refusal of a checkpoint inside an epoch advises an
+  epoch's end checkpoint where the folder (keep_last, every_n_steps) has none;
+- beyond the issue: FSDP2 with skorch's Freezer, the relaunch crashes in
+  torch.distributed.checkpoint's load (``Missing key in checkpoint
+  state_dict: optimizer.state.lin.bias.momentum_buffer``).
 """
 
 import json
