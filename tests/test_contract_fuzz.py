@@ -136,13 +136,11 @@ def check_launched(batch):
     note(reproduction(batch))
     with temp_folder() as where:
         results, launches = run_launched(batch, where)
-        for result in results:
-            for outcome in (result.get('reference') or []) + (result.get('relaunch') or []):
-                if outcome is not None and outcome.get('num_processes') not in (None, 1, 2):
-                    raise AssertionError(outcome)
-        two = [o for result in results for o in result.get('reference') or [] if o]
-        assert all(o['num_processes'] == 2 for o in two), \
-            [o['num_processes'] for o in two]
+        # every 2-process run that got going ran 2 processes (an error's
+        # outcome is the oracle's to report)
+        counts = [o['num_processes'] for result in results
+                  for o in result.get('reference') or [] if o and 'num_processes' in o]
+        assert all(count == 2 for count in counts), counts
         check_batch(batch, results, launches)
 
 
