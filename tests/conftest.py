@@ -41,7 +41,7 @@ def run_workers(tmp_path):
 # the two workers starts on one of the longest.
 LONGEST_FIRST = (
     'faults/test_mid_epoch_kills.py', 'faults/test_random_kills.py',
-    'test_preemption.py', 'test_inspect.py', 'test_examples.py',
+    'test_contract_fuzz.py', 'test_preemption.py', 'test_inspect.py', 'test_examples.py',
     'test_resume_exact.py', 'test_checkpoint.py', 'test_remote.py',
     'test_mid_epoch.py', 'faults/test_upload_kills.py', 'test_fsdp.py',
     'test_lifecycle.py', 'faults/test_params_kills.py', 'test_world_size.py',

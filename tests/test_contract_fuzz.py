@@ -1,0 +1,180 @@
+"""The resume contract, fuzzed (issue 28): Hypothesis draws a net, skorch's
+callbacks and a user callback with per-rank state, a schedule of saves, a
+script of fit calls, an interruption and a change between launches; the
+oracle (tests/contract_fuzz.py) checks the relaunch against the
+uninterrupted run on every rank.
+
+- test_one_process_contract: in this process (each "launch" a fresh net
+  and Accelerator, the global generators seeded as a script seeds them);
+  interruptions: SIGTERM, SIGINT, an exception raised by a callback;
+- test_ddp_contract, test_fsdp2_contract: launched in 2 processes (DDP;
+  FSDP2 forced on CPU as tests/workers/fsdp_backend.py does), a batch of
+  examples per Hypothesis example so that the launches are shared; also
+  SIGKILL at a step and inside a save, and 2 -> 1 processes with
+  ``on_world_size_change='reseed'`` (DDP).
+
+Bounds, from the environment (``make test``: the defaults; ``make fuzz``:
+``FUZZ_EXAMPLES=500 FUZZ_LAUNCHED=14 FUZZ_BATCH=2``): FUZZ_EXAMPLES (25)
+in-process examples, FUZZ_LAUNCHED (2) launched batches of FUZZ_BATCH (1)
+examples for each of DDP and FSDP2. The runs are derandomized (the same examples every run);
+FUZZ_SEED draws others. FUZZ_INTERRUPTS, FUZZ_CHANGES and FUZZ_SCRIPTS
+(comma-separated kinds) focus a run on some kinds. A failure prints its
+shrunk configuration(s) and a command line that reruns them (test_replay).
+
+What it found on the code before issue 28's fixes (main at 78b9e19),
+where these tests fail (shrunk examples in the fuzz helper's report):
+
+- 1, per-rank state: in 2 processes (DDP and FSDP2) rank 1 ends with rank
+  0's history and callback states (``differs_history`` on rank 1);
+- 2, FSDP2 with BatchNorm1d: ``running_mean`` differs on rank 0 after the
+  resume (``differs_params``);
+- 3, a callback setting changed between launches (e.g. the user
+  callback's ``scale``, ``callbacks__PerRankTally__scale``) is not refused;
+- 4, ``check_params=('lr',)`` with a scheduler: its ``base_lrs`` keep the
+  checkpoint's lr (StepLR, LambdaLR);
+- 5, two unnamed EarlyStoppings reordered: not refused;
+- 6, a script of two fit calls (``warm_start=True``, or fit then
+  partial_fit) relaunched after it finished, or after an interruption in
+  its second call, ends with other parameters (epochs trained again) or
+  crashes (``TypeError`` in load_state);
+- 7, a batch-size refusal of a checkpoint inside an epoch advises an
+  epoch's end checkpoint where the folder (keep_last, every_n_steps) has none;
+- beyond the issue: FSDP2 with skorch's Freezer, the relaunch crashes in
+  torch.distributed.checkpoint's load (``Missing key in checkpoint
+  state_dict: optimizer.state.lin.bias.momentum_buffer``).
+"""
+
+import json
+import os
+import signal
+from contextlib import contextmanager
+
+import pytest
+from hypothesis import HealthCheck, given, note, seed, settings, strategies as st
+
+from contract_fuzz import (
+    check_batch,
+    check_example,
+    configs,
+    reproduction,
+    run_in_process,
+    run_launched,
+    temp_folder,
+)
+
+EXAMPLES = int(os.environ.get('FUZZ_EXAMPLES', '25'))
+# Hypothesis tries the simplest example first (no callbacks, no interruption,
+# no change): the second launched example is the first drawn at random
+LAUNCHED = int(os.environ.get('FUZZ_LAUNCHED', '2'))
+BATCH = int(os.environ.get('FUZZ_BATCH', '1'))
+# an in-process example past this many seconds is a hang
+IN_PROCESS_DEADLINE = int(os.environ.get('FUZZ_DEADLINE', '180'))
+
+
+def chosen(variable, default, every):
+    """Those of ``default`` a focused run chose (comma-separated names
+    of ``every``), else all of ``default``."""
+    if not os.environ.get(variable):
+        return default
+    names = os.environ[variable].replace(' ', '').split(',')
+    unknown = set(names) - set(every)
+    if unknown:
+        raise ValueError(f"{variable}: unknown {sorted(unknown)}, choose from {every}")
+    return tuple(name for name in default if name in names) or ('none',)
+
+
+INTERRUPTS = ('none', 'sigterm', 'crash', 'sigint', 'sigkill', 'sigkill_in_save')
+CHANGES = ('none', 'net', 'callback', 'reorder', 'world_size')
+
+
+# SIGKILLs only where a launch can die of them
+ONE_PROCESS_INTERRUPTS = chosen('FUZZ_INTERRUPTS', INTERRUPTS[:4], INTERRUPTS)
+LAUNCHED_INTERRUPTS = chosen('FUZZ_INTERRUPTS', INTERRUPTS, INTERRUPTS)
+# another number of processes: from 2 DDP processes to 1
+ONE_PROCESS_CHANGES = chosen('FUZZ_CHANGES', CHANGES[:4], CHANGES)
+DDP_CHANGES = chosen('FUZZ_CHANGES', CHANGES, CHANGES)
+FSDP2_CHANGES = chosen('FUZZ_CHANGES', CHANGES[:4], CHANGES)
+SCRIPTS = chosen('FUZZ_SCRIPTS', ('fit', 'fit+partial_fit', 'warm_start'),
+                 ('fit', 'fit+partial_fit', 'warm_start'))
+
+
+def bounded(max_examples):
+    """Hypothesis settings of a bounded, seeded run."""
+    derandomize = 'FUZZ_SEED' not in os.environ
+    chosen = settings(max_examples=max_examples, deadline=None, derandomize=derandomize,
+                      database=None, print_blob=True,
+                      suppress_health_check=[HealthCheck.too_slow,
+                                             HealthCheck.data_too_large])
+
+    def decorate(test):
+        test = chosen(test)
+        return test if derandomize else seed(int(os.environ['FUZZ_SEED']))(test)
+    return decorate
+
+
+@contextmanager
+def deadline(seconds):
+    """Fail an in-process example that runs past ``seconds`` (a hang)."""
+    def expired(signum, frame):
+        raise TimeoutError(f"the example ran past {seconds} s: a hang")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def check_one_process(config):
+    note(reproduction(config))
+    with temp_folder() as where, deadline(IN_PROCESS_DEADLINE):
+        check_example(config, run_in_process(config, where))
+
+
+def check_launched(batch):
+    note(reproduction(batch))
+    with temp_folder() as where:
+        results, launches = run_launched(batch, where)
+        # every 2-process run that got going ran 2 processes (an error's
+        # outcome is the oracle's to report)
+        counts = [o['num_processes'] for result in results
+                  for o in result.get('reference') or [] if o and 'num_processes' in o]
+        assert all(count == 2 for count in counts), counts
+        check_batch(batch, results, launches)
+
+
+@pytest.mark.slow
+@bounded(EXAMPLES)
+@given(config=configs(interrupts=ONE_PROCESS_INTERRUPTS, change_kinds=ONE_PROCESS_CHANGES,
+                      scripts=SCRIPTS))
+def test_one_process_contract(config):
+    check_one_process(config)
+
+
+@pytest.mark.slow
+@bounded(LAUNCHED)
+@given(batch=st.lists(configs(nproc=2, backend='ddp', interrupts=LAUNCHED_INTERRUPTS,
+                              change_kinds=DDP_CHANGES, scripts=SCRIPTS),
+                      min_size=BATCH, max_size=BATCH))
+def test_ddp_contract(batch):
+    check_launched(batch)
+
+
+@pytest.mark.slow
+@bounded(LAUNCHED)
+@given(batch=st.lists(configs(nproc=2, backend='fsdp2', interrupts=LAUNCHED_INTERRUPTS,
+                              change_kinds=FSDP2_CHANGES, scripts=SCRIPTS),
+                      min_size=BATCH, max_size=BATCH))
+def test_fsdp2_contract(batch):
+    check_launched(batch)
+
+
+@pytest.mark.skipif('CONTRACT_CONFIG' not in os.environ,
+                    reason="reruns the configuration(s) a failure printed (CONTRACT_CONFIG)")
+def test_replay():
+    drawn = json.loads(os.environ['CONTRACT_CONFIG'])
+    if isinstance(drawn, dict):
+        check_one_process(drawn)
+    else:
+        check_launched(drawn)

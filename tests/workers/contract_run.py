@@ -1,0 +1,479 @@
+"""Run the resume contract's drawn configurations (tests/test_contract_fuzz.py).
+
+A *configuration* is a JSON-able dict drawn by tests/contract_fuzz.py: a net
+(an MLP, maybe with BatchNorm1d and dropout, on tiny random data), skorch's
+own callbacks and a user callback with per-rank state, a schedule of saves,
+a script (``fit``, ``fit`` then ``partial_fit``, or two ``fit`` calls with
+``warm_start=True``), an interruption and a change between launches. A
+*run* is one launch of the user's script for a configuration, in one of
+three phases:
+
+- ``reference``: the script uninterrupted, in its own folder;
+- ``first``: the script with the interruption armed (a SIGTERM, SIGINT or
+  SIGKILL of this process at a drawn training batch, a SIGKILL inside the
+  first save after it, or an exception raised by a callback there);
+- ``relaunch``: the script again on the first run's folder, with the drawn
+  change applied (another hyper-parameter, callback setting, callback order
+  or number of processes, with or without ``check_params`` naming it).
+
+:func:`run` does one run in this process (the in-process examples call it);
+``python contract_run.py`` does each run of the JSON list in the file
+``CONTRACT_RUNS`` names, one after the other in this launch, and writes
+each rank's :func:`final_state` to ``RESULT_DIR/<TAG>-rank<r>.pt``. A run
+whose interruption is a SIGKILL ends the launch; an exception that is no
+expected outcome is written down and ends it too (exit 1).
+
+Every run begins as a fresh process would: the global random generators
+seeded as a user's script seeds them, a new ``Accelerator``. The
+interruption's callback and the recorder are in the net's callbacks in
+every phase, with the same (no) settings: what arms the interruption is the
+module's ``ARMED``, which no checkpoint sees.
+"""
+
+import json
+import os
+import random
+import signal
+import sys
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from skorch.callbacks import (
+    BatchScoring,
+    Callback,
+    EarlyStopping,
+    EpochScoring,
+    EpochTimer,
+    Freezer,
+    GradientNormClipping,
+    LRScheduler,
+    PrintLog,
+)
+from skorch.dataset import ValidSplit
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, ReduceLROnPlateau, StepLR
+
+from common import NotTrainingState, make_accelerator, make_data, make_net, rank
+from fsdp_backend import fsdp_accelerator
+from skorch_accel_callbacks import (
+    AccelerateCheckpoint,
+    AccelerateLoadInitState,
+    CheckpointError,
+    ParamsCheckpoint,
+    TrainingPreempted,
+    format,
+    sync,
+    training_state,
+)
+
+# what arms the interruption of the run under way: {'kind', 'batch', 'who'}
+# or None; set by run(), never part of a net's settings
+ARMED = None
+# history columns that differ between an interrupted and an uninterrupted
+# run by construction: wall-clock time, and whether the checkpoint callback
+# saved in that epoch (a SIGTERM's or Ctrl-C's save is an extra one)
+UNCOMPARED_COLUMNS = frozenset({'dur', 'event_acp'})
+# EpochScoring's scratch space of the epoch under way (emptied when an
+# epoch begins): after a relaunch of a finished run, which trains no epoch,
+# it is empty by construction
+SCRATCH_ATTRS = frozenset({'y_trues_', 'y_preds_'})
+
+
+class FuzzCrash(RuntimeError):
+    """The exception a crashing callback raises."""
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, n_in=20, hidden=16, batchnorm=False, dropout=0.0):
+        super().__init__()
+        self.lin = torch.nn.Linear(n_in, hidden)
+        self.norm = torch.nn.BatchNorm1d(hidden) if batchnorm else torch.nn.Identity()
+        self.drop = torch.nn.Dropout(dropout)
+        self.out = torch.nn.Linear(hidden, 2)
+
+    def forward(self, X):
+        hidden = self.drop(torch.relu(self.norm(self.lin(X))))
+        return torch.softmax(self.out(hidden), dim=-1)
+
+
+def decay(epoch):
+    """LambdaLR's lr_lambda: module level, so that it pickles and is described by name."""
+    return 0.8 ** epoch
+
+
+POLICIES = {'StepLR': StepLR, 'CosineAnnealingLR': CosineAnnealingLR, 'LambdaLR': LambdaLR,
+            'ReduceLROnPlateau': ReduceLROnPlateau}
+LAMBDAS = {'decay': decay}
+
+
+class PerRankTally(Callback):
+    """A user's callback with state of its own rank: its training batches
+    and the sum of their losses, as fitted attributes."""
+
+    def __init__(self, scale=1.0):
+        self.scale = scale
+
+    def initialize(self):
+        self.batches_ = 0
+        self.loss_sum_ = 0.0
+        return self
+
+    def on_batch_end(self, net, training=False, loss=None, **kwargs):
+        if training:
+            self.batches_ += 1
+            self.loss_sum_ += self.scale * loss.item()
+
+
+class Interrupt(NotTrainingState, Callback):
+    """Interrupt the run as ``ARMED`` says after its ``batch``-th training
+    batch (counted over the script's fit calls); ``fired_`` says whether it did."""
+
+    def initialize(self):
+        self.seen_ = 0
+        self.fired_ = False
+        return self
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if not training or ARMED is None:
+            return
+        self.seen_ += 1
+        if self.seen_ != ARMED['batch'] or self.fired_:
+            return
+        self.fired_ = True
+        kind = ARMED['kind']
+        everyone = ARMED.get('who', 'all') == 'all'
+        write_marker(kind)
+        if kind == 'crash':
+            raise FuzzCrash(f"fuzz crash after training batch {self.seen_}")
+        if kind == 'sigkill':
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == 'sigkill_in_save':
+            arm_kill_in_save()
+        if kind == 'sigterm' and (everyone or rank() == 0):
+            os.kill(os.getpid(), signal.SIGTERM)
+        if kind == 'sigint':
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+class Recorder(NotTrainingState, Callback):
+    """What the oracle needs beside the state: each epoch's training batches
+    on this rank (the loader's length when the epoch begins)."""
+
+    def initialize(self):
+        self.loader_batches_ = []
+        return self
+
+    def on_epoch_begin(self, net, dataset_train=None, **kwargs):
+        loader = training_state.find_train_loader(net, dataset_train)
+        self.loader_batches_.append(None if loader is None else len(loader))
+
+
+def write_marker(kind):
+    """Proof that the interruption fired, for a launched run that dies by it."""
+    out = os.environ.get('RESULT_DIR')
+    tag = (ARMED or {}).get('tag')
+    if out and tag:
+        with open(os.path.join(out, f'{tag}-fired-rank{rank()}.json'), 'w') as f:
+            json.dump({'kind': kind}, f)
+
+
+def arm_kill_in_save():
+    """SIGKILL the committing process in the next save, once its files are
+    written and before the commit (the other ranks fail in a collective)."""
+    original = format.write
+
+    def commit_then_die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    format.write = commit_then_die
+
+
+# ---------------------------------------------------------------- building
+
+def make_callback(spec, dirname):
+    """The callback a drawn spec describes: {'kind', 'name', 'params'}."""
+    kind, params = spec['kind'], dict(spec['params'])
+    if kind == 'early_stopping':
+        return EarlyStopping(**params)
+    if kind == 'lr_scheduler':
+        policy = POLICIES[params.pop('policy')]
+        if 'lr_lambda' in params:
+            params['lr_lambda'] = LAMBDAS[params['lr_lambda']]
+        return LRScheduler(policy=policy, **params)
+    if kind == 'grad_clip':
+        return GradientNormClipping(**params)
+    if kind == 'epoch_scoring':
+        return EpochScoring(**params)
+    if kind == 'batch_scoring':
+        return BatchScoring(**params)
+    if kind == 'freezer':
+        return Freezer(**params)
+    if kind == 'params_checkpoint':
+        return ParamsCheckpoint(dirname=f'{dirname}-params', **params)
+    if kind == 'tally':
+        return PerRankTally(**params)
+    raise ValueError(f"unknown callback kind {kind!r}")
+
+
+def callback_specs(config, relaunch):
+    """The config's callback specs in the order of this phase, with a
+    callback setting changed in the relaunch."""
+    specs = [dict(spec, index=i) for i, spec in enumerate(config['callbacks'])]
+    change = config['change']
+    if not relaunch:
+        return specs
+    if change['kind'] == 'callback':
+        target = specs[change['index']]
+        params = dict(target['params'])
+        params.update(change['params'])
+        specs[change['index']] = dict(target, params=params)
+    if change['kind'] == 'reorder':
+        specs = [specs[i] for i in change['order']]
+    return specs
+
+
+def net_settings(config, relaunch):
+    """The net's own settings of this phase."""
+    settings = {key: config[key] for key in ('lr', 'batch_size', 'max_epochs')}
+    settings['momentum'] = config['momentum']
+    change = config['change']
+    if relaunch and change['kind'] == 'net':
+        settings[change['param']] = change['value']
+    return settings
+
+
+def check_params(config):
+    change = config['change']
+    if change.get('allow') and change['kind'] == 'net':
+        return (change['name'],)
+    if change.get('allow') and change['kind'] == 'callback':
+        return tuple(change['names'])
+    return True
+
+
+def build(config, dirname, relaunch, accelerator):
+    """The net of one launch of the config's script, and its callbacks by spec index."""
+    saves = config['saves']
+    cp = AccelerateCheckpoint(dirname=dirname, every_n_epochs=saves['every_n_epochs'],
+                              every_n_steps=saves['every_n_steps'],
+                              async_save=saves['async_save'], keep_last=saves['keep_last'])
+    reseed = relaunch and config['change']['kind'] == 'world_size'
+    load = AccelerateLoadInitState(
+        cp, check_params=check_params(config) if relaunch else True,
+        on_world_size_change='reseed' if reseed else 'raise')
+    by_index = {}
+    callbacks = [cp, load]
+    for spec in callback_specs(config, relaunch):
+        callback = make_callback(spec, dirname)
+        by_index[spec['index']] = callback
+        callbacks.append((spec['name'], callback) if spec['name'] else callback)
+    callbacks += [Interrupt(), Recorder()]
+    settings = net_settings(config, relaunch)
+    kwargs = {}
+    if config['batchnorm']:
+        # a training batch of one row is an error of BatchNorm1d
+        kwargs['iterator_train__drop_last'] = True
+    net = make_net(
+        accelerator, module=MLP, module__hidden=config['hidden'],
+        module__batchnorm=config['batchnorm'], module__dropout=config['dropout'],
+        lr=settings['lr'], batch_size=settings['batch_size'],
+        optimizer__momentum=settings['momentum'], max_epochs=settings['max_epochs'],
+        train_split=ValidSplit(5) if config['valid'] else None,
+        warm_start=config['script'] == 'warm_start', callbacks=callbacks, **kwargs)
+    return net, cp, by_index
+
+
+def accelerator_for(config, nproc):
+    if config.get('backend') == 'fsdp2' and nproc > 1:
+        return fsdp_accelerator()
+    return make_accelerator()
+
+
+def seed_everything():
+    """Seed the global generators as a user's script does at its start."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+
+
+def script_calls(config, net):
+    if config['script'] == 'fit':
+        return [net.fit]
+    if config['script'] == 'fit+partial_fit':
+        return [net.fit, net.partial_fit]
+    return [net.fit, net.fit]
+
+
+def run(config, dirname, phase, nproc=1, tag=None):
+    """One launch of the config's script in this process (every rank calls
+    it): its outcome and this rank's final state (:func:`final_state`)."""
+    global ARMED
+    relaunch = phase == 'relaunch'
+    seed_everything()
+    accelerator = accelerator_for(config, nproc)
+    net, cp, by_index = build(config, dirname, relaunch, accelerator)
+    X, y = make_data(n=config['rows'], seed=config.get('data_seed', 0))
+    ARMED = dict(config['interrupt'], tag=tag) if phase == 'first' \
+        and config['interrupt']['kind'] != 'none' else None
+    outcome = {'status': 'finished', 'phase': phase}
+    try:
+        for call in script_calls(config, net):
+            call(X, y)
+            if fired(net) and ARMED['kind'] == 'sigint':
+                # skorch ends the fit on a KeyboardInterrupt; the user's
+                # Ctrl-C ended the script
+                outcome['status'] = 'interrupted'
+                break
+    except TrainingPreempted as exc:
+        outcome.update(status='preempted', checkpoint=exc.checkpoint)
+    except FuzzCrash as exc:
+        outcome.update(status='crashed', message=str(exc))
+    except CheckpointError as exc:
+        outcome.update(status='refused', message=str(exc), error=type(exc).__name__)
+    finally:
+        ARMED = None
+        if outcome['status'] != 'finished':
+            # as the process's end would: the folder and signal handlers let go
+            cp.close()
+    outcome['fired'] = fired(net)
+    outcome['num_processes'] = sync.num_processes(net) if net.initialized_ else nproc
+    outcome['callback_names'] = callback_names(net, by_index)
+    outcome['state'] = final_state(net, cp, by_index) if outcome['status'] in (
+        'finished', 'interrupted') else None
+    return outcome
+
+
+def fired(net):
+    return any(isinstance(cb, Interrupt) and cb.fired_
+               for _, cb in getattr(net, 'callbacks_', []))
+
+
+def callback_names(net, by_index):
+    """The name skorch gave each drawn callback (by spec index)."""
+    names = {}
+    for name, callback in getattr(net, 'callbacks_', []):
+        for index, built in by_index.items():
+            if built is callback:
+                names[index] = name
+    return names
+
+
+# ---------------------------------------------------------------- state
+
+def plain(value, where=''):
+    """A fitted attribute as torch.equal and == compare it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {key: plain(item, f'{where}.{key}') for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(item, f'{where}[{i}]') for i, item in enumerate(value)]
+    if hasattr(value, 'state_dict') and not isinstance(value, type):
+        return {'state_dict': plain(value.state_dict(), where)}
+    if callable(value):
+        return f'<callable {getattr(value, "__name__", type(value).__name__)}>'
+    return f'<{type(value).__name__}>'
+
+
+def history_rows(net):
+    rows = []
+    for row in net.history:
+        row = {key: value for key, value in row.items() if key not in UNCOMPARED_COLUMNS}
+        row['batches'] = [dict(batch) for batch in row.get('batches', [])]
+        rows.append(plain(row))
+    return rows
+
+
+def callback_states(net):
+    """Each callback's fitted attributes (names ending in ``_``), but the
+    checkpoint's own callbacks', the test's and the clocks'."""
+    skipped = (AccelerateCheckpoint, AccelerateLoadInitState, Interrupt, Recorder,
+               EpochTimer, PrintLog)
+    states = {}
+    for name, callback in net.callbacks_:
+        if isinstance(callback, skipped):
+            continue
+        states[name] = {attr: plain(value, f'{name}.{attr}')
+                        for attr, value in vars(callback).items()
+                        if attr.endswith('_') and not attr.startswith('_')
+                        and attr not in SCRATCH_ATTRS}
+    return states
+
+
+def model_and_optimizer(net):
+    """The full parameters and optimizer state (under FSDP2 gathered: rank
+    0 holds them, a collective) and this rank's own buffers."""
+    module = net.module_
+    buffers = {name: (buf.to_local() if hasattr(buf, 'to_local') else buf).detach().cpu().clone()
+               for name, buf in net.accelerator.unwrap_model(module).named_buffers()}
+    if getattr(net.accelerator, 'is_fsdp2', False):
+        params, optimizer = get_state_dict(
+            module, net.optimizer_.optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return plain(params), plain(optimizer), buffers
+    params = net.accelerator.unwrap_model(module).state_dict()
+    return plain(params), plain(net.optimizer_.state_dict()), buffers
+
+
+def settings_in_force(net, by_index):
+    """The settings as training ran with them at the end: the optimizer's
+    groups, a scheduler's base lrs and arguments, each drawn callback's."""
+    groups = [{key: plain(value) for key, value in group.items() if key != 'params'}
+              for group in net.optimizer_.param_groups]
+    callbacks = {}
+    for index, callback in by_index.items():
+        entry = {key: plain(value) for key, value in callback.get_params(deep=False).items()}
+        scheduler = getattr(callback, 'lr_scheduler_', None)
+        if scheduler is not None:
+            entry['scheduler'] = {key: plain(value) for key, value in vars(scheduler).items()
+                                  if not key.startswith('_') and key != 'optimizer'}
+        callbacks[index] = entry
+    return {'groups': groups, 'callbacks': callbacks, 'batch_size': net.batch_size}
+
+
+def final_state(net, cp, by_index):
+    """This rank's state at the end of the script, as the oracle compares it."""
+    params, optimizer, buffers = model_and_optimizer(net)
+    recorder = next(cb for _, cb in net.callbacks_ if isinstance(cb, Recorder))
+    return {
+        'params': params, 'optimizer': optimizer, 'buffers': buffers,
+        'history': history_rows(net), 'callbacks': callback_states(net),
+        'settings': settings_in_force(net, by_index),
+        'global_step': cp.global_step_, 'loader_batches': list(recorder.loader_batches_),
+    }
+
+
+# ---------------------------------------------------------------- launched
+
+def main():
+    runs = json.loads(open(os.environ['CONTRACT_RUNS']).read())
+    out = os.environ.get('RESULT_DIR', '.')
+    nproc = int(os.environ.get('WORLD_SIZE', '1'))
+    for spec in runs:
+        try:
+            outcome = run(spec['config'], spec['dirname'], spec['phase'], nproc=nproc,
+                          tag=spec['tag'])
+        except BaseException as exc:
+            outcome = {'status': 'error', 'phase': spec['phase'],
+                       'message': f'{type(exc).__name__}: {exc}',
+                       'traceback': traceback.format_exc()}
+            torch.save(outcome, os.path.join(out, f"{spec['tag']}-rank{rank()}.pt"))
+            raise
+        torch.save(outcome, os.path.join(out, f"{spec['tag']}-rank{rank()}.pt"))
+        if dist.is_initialized():
+            # the next run begins on every rank together
+            dist.barrier()
+
+
+if __name__ == '__main__':
+    main()
+    sys.exit(0)
