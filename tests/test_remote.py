@@ -501,7 +501,9 @@ def cut_fit(network, url, drop_on, cut_on, max_epochs, *callbacks):
     network.fired.clear()
     network.drop_on, network.cut_on = drop_on, cut_on
     said = []
-    cp = AccelerateCheckpoint(dirname=url, storage_options=NO_RETRIES, sink=said.append)
+    # a network that stays down: its requests are sent again for 2 s only
+    cp = AccelerateCheckpoint(dirname=url, storage_options=NO_RETRIES, sink=said.append,
+                              outage_seconds=2)
     load = AccelerateLoadInitState(cp)
     torch.manual_seed(0)
     net = make_net(make_accelerator(), callbacks=[cp, load, *callbacks], max_epochs=max_epochs)
@@ -615,7 +617,7 @@ def test_files_that_failed_past_the_client_s_retries_are_sent_again(
 
     # the upload's thread warns: from the commit that starts it to the wait
     with pytest.warns(UserWarning, match=f'sending the files of {url}/epoch-0001 failed '
-                      r'\(.*\); sending it again for up to 30 s') as warned:
+                      r'\(.*\); sending it again for up to 60 s') as warned:
         back = threading.Thread(target=back_once_warned, args=(warned,))
         back.start()
         storage.commit('epoch-0001', {'format_version': format.FORMAT_VERSION},
@@ -661,15 +663,18 @@ def test_two_nodes_each_stage_on_their_own_disk_and_resume_from_one_bucket(s3_bu
         assert 'set save_on_each_node=True to stage on' in out
     assert not [path for path in listing(f'{s3_bucket}/run') if 'epoch-' in path]
 
-    # node 1's part of epoch 2 cannot be sent (the network down): the save
-    # fails on every rank, and the store keeps epoch 1
+    # node 1's part of epoch 2 cannot be sent (the network down, past the
+    # 2 s that its requests are sent again): the save fails on every rank,
+    # and the store keeps epoch 1
     failing = run('first', fails=True, MAX_EPOCHS='2', SHARED_PER_NODE='1',
-                  FAIL_UPLOAD='1:2')
+                  FAIL_UPLOAD='1:2', OUTAGE_SECONDS='2')
     assert (tmp_path / 'failed-upload-rank1.json').exists()
     assert (f"node 1 (rank 1) could not upload its part of {url}/epoch-0002: "
-            "OSError") in failing.outputs[0], failing.outputs[0][-3000:]
-    assert (f"the upload of {url}/epoch-0002 failed (OSError"
-            in failing.outputs[1]), failing.outputs[1][-3000:]
+            f"StoreUnavailableError: sending the files of {url}/epoch-0002 failed for "
+            ) in failing.outputs[0], failing.outputs[0][-3000:]
+    assert (f"the upload of {url}/epoch-0002 failed: sending the files of {url}/epoch-0002 "
+            "failed for" in failing.outputs[1]), failing.outputs[1][-3000:]
+    assert 'Network is unreachable' in failing.outputs[1]
     rng_files = ['random_states_0.pkl', 'random_states_1.pkl']
     s3().invalidate_cache()
     assert json.loads(s3().cat_file(f'{s3_bucket}/run/latest.json')) == {'name': 'epoch-0001'}

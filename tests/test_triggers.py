@@ -66,8 +66,10 @@ def test_steps_are_counted_and_named_in_training_order(tmp_path):
                               'epoch-0002-step-00000009', 'epoch-0003']
     assert sorted(cp.committed()) == cp.committed()
     inside = manifest_of(tmp_path / 'ck' / 'epoch-0001-step-00000006')
-    assert inside['epoch'] == 1 and inside['position'] == {'step': 6, 'batches': 2}
-    assert manifest_of(tmp_path / 'ck' / 'epoch-0003')['position'] == {'step': 12, 'batches': 0}
+    assert inside['epoch'] == 1
+    assert inside['position'] == {'step': 6, 'batches': 2, 'fit_calls': [[0, 3]]}
+    assert manifest_of(tmp_path / 'ck' / 'epoch-0003')['position'] == {
+        'step': 12, 'batches': 0, 'fit_calls': [[0, 3]]}
     # a longer run goes on counting
     _, cp, load = fit(tmp_path / 'ck', max_epochs=4, every_n_steps=3, keep_last=10)
     assert load.loaded_from_.endswith('epoch-0003') and cp.global_step_ == 16

@@ -55,7 +55,7 @@ from skorch.dataset import ValidSplit
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, ReduceLROnPlateau, StepLR
 
-from common import NotTrainingState, make_accelerator, make_data, make_net, rank
+from common import NotTrainingState, make_accelerator, make_data, make_net, rank, settle_gloo
 from fsdp_backend import fsdp_accelerator
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
@@ -476,4 +476,7 @@ def main():
 
 if __name__ == '__main__':
     main()
+    # the barriers between runs and FSDP2's own gathers leave tensors to
+    # gloo's threads
+    settle_gloo()
     sys.exit(0)

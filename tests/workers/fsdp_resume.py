@@ -34,7 +34,7 @@ from skorch.dataset import ValidSplit
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.optim.lr_scheduler import StepLR
 
-from common import NotTrainingState, make_data, make_net, rank, write_result
+from common import NotTrainingState, make_data, make_net, rank, settle_gloo, write_result
 from fsdp_backend import fsdp_accelerator
 from resume import KillBefore, history_rows
 from skorch_accel_callbacks import (
@@ -128,3 +128,5 @@ def run_all():
 
 if __name__ == '__main__':
     run_all()
+    # FSDP2's own gathers (its forward) leave tensors to gloo's threads
+    settle_gloo()

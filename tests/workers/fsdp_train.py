@@ -14,7 +14,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from common import make_accelerator, make_data, make_net, write_result
+from common import make_accelerator, make_data, make_net, settle_gloo, write_result
 from fsdp_backend import fsdp_accelerator
 from fsdp_resume import run_all
 
@@ -67,3 +67,5 @@ def main():
 
 if __name__ == '__main__':
     main()
+    # FSDP2's own gathers (its forward) leave tensors to gloo's threads
+    settle_gloo()

@@ -26,7 +26,7 @@ import torch
 from skorch.callbacks import Callback, EarlyStopping
 from skorch.dataset import ValidSplit
 
-from common import make_accelerator, make_data, make_net, rank, write_result
+from common import make_accelerator, make_data, make_net, rank, settle_gloo, write_result
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, sync
 
 
@@ -145,3 +145,5 @@ def run_all():
 
 if __name__ == '__main__':
     run_all()
+    # FSDP2's own gathers (its forward) leave tensors to gloo's threads
+    settle_gloo()

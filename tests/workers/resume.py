@@ -269,6 +269,9 @@ def build(dirname, scenario, ckpt_options):
         # a store's staging folder on each node's own disk
         ckpt_options = dict(ckpt_options, local_dir=os.path.join(
             os.environ['STAGING_PER_NODE'], f"node{os.environ['GROUP_RANK']}"))
+    if os.environ.get('OUTAGE_SECONDS'):
+        # how long a store's failing requests are sent again
+        ckpt_options = dict(ckpt_options, outage_seconds=float(os.environ['OUTAGE_SECONDS']))
     if scenario in ('accumulate', 'midepoch'):
         accelerator_kwargs['gradient_accumulation_steps'] = 2
     accelerator = make_accelerator(**accelerator_kwargs)
