@@ -90,6 +90,18 @@ def s3_endpoint():
 
 
 @pytest.fixture
+def network(s3_endpoint, monkeypatch):
+    """A network between the job and the S3 server that the test cuts or
+    silences: a proxy (``s3server.Proxy``) that ``AWS_ENDPOINT_URL`` names
+    (request the fixture after ``s3_bucket``, which names the server)."""
+    from s3server import Proxy
+    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
+    monkeypatch.setenv('AWS_ENDPOINT_URL', proxy.endpoint)
+    yield proxy
+    proxy.cut()
+
+
+@pytest.fixture
 def s3_bucket(s3_endpoint, monkeypatch, tmp_path):
     """A fresh, empty bucket of the local S3 server, its name; the test (and
     the processes it launches) reach the server through the ``AWS_*``

@@ -5,6 +5,7 @@ stops training on some ranks only raising on every rank, never hanging.
 The 2-process checks share one launch of tests/workers/mixin_decisions.py
 (see there for the data: the ranks' own valid losses part ways)."""
 
+import functools
 import json
 import pickle
 
@@ -240,16 +241,19 @@ def test_the_error_pickles_with_what_it_names():
     assert str(again) == str(error)
 
 
+def checkpointed_net(folder, **kwargs):
+    """A net that checkpoints into ``folder`` and resumes from it."""
+    checkpoint = AccelerateCheckpoint(dirname=str(folder))
+    return make_net(make_accelerator(), criterion=plain_criterion,
+                    callbacks=[AccelerateLoadInitState(checkpoint), checkpoint], **kwargs)
+
+
 def test_a_change_of_reduce_metrics_between_launches_is_refused(tmp_path):
     """It changes what EarlyStopping and the monitors decide on, so the
     resume's hyper-parameter check covers it."""
     X, y = make_data(n=64)
 
-    def net(**kwargs):
-        checkpoint = AccelerateCheckpoint(dirname=str(tmp_path))
-        return make_net(make_accelerator(), criterion=plain_criterion,
-                        callbacks=[AccelerateLoadInitState(checkpoint), checkpoint], **kwargs)
-
+    net = functools.partial(checkpointed_net, tmp_path)
     net(max_epochs=1).fit(X, y)
     with pytest.raises(CheckpointError, match="reduce_metrics: True in the checkpoint, False now"):
         net(max_epochs=2, reduce_metrics=False).fit(X, y)
@@ -262,11 +266,7 @@ def test_a_checkpoint_from_before_reduce_metrics_is_checked_as_what_it_trained(t
     ``reduce_metrics=False``."""
     X, y = make_data(n=64)
 
-    def net(**kwargs):
-        checkpoint = AccelerateCheckpoint(dirname=str(tmp_path))
-        return make_net(make_accelerator(), criterion=plain_criterion,
-                        callbacks=[AccelerateLoadInitState(checkpoint), checkpoint], **kwargs)
-
+    net = functools.partial(checkpointed_net, tmp_path)
     net(max_epochs=1).fit(X, y)
     manifest_path = tmp_path / 'epoch-0001' / 'manifest.json'
     manifest = json.loads(manifest_path.read_text())

@@ -13,20 +13,10 @@ import pytest
 from skorch.callbacks import Callback
 
 from checkpointed import fit
-from s3server import Proxy
 from skorch_accel_callbacks import StoreUnavailableError
 from skorch_accel_callbacks.transfer import S3_CLIENT_DEFAULTS, client_options
 
 OUTAGE_S = 10
-
-
-@pytest.fixture
-def network(s3_endpoint, monkeypatch):
-    """The network between the job and the S3 server: a proxy the test cuts."""
-    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
-    monkeypatch.setenv('AWS_ENDPOINT_URL', proxy.endpoint)
-    yield proxy
-    proxy.cut()
 
 
 def through(network):

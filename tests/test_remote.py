@@ -26,7 +26,6 @@ from skorch.callbacks import Callback
 from checkpointed import fit, state
 from common import make_accelerator, make_data, make_net
 from launcher import launch
-from s3server import Proxy
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
     AccelerateLoadInitState,
@@ -483,15 +482,6 @@ class SignalAt(Callback):
 # s3fs's own retries only: a failed upload fails in a second or two
 NO_RETRIES = {'skip_instance_cache': True,
               'config_kwargs': {'retries': {'total_max_attempts': 1}}}
-
-
-@pytest.fixture
-def network(s3_endpoint, monkeypatch):
-    """A network between the job and the S3 server that the test cuts."""
-    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
-    monkeypatch.setenv('AWS_ENDPOINT_URL', proxy.endpoint)
-    yield proxy
-    proxy.cut()
 
 
 def cut_fit(network, url, drop_on, cut_on, max_epochs, *callbacks):
