@@ -27,7 +27,7 @@ from skorch_accel_callbacks import (
     CheckpointError,
     TrainingPreempted,
 )
-from testutil import read_results
+from testutil import assert_nested_equal, read_results
 
 # make_data()'s 256 rows, 205 of them trained on: 7 batches of 32 an epoch
 # in 1 process, 4 on each of 2
@@ -49,21 +49,6 @@ def script(dirname, *extra, warm=False, **cp_kwargs):
     else:
         net.partial_fit(X, y)
     return state(net, cp), counter.trained
-
-
-def assert_nested_equal(a, b, where='state'):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_nested_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_nested_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
 
 
 def assert_same_end(full, relaunched):

@@ -31,7 +31,7 @@ from skorch_accel_callbacks import (
     inspection,
 )
 from skorch_accel_callbacks.export import export
-from testutil import edit_manifest, read_json, read_results
+from testutil import assert_nested_equal, edit_manifest, read_json, read_results
 
 # 256 training rows, 128 a rank in batches of 32: 4 optimizer steps an
 # epoch; with every_n_steps=3 the checkpoint after step 9 is inside epoch 3
@@ -78,21 +78,6 @@ def rank_state(results, tag, rank):
     return torch.load(results / f'{tag}-rank{rank}.pt', weights_only=True)
 
 
-def assert_equal_tensors(a, b, where):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_equal_tensors(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_equal_tensors(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    else:
-        assert a == b, where
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize('backend', ['ddp', 'fsdp2'])
 def test_each_rank_resumes_its_own_history_and_callbacks(runs, backend):
@@ -111,7 +96,7 @@ def test_each_rank_resumes_its_own_history_and_callbacks(runs, backend):
         for rank in (0, 1):
             for key in ('history', 'early', 'rank_losses'):
                 assert resumed[rank][key] == full[rank][key], (kind, rank, key)
-            assert_equal_tensors(rank_state(results, f'{backend}-{kind}', rank),
+            assert_nested_equal(rank_state(results, f'{backend}-{kind}', rank),
                                  rank_state(results, f'{backend}-full', rank),
                                  f"{kind} rank {rank}")
     if backend == 'ddp':
@@ -119,7 +104,7 @@ def test_each_rank_resumes_its_own_history_and_callbacks(runs, backend):
         for rank in (0, 1):
             for key in ('history', 'early', 'rank_losses'):
                 assert resumed[rank][key] == full[rank][key], ('async', rank, key)
-            assert_equal_tensors(rank_state(results, 'async-epoch', rank),
+            assert_nested_equal(rank_state(results, 'async-epoch', rank),
                                  rank_state(results, 'ddp-full', rank), f"async rank {rank}")
         saved = read_json(root / 'async' / 'epoch-0004' / format.MANIFEST_NAME)
         assert saved['per_rank'] == ['history', 'callbacks']

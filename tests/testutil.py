@@ -52,22 +52,24 @@ def assert_identical(a, b):
             assert torch.equal(tensor, b['params'][name][key]), f"{name}.{key} differs"
     assert a['optimizers'].keys() == b['optimizers'].keys()
     for name in a['optimizers']:
-        _assert_nested_equal(a['optimizers'][name], b['optimizers'][name], name)
+        assert_nested_equal(a['optimizers'][name], b['optimizers'][name], name)
     assert len(a['history']) == len(b['history'])
     for row_a, row_b in zip(a['history'], b['history'], strict=True):
         for key in ('train_loss', 'valid_loss', 'event_lr'):
             assert row_a[key] == row_b[key], (row_a['epoch'], key, row_a[key], row_b[key])
 
 
-def _assert_nested_equal(a, b, where):
+def assert_nested_equal(a, b, where='state'):
+    """``a == b`` down nested dicts, lists and tensors (``torch.equal``),
+    naming the first place that differs."""
     if isinstance(a, dict):
         assert a.keys() == b.keys(), where
         for key in a:
-            _assert_nested_equal(a[key], b[key], f"{where}.{key}")
+            assert_nested_equal(a[key], b[key], f"{where}.{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_nested_equal(x, y, f"{where}[{i}]")
+            assert_nested_equal(x, y, f"{where}[{i}]")
     elif isinstance(a, torch.Tensor):
         assert torch.equal(a, b), where
     else:
