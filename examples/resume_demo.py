@@ -133,6 +133,9 @@ class MLP(torch.nn.Module):
 class Progress(Callback):
     """Tell the demo where training is, and which launch trained each epoch."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, is_main, batch_seconds=0.0):
         self.is_main = is_main
         self.batch_seconds = batch_seconds

@@ -18,7 +18,6 @@ from collections.abc import Collection, Iterable
 from typing import Any, NoReturn
 
 from skorch.callbacks import (
-    Callback,
     Checkpoint,
     LoadInitState,
     PrintLog,
@@ -31,9 +30,10 @@ from skorch_accel_callbacks import accelerate_io, format
 from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.fingerprint import describe
 
-__all__ = ['CALLBACKS_KEY', 'allowed', 'callback_params', 'changed_callback_settings',
-           'check_epoch_settings', 'check_same_params', 'check_train_rows', 'epoch_end_advice',
-           'epoch_settings', 'train_batch_size', 'training_params']
+__all__ = ['CALLBACKS_KEY', 'UNRECORDED_ATTRIBUTE', 'allowed', 'callback_params',
+           'changed_callback_settings', 'check_epoch_settings', 'check_same_params',
+           'check_train_rows', 'epoch_end_advice', 'epoch_settings', 'train_batch_size',
+           'training_params']
 
 
 # Net parameters that change nothing of what a resumed run trains: they
@@ -65,12 +65,15 @@ def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-# Callbacks whose get_params() are settings: skorch's, this package's, and
-# subclasses of them. A callback of the user's own is not recorded: skorch's
-# convention (fitted state in names ending with '_') is not always kept, so
-# that its get_params() may hold what it counts, and hooks that only
-# observe, log or inject a fault come and go between launches.
-_LIBRARIES = ('skorch.', 'skorch_accel_callbacks.')
+#: The class attribute with which a callback's author declares which of its
+#: settings change nothing of what training does, so that a checkpoint does
+#: not record them and a resume lets them change: ``True`` for all of them
+#: and the callback itself (one that only observes, logs or injects a fault
+#: may come and go between launches), or a collection of patterns
+#: (:func:`fnmatch.fnmatchcase`) of its ``get_params()`` names. A class
+#: attribute, so that instances stay clonable and hold nothing public but
+#: their arguments and fitted state; subclasses inherit it.
+UNRECORDED_ATTRIBUTE = 'unrecorded_params'
 
 
 # The settings of callbacks that change nothing of what a resumed run trains,
@@ -111,12 +114,25 @@ CALLBACKS_KEY = 'callbacks'
 _CALLBACK_PREFIX = 'callbacks__'
 
 
+def _declared(callback: Any) -> frozenset[str] | None:
+    """The patterns ``callback``'s class declares unrecorded
+    (:data:`UNRECORDED_ATTRIBUTE`); None: all of them."""
+    declared = getattr(type(callback), UNRECORDED_ATTRIBUTE, ())
+    if declared is True:
+        return None
+    if isinstance(declared, str) or not all(isinstance(p, str) for p in declared):
+        raise TypeError(
+            f"{_qualified(type(callback))}.{UNRECORDED_ATTRIBUTE} must be True or a "
+            f"collection of patterns of its get_params() names, not {declared!r}")
+    return frozenset(declared)
+
+
 def _unrecorded(callback: Any) -> frozenset[str] | None:
     """The patterns of ``callback``'s unrecorded settings; None: all of them."""
-    if not any(cls.__module__.startswith(_LIBRARIES) for cls in type(callback).__mro__
-               if cls is not Callback):
+    declared = _declared(callback)
+    if declared is None:
         return None
-    patterns = set(_UNRECORDED_ANYWHERE)
+    patterns = set(_UNRECORDED_ANYWHERE) | declared
     for cls in type(callback).__mro__:
         entry = _UNRECORDED_CALLBACK_SETTINGS.get(_qualified(cls), frozenset())
         if entry is _NOT_TRAINING:
@@ -127,11 +143,13 @@ def _unrecorded(callback: Any) -> frozenset[str] | None:
 
 def callback_params(net: Any) -> dict[str, Any]:
     """The settings of the net's callbacks that change training, by
-    ``net.callbacks_`` name, of skorch's callbacks and this package's (and
-    their subclasses; see ``_LIBRARIES``): ``callbacks__<name>`` its class,
+    ``net.callbacks_`` name, of every callback (skorch's, this package's and
+    the user's own): ``callbacks__<name>`` its class,
     ``callbacks__<name>__<param>`` each of its ``get_params(deep=False)``
-    (without those of ``_UNRECORDED_CALLBACK_SETTINGS``), described by
-    :func:`describe`; :data:`CALLBACKS_KEY` the names recorded."""
+    (without those of ``_UNRECORDED_CALLBACK_SETTINGS``, ``sink``,
+    ``verbose``, and those its class declares in
+    :data:`UNRECORDED_ATTRIBUTE`), described by :func:`describe`;
+    :data:`CALLBACKS_KEY` the names recorded."""
     params, names = {}, []
     for name, callback in net.callbacks_:
         unrecorded = _unrecorded(callback)
@@ -298,6 +316,27 @@ def _reordered(changes: list[tuple[str, Any, Any]], saved: dict[str, Any],
     return reordered
 
 
+# the packages whose callbacks declare their unrecorded settings here, in
+# _UNRECORDED_CALLBACK_SETTINGS; a refusal of another's setting says how its
+# author declares one that changes nothing of training
+_LIBRARIES = ('skorch.', 'skorch_accel_callbacks.')
+
+
+def _of_users(changes: list[tuple[str, Any, Any]], saved: dict[str, Any],
+              current: dict[str, Any]) -> list[str]:
+    """The names of the user's own callbacks (of no library) among ``changes``."""
+    names = []
+    for name, _, _ in changes:
+        of = _callback_of(name)
+        kinds = [params.get(_CALLBACK_PREFIX + of[0]) for params in (current, saved)] \
+            if of is not None else []
+        kind = next((k for k in kinds if isinstance(k, dict)), {})
+        if 'callable' in kind and not kind['callable'].startswith(_LIBRARIES) \
+                and of[0] not in names:
+            names.append(of[0])
+    return names
+
+
 def _show_class(description: Any) -> str:
     return 'no such callback' if description is _MISSING else _show(description)
 
@@ -374,6 +413,12 @@ def check_same_params(net: Any, manifest: dict[str, Any], path: str,
                 "search every fit needs its own dirname); to resume it with the new "
                 f"values on purpose, pass check_params={names!r} (or check_params=False) "
                 "to AccelerateLoadInitState")
+        users = _of_users(refused, saved, current)
+        if users:
+            message += ('. ' if said else '') + (
+                f"A callback of your own ({', '.join(users)}) whose settings change "
+                f"nothing of training declares them in its class, {UNRECORDED_ATTRIBUTE} "
+                "= True (or a tuple of its parameters' names), and is not recorded")
         raise CheckpointError(message.rstrip(' '))
     return [name for name, _, _ in changes]
 

@@ -271,12 +271,98 @@ def say_nothing(*args, **kwargs):
 def test_what_only_speaks_or_stores_may_change(tmp_path):
     build(tmp_path / 'ck', max_epochs=1, keep_last=5, callbacks=[FailAt(99)]).fit(
         *make_data(n=N_ROWS))
-    # a callback of the user's own is not recorded: its get_params may hold
-    # what it counts, and a hook may come and go between launches
+    # FailAt declares its settings unrecorded (NotTrainingState): it changes
     net = build(tmp_path / 'ck', keep_last=2, callbacks=[ProgressBar(), FailAt(100)],
                 callbacks__print_log__sink=say_nothing)
     net.fit(*make_data(n=N_ROWS))
     assert loaded_from(net).endswith('epoch-0001') and len(net.history) == 2
+
+
+class Scaled(Callback):
+    """A user's callback whose settings change training: it scales the
+    gradients by ``factor`` before each step; ``log_every`` only says how
+    often it would print."""
+
+    def __init__(self, factor=1.0, log_every=10):
+        self.factor = factor
+        self.log_every = log_every
+
+    def on_grad_computed(self, net, named_parameters, **kwargs):
+        for _, parameter in named_parameters:
+            if parameter.grad is not None:
+                parameter.grad.mul_(self.factor)
+
+
+class ScaledLoudly(Scaled):
+    """Scaled, declaring that ``log_every`` changes nothing of training."""
+
+    unrecorded_params = ('log_*',)
+
+
+class Watcher(Callback):
+    """A user's observer, declared unrecorded: it may come and go."""
+
+    unrecorded_params = True
+
+    def __init__(self, every=1):
+        self.every = every
+
+
+def test_a_users_callback_setting_changed_is_refused(tmp_path):
+    build(tmp_path / 'ck', callbacks=[('scaled', Scaled(0.5))]).fit(*make_data(n=N_ROWS))
+    message = refused(build(tmp_path / 'ck', callbacks=[('scaled', Scaled(2.0))]))
+    assert 'callbacks__scaled__factor: 0.5 in the checkpoint, 2.0 now' in message
+    assert "check_params=('callbacks__scaled__factor',)" in message
+    # its author is told how to declare a setting that changes nothing
+    assert 'A callback of your own (scaled)' in message and 'unrecorded_params' in message
+    # undeclared, a setting that only speaks is recorded as well
+    message = refused(build(tmp_path / 'ck', callbacks=[('scaled', Scaled(0.5, log_every=3))]))
+    assert 'callbacks__scaled__log_every: 10 in the checkpoint, 3 now' in message
+    # and the user's callback is missed when it is gone
+    message = refused(build(tmp_path / 'ck', max_epochs=3))
+    assert 'callbacks__scaled: test_callback_settings.Scaled in the checkpoint, ' \
+           'no such callback now' in message
+
+
+def test_check_params_lets_a_users_setting_change_in_force(tmp_path):
+    build(tmp_path / 'ck', callbacks=[('scaled', Scaled(0.5))]).fit(*make_data(n=N_ROWS))
+    net = build(tmp_path / 'ck', callbacks=[('scaled', Scaled(2.0))], max_epochs=3,
+                load_kwargs={'check_params': ('callbacks__scaled__factor',)})
+    net.fit(*make_data(n=N_ROWS))
+    assert loaded_from(net).endswith('epoch-0002') and len(net.history) == 3
+    assert callback(net, 'scaled').factor == 2.0
+    # the next resume checks against the value that trained epoch 3
+    message = refused(build(tmp_path / 'ck', callbacks=[('scaled', Scaled(0.5))], max_epochs=4))
+    assert 'epoch-0003 was trained with other hyper-parameters: ' \
+           'callbacks__scaled__factor: 2.0 in the checkpoint, 0.5 now' in message
+
+
+def test_a_callback_declares_what_is_not_recorded(tmp_path):
+    build(tmp_path / 'ck', callbacks=[('scaled', ScaledLoudly(0.5)), Watcher(1)]).fit(
+        *make_data(n=N_ROWS))
+    saved = json.loads((tmp_path / 'ck' / 'epoch-0002' / 'manifest.json').read_text())
+    recorded = [name for name in saved['params'] if name.startswith('callbacks__')]
+    assert recorded.count('callbacks__scaled__factor') == 1
+    assert not [name for name in recorded if 'log_every' in name or 'Watcher' in name]
+    # the declared setting changes, the observer is gone: resumed
+    net = build(tmp_path / 'ck', callbacks=[('scaled', ScaledLoudly(0.5, log_every=3))],
+                max_epochs=3)
+    net.fit(*make_data(n=N_ROWS))
+    assert loaded_from(net).endswith('epoch-0002') and len(net.history) == 3
+    # what it does not declare is still checked
+    message = refused(build(tmp_path / 'ck', callbacks=[('scaled', ScaledLoudly(2.0))],
+                            max_epochs=4))
+    assert 'callbacks__scaled__factor: 0.5 in the checkpoint, 2.0 now' in message
+
+
+def test_a_declaration_that_is_no_collection_of_names_is_an_error(tmp_path):
+    class Misdeclared(Callback):
+        unrecorded_params = 'log_every'
+
+    net = build(tmp_path / 'ck', callbacks=[Misdeclared()], max_epochs=1)
+    with pytest.raises(TypeError, match=r"Misdeclared.unrecorded_params must be True or a "
+                                        r"collection of patterns.*not 'log_every'"):
+        net.fit(*make_data(n=N_ROWS))
 
 
 def test_a_manifest_without_callback_settings_resumes_unchecked(tmp_path):

@@ -74,6 +74,9 @@ def test_resume_continues_to_max_epochs(tmp_path):
 class SeeMaxEpochs(Callback):
     """Records net.max_epochs in each epoch; raises in epoch ``fail_at``."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, fail_at=None):
         self.fail_at = fail_at
 
@@ -246,6 +249,9 @@ def test_callback_order_does_not_matter(tmp_path):
 def test_saving_warns_about_unsaveable_callback_state(tmp_path):
 
     class Holder(Callback):
+        # observes or injects a fault, trains nothing: not recorded, may come and go
+        unrecorded_params = True
+
         def initialize(self):
             self.thing_ = object()
             return self

@@ -32,6 +32,9 @@ N_ROWS = 160
 class FailAt(Callback):
     """Fails the fit after training batch ``batch`` (counted over the fit)."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, batch):
         self.batch = batch
 

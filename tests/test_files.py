@@ -34,6 +34,9 @@ class WaitInFirstEpoch(Callback):
     """Holds its net in the first epoch, inside training (its checkpoint
     folder claimed), until ``release`` is set; ``inside`` says it got there."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, inside, release):
         self.inside = inside
         self.release = release

@@ -42,6 +42,9 @@ CLI_TIMEOUT = 300
 class Snapshot(Callback):
     """The module's parameters at the end of every epoch, by epoch."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def initialize(self):
         self.params_ = {}
         return self

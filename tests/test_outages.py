@@ -75,6 +75,9 @@ def test_every_request_of_an_upload_rides_out_a_10_s_outage(s3_bucket, network, 
 class SilenceAt(Callback):
     """From the beginning of epoch ``epoch`` on, the store never answers."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, network, epoch):
         self.network = network
         self.epoch = epoch

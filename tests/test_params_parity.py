@@ -225,6 +225,9 @@ class SavesThroughParamsCheckpoint(Callback):
     """A user's callback that saves at the end of training through a
     ParamsCheckpoint, as TrainEndParamsCheckpoint does."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, dirname: str) -> None:
         self.dirname = dirname
 
@@ -347,6 +350,9 @@ def test_bad_arguments_raise_at_initialize(tmp_path: Path, monkeypatch: pytest.M
 class LockProbe(Callback):
     """At every epoch's end: whether a job in another process would be
     refused the lock of each of ``paths``."""
+
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
 
     def __init__(self, paths: list[str]) -> None:
         self.paths = paths

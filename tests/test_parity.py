@@ -155,6 +155,9 @@ def test_f_pickle_beside_a_background_save_and_retention(tmp_path):
 # ---------------------------------------------------------------- a retried fit
 
 class RaiseAtEpoch(Callback):
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, epoch):
         self.epoch = epoch
 
@@ -203,6 +206,9 @@ def test_a_failed_background_save_of_the_fit_that_raised_is_reported(tmp_path, m
 # ---------------------------------------------------------------- max_epochs, finished
 
 class RaiseOnTrainBegin(Callback):
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, active=True):
         self.active = active
 

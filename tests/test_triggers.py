@@ -79,6 +79,9 @@ class Crash(Callback):
     """Fail the fit at the end of epoch ``epoch`` (before its checkpoint:
     the checkpoint runs after the net's other callbacks)."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, epoch):
         self.epoch = epoch
 
@@ -117,6 +120,9 @@ def test_without_keep_best_the_monitor_decides(tmp_path):
 
 
 class SignalAt(Callback):
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, epoch, batch, sig):
         self.epoch, self.batch, self.sig = epoch, batch, sig
 
@@ -197,6 +203,9 @@ def test_iterable_dataset_cannot_save_inside_an_epoch(tmp_path):
 class CountBatches(Callback):
     """Acts on every batch, with no state_dict: what a resume inside an
     epoch cannot vouch for. Fails the fit after batch ``fail_at``."""
+
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
 
     def __init__(self, fail_at=None):
         self.fail_at = fail_at

@@ -51,6 +51,9 @@ QUIET = {'callbacks__print_log__sink': noop}
 class ModuleTypes(Callback):
     """What ``net.module_`` is when the checkpoints save."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def on_epoch_end(self, net, **kwargs):
         self.at_epoch_end_ = type(net.module_).__name__
 

@@ -101,7 +101,10 @@ def make_net(accelerator, net_cls=FixedNet, **kwargs):
 class NotTrainingState:
     """Mixin for a test callback whose attributes record what happened, not
     training state: a checkpoint holds nothing of it, a resume restores
-    nothing."""
+    nothing, and its settings are not recorded (it may come, go and change
+    between launches)."""
+
+    unrecorded_params = True
 
     def state_dict(self):
         return {}
@@ -114,6 +117,9 @@ class BatchEnds(Callback):
     """Counts the training batches of each epoch: ``at_batch(net, batch)``
     runs at the end of each, with its number in the epoch (from 1). The
     jobs' kill points at batch ends subclass it."""
+
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
 
     def initialize(self):
         self.batches_ = 0

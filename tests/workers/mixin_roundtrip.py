@@ -35,6 +35,9 @@ class Interrupt(Callback):
     (``ending='preempted'``) or every rank raises ``ValueError``
     (``ending='error'``)."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, ending='normal'):
         self.ending = ending
 

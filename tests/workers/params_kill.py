@@ -47,6 +47,9 @@ class DyingNet(AccelerateFixesMixin, AccelerateMixin, DieWhileWriting, NeuralNet
 
 
 class RecordEpochOne(Callback):
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def on_epoch_end(self, net, **kwargs):
         if len(net.history) == 1:
             with unwrapped(net):

@@ -100,6 +100,9 @@ class ReadBack(Callback):
     """On every rank, right after the checkpoints: read what was just saved,
     and keep this rank's own view of the epoch."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, folder):
         self.folder = folder
 
@@ -199,6 +202,9 @@ def check_decision(accelerator, X, y, folder, out):
 class WrappedAt(Callback):
     """Records whether the net is wrapped when training begins and ends."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def initialize(self):
         self.states_ = []
         return self
@@ -256,6 +262,9 @@ def check_combinations(accelerator, X, y, folder, out):
 class RemoveFolder(Callback):
     """On the main process, in the given epoch, remove the checkpoint folder
     (the disk is gone) before the checkpoint saves."""
+
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
 
     def __init__(self, folder, epoch):
         self.folder = folder

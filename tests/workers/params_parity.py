@@ -47,6 +47,9 @@ HOLD_TIMEOUT_S = 300
 class Hold(Callback):
     """After epoch 1 (and its save): say so, then wait for the go."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, markers):
         self.markers = markers
 

@@ -34,6 +34,9 @@ class RankLosses(Callback):
     """A fitted attribute of this rank's own: the sum of the training losses
     it logged and its rank, which a resume must give back to the same rank."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def initialize(self):
         self.total_ = 0.0
         return self

@@ -19,6 +19,9 @@ from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 
 
 class AnotherJob(Callback):
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, manifest):
         self.manifest = manifest
 

@@ -81,6 +81,9 @@ class KillBefore(Callback):
     """Die like a preempted node when batch ``batch`` of ``epoch`` begins,
     after every callback finished the batch before (its checkpoint too)."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, epoch, batch, tag):
         self.epoch = epoch
         self.batch = batch
@@ -184,6 +187,9 @@ class Trained(NotTrainingState, Callback):
 
 
 class RecordWrapping(Callback):
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def on_epoch_end(self, net, **kwargs):
         self.module_type_ = type(net.module_).__name__
 

@@ -88,6 +88,9 @@ def hold(point, epoch=None):
 class EpochTracker(Callback):
     """Knows the current epoch, so that a kill point fires in its epoch only."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     epoch = 0
 
     def on_epoch_begin(self, net, **kwargs):

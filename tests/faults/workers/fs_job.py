@@ -26,6 +26,9 @@ from skorch_accel_callbacks import ParamsCheckpoint, unwrapped
 class FillDisk(Callback):
     """Rank 0 fills the filesystem of ``folder`` after batch 1 of ``epoch``."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, folder, epoch):
         self.folder, self.epoch = folder, epoch
 
@@ -74,6 +77,9 @@ def params_job(dirname, on_error, fill=None):
     digests = params_job.digests = {}
 
     class Digest(Callback):
+        # observes or injects a fault, trains nothing: not recorded, may come and go
+        unrecorded_params = True
+
         def on_epoch_end(self, net, **kwargs):
             with unwrapped(net):
                 digests[len(net.history)] = params_digest(net.module_)

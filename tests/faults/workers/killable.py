@@ -190,6 +190,9 @@ class BatchKiller(BatchEnds):
 
 
 class Freeze(Callback):
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def __init__(self, epoch, who):
         self.epoch, self.who = epoch, who
 
@@ -199,6 +202,9 @@ class Freeze(Callback):
 
 
 class RecordResume(Callback):
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def on_epoch_begin(self, net, **kwargs):
         tag = sys.argv[2]
         out = os.environ.get('RESULT_DIR', '.')

@@ -109,6 +109,9 @@ def snapshot(net):
 class LogSave(Callback):
     """Before the checkpoint's save: what it is about to save."""
 
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def on_epoch_end(self, net, **kwargs):
         if rank() == 0:
             with open(os.path.join(os.environ['RESULT_DIR'], 'saves.jsonl'), 'a') as f:
@@ -116,6 +119,9 @@ class LogSave(Callback):
 
 
 class RecordLoad(Callback):
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     def on_train_begin(self, net, **kwargs):
         LOADED['epochs'] = len(net.history)
         path = os.path.join(os.environ['RESULT_DIR'], f'loaded-{sys.argv[2]}-rank{rank()}.json')

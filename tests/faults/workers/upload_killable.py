@@ -70,6 +70,9 @@ def install(epoch, point):
 
 
 class CountSteps(Callback):
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
     steps = 0
 
     def on_batch_end(self, net, training=False, **kwargs):
