@@ -149,10 +149,10 @@ def skorch_name(specs, index):
 
 
 def changeable(spec):
-    """Whether a setting of this callback is drawn to change: skorch's
-    callbacks' settings are recorded and checked; a user's own callback's
-    are not (the README's resume contract), so its settings stay."""
-    return spec['kind'] in ('early_stopping', 'grad_clip') or (
+    """Whether a setting of this callback is drawn to change: every
+    callback's settings are recorded and checked, the user's own (the
+    tally's ``scale``) as skorch's."""
+    return spec['kind'] in ('early_stopping', 'grad_clip', 'tally') or (
         spec['kind'] == 'lr_scheduler' and spec['params']['policy'] != 'LambdaLR')
 
 
@@ -178,6 +178,8 @@ def changed_callback_params(draw, spec):
         params['factor'] = 0.3
     elif kind == 'grad_clip':
         params['gradient_clip_value'] = 0.01 if params['gradient_clip_value'] != 0.01 else 5.0
+    elif kind == 'tally':
+        params['scale'] = 0.5 if params['scale'] != 0.5 else 1.0
     return params
 
 

@@ -128,13 +128,11 @@ def deadline(seconds):
 
 
 def check_one_process(config):
-    note(reproduction(config))
     with temp_folder() as where, deadline(IN_PROCESS_DEADLINE):
         check_example(config, run_in_process(config, where))
 
 
 def check_launched(batch):
-    note(reproduction(batch))
     with temp_folder() as where:
         results, launches = run_launched(batch, where)
         # every 2-process run that got going ran 2 processes (an error's
@@ -150,6 +148,7 @@ def check_launched(batch):
 @given(config=configs(interrupts=ONE_PROCESS_INTERRUPTS, change_kinds=ONE_PROCESS_CHANGES,
                       scripts=SCRIPTS))
 def test_one_process_contract(config):
+    note(reproduction(config))
     check_one_process(config)
 
 
@@ -159,6 +158,7 @@ def test_one_process_contract(config):
                               change_kinds=DDP_CHANGES, scripts=SCRIPTS),
                       min_size=BATCH, max_size=BATCH))
 def test_ddp_contract(batch):
+    note(reproduction(batch))
     check_launched(batch)
 
 
@@ -168,12 +168,13 @@ def test_ddp_contract(batch):
                               change_kinds=FSDP2_CHANGES, scripts=SCRIPTS),
                       min_size=BATCH, max_size=BATCH))
 def test_fsdp2_contract(batch):
+    note(reproduction(batch))
     check_launched(batch)
 
 
 def replay(drawn):
     """Rerun the configuration (a dict) or launched batch (a list) that a
-    failure printed, without Hypothesis."""
+    failure printed, without Hypothesis (whose note() needs a test)."""
     if isinstance(drawn, dict):
         check_one_process(drawn)
     else:
