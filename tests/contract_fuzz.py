@@ -27,6 +27,13 @@ The oracle is the contract, not an implementation:
   counts its optimizer steps on;
 - every refusal's advice names what exists: each path in the message
   exists, and advice to resume an epoch's end has one in the folder;
+- retention: after a relaunch that saved, the folder holds the
+  ``keep_last`` newest, the newest of an epoch's end, the best, and the
+  checkpoint it resumed from only while the fit call that resumed from it
+  is the script's last;
+- ``net.load_params(checkpoint=...)`` of a plain net after the relaunch,
+  the newest checkpoint's model file damaged (1 process): at most one
+  warning naming it, and the checkpoint before it loaded if there is one;
 - the first launch ends as its interruption says (preempted by a SIGTERM,
   the crash's exception, a SIGKILL's exit -9, finished if it did not fire);
 - never a hang (each launch under a deadline, collectives under
@@ -45,7 +52,7 @@ from pathlib import Path
 import torch
 from hypothesis import strategies as st
 
-from contract_run import run
+from contract_run import load_damaged, run
 from launcher import launch
 
 # ------------------------------------------------------------------ strategies
@@ -75,9 +82,9 @@ def early_stopping(draw, valid):
 
 
 @st.composite
-def lr_scheduler(draw, valid):
-    policy = draw(st.sampled_from(('StepLR', 'LambdaLR', 'CosineAnnealingLR',
-                                   'ReduceLROnPlateau')))
+def lr_scheduler(draw, valid, plateau=True):
+    policy = draw(st.sampled_from(('StepLR', 'LambdaLR', 'CosineAnnealingLR')
+                                  + (('ReduceLROnPlateau',) if plateau else ())))
     if policy == 'ReduceLROnPlateau':
         return {'policy': policy, 'monitor': 'valid_loss' if valid else 'train_loss',
                 'patience': draw(st.integers(0, 1)), 'factor': 0.5}
@@ -93,11 +100,13 @@ def lr_scheduler(draw, valid):
 
 
 @st.composite
-def other_callback(draw, kind, valid, backend):
+def other_callback(draw, kind, valid, backend, scheduled=False):
     if kind == 'tally':
         return {'scale': draw(st.sampled_from((1.0, 0.5)))}
     if kind == 'lr_scheduler':
-        return draw(lr_scheduler(valid))
+        # an lr that check_params lets through must become the base lr
+        # of a scheduler that has one
+        return draw(lr_scheduler(valid, plateau=not scheduled))
     if kind == 'grad_clip':
         return {'gradient_clip_value': draw(st.sampled_from((1.0, 0.05, 10.0)))}
     if kind == 'epoch_scoring':
@@ -116,18 +125,22 @@ def other_callback(draw, kind, valid, backend):
 
 
 @st.composite
-def callbacks(draw, valid, backend):
+def callbacks(draw, valid, backend, scheduled=False):
     """Skorch's callbacks and the user's, named or not: the others first,
     the EarlyStoppings last (a callback after the one that stops misses
-    that epoch's end: so a reorder of named ones changes nothing)."""
+    that epoch's end: so a reorder of named ones changes nothing); with
+    ``scheduled``, an LR scheduler with base lrs among them."""
     # FSDP2 with skorch's Freezer cannot resume (torch's distributed
     # checkpoint misses the frozen parameters' momentum buffers): an open
     # defect, drawn under DDP only until it is mended
     kinds = draw(st.lists(st.sampled_from(
         [kind for kind in OTHER_KINDS if backend != 'fsdp2' or kind != 'freezer']),
         unique=True, max_size=4))
+    if scheduled and 'lr_scheduler' not in kinds:
+        kinds.insert(draw(st.integers(0, len(kinds))), 'lr_scheduler')
     specs = [{'kind': kind, 'name': NAMES[kind] if draw(st.booleans()) else None,
-              'params': draw(other_callback(kind, valid, backend))} for kind in kinds]
+              'params': draw(other_callback(kind, valid, backend, scheduled))}
+             for kind in kinds]
     n_stops = draw(st.integers(0, 2))
     named = draw(st.booleans())
     for i in range(n_stops):
@@ -184,10 +197,15 @@ def changed_callback_params(draw, spec):
 
 
 @st.composite
-def changes(draw, config, kinds):
+def changes(draw, config, kind):
+    """The change between the launches of ``kind``: ``'scheduled_lr'`` is
+    a new lr that check_params lets through, with an LR scheduler (issue
+    28's item 4: its base lrs must take it)."""
     specs = config['callbacks']
-    kind = draw(st.sampled_from(kinds))
     allow = draw(st.booleans())
+    if kind == 'scheduled_lr':
+        return {'kind': 'net', 'param': 'lr', 'name': 'lr', 'value': config['lr'] * 4,
+                'allow': True}
     if kind == 'net':
         param = draw(st.sampled_from(('lr', 'batch_size', 'momentum')))
         value = {'lr': config['lr'] * 4,
@@ -232,10 +250,11 @@ def train_batches(config, nproc):
 
 @st.composite
 def configs(draw, nproc=1, backend='none', interrupts=('none', 'sigterm', 'crash', 'sigint'),
-            change_kinds=('none', 'net', 'callback', 'reorder'),
+            change_kinds=('none', 'net', 'scheduled_lr', 'callback', 'reorder'),
             scripts=('fit', 'fit+partial_fit', 'warm_start')):
     """A configuration of one example (see the module docstring)."""
     valid = draw(st.booleans())
+    change_kind = draw(st.sampled_from(change_kinds))
     config = {
         'nproc': nproc, 'backend': backend,
         'rows': draw(st.integers(64, 160)), 'hidden': draw(st.sampled_from((16, 8, 32))),
@@ -245,7 +264,7 @@ def configs(draw, nproc=1, backend='none', interrupts=('none', 'sigterm', 'crash
         'batch_size': draw(st.sampled_from(BATCH_SIZES)),
         'max_epochs': draw(st.integers(2, 5)), 'valid': valid,
         'script': draw(st.sampled_from(scripts)),
-        'callbacks': draw(callbacks(valid, backend)),
+        'callbacks': draw(callbacks(valid, backend, scheduled=change_kind == 'scheduled_lr')),
         'saves': {'every_n_epochs': draw(st.integers(1, 2)),
                   'every_n_steps': draw(st.one_of(st.none(), st.integers(2, 7))),
                   # FSDP2 saves synchronously (the package refuses async_save there)
@@ -258,7 +277,11 @@ def configs(draw, nproc=1, backend='none', interrupts=('none', 'sigterm', 'crash
     config['interrupt'] = {'kind': kind, 'batch': draw(st.integers(1, total)),
                            'who': draw(st.sampled_from(('all', 'rank0')))
                            if kind == 'sigterm' and nproc > 1 else 'all'}
-    config['change'] = draw(changes(config, change_kinds))
+    config['change'] = draw(changes(config, change_kind))
+    if nproc == 1:
+        # after the relaunch, net.load_params(checkpoint=...) with the
+        # newest checkpoint's model file damaged (issue 28's item 8)
+        config['damage'] = draw(st.sampled_from(('none', 'grown', 'truncated')))
     return config
 
 
@@ -271,17 +294,28 @@ def reproduction(configs_):
             "PYTHONPATH=.:tests:tests/workers .venv/bin/python tests/test_contract_fuzz.py")
 
 
+CHECKPOINT_NAME = re.compile(r'epoch-\d{4}(-step-\d{8})?')
+
+
 def folder_facts(folder):
-    """What the oracle needs of a folder before the relaunch: its committed
-    checkpoints and whether the newest is inside an epoch."""
+    """What the oracle needs of a folder: its committed checkpoints (oldest
+    commit first), for each its manifest's complete epochs and whether it
+    was taken inside an epoch, and the checkpoint ``best.json`` names."""
     folder = Path(folder)
-    committed = sorted(p.name for p in folder.glob('epoch-*')
-                       if (p / 'manifest.json').exists() and not p.name.endswith('.partial'))
-    newest_inside = False
-    if committed:
-        manifest = json.loads((folder / committed[-1] / 'manifest.json').read_text())
-        newest_inside = bool((manifest.get('position') or {}).get('batches', 0))
-    return {'committed': committed, 'newest_inside': newest_inside}
+    found = []
+    for path in folder.glob('epoch-*'):
+        if CHECKPOINT_NAME.fullmatch(path.name) and (path / 'manifest.json').exists():
+            manifest = json.loads((path / 'manifest.json').read_text())
+            found.append((os.path.getmtime(path / 'manifest.json'), path.name, {
+                'epochs': manifest.get('epoch', 0),
+                'inside': bool((manifest.get('position') or {}).get('batches', 0))}))
+    found.sort()
+    committed = [name for _, name, _ in found]
+    best = None
+    if (folder / 'best.json').exists():
+        best = json.loads((folder / 'best.json').read_text()).get('name')
+    return {'committed': committed, 'newest_inside': bool(found) and found[-1][2]['inside'],
+            'manifests': {name: facts for _, name, facts in found}, 'best': best}
 
 
 def run_in_process(config, where):
@@ -291,8 +325,14 @@ def run_in_process(config, where):
     first = run(config, str(where / 'B'), 'first')
     facts = folder_facts(where / 'B')
     relaunch = run(config, str(where / 'B'), 'relaunch')
-    return {'reference': [reference], 'first': {'outcomes': [first], 'returncodes': [0]},
-            'facts': facts, 'relaunch': [relaunch], 'where': str(where)}
+    results = {'reference': [reference], 'first': {'outcomes': [first], 'returncodes': [0]},
+               'facts': facts, 'relaunch': [relaunch], 'where': str(where),
+               'after': folder_facts(where / 'B')}
+    committed = results['after']['committed']
+    if config.get('damage', 'none') != 'none' and committed:
+        results['load_params'] = load_damaged(config, str(where / 'B'),
+                                              str(where / 'B' / committed[-1]))
+    return results
 
 
 def _launch_runs(runs, nproc, out, timeout):
@@ -365,6 +405,7 @@ def run_launched(batch, where):
         for spec in relaunches:
             i = int(spec['tag'][len('again'):])
             results[i]['relaunch'] = outcomes[spec['tag']]
+            results[i]['after'] = folder_facts(where / f'{i}-B')
     return results, launches
 
 
@@ -560,6 +601,47 @@ def check_in_force(config, relaunch):
                          f"but holds the old one's {key}={entry['scheduler'][key]!r}")
 
 
+def _in_last_call(config, facts):
+    """Whether a checkpoint of ``facts`` (its manifest's) was taken in the
+    script's last fit call: epochs past the first call's, or inside the
+    epoch after them."""
+    if config['script'] == 'fit':
+        return True
+    epochs, last = facts['epochs'], config['max_epochs']
+    return epochs > last or (epochs == last and facts['inside'])
+
+
+def check_retention(config, before, after):
+    """After a relaunch that saved, the folder holds what retention keeps:
+    the ``keep_last`` newest, the newest of an epoch's end, the best, and
+    the one the relaunch resumed from only if the script's last call (the
+    fit under way at the end) resumed from it."""
+    names = after['committed']
+    if not before['committed'] or not set(names) - set(before['committed']):
+        return  # nothing resumed, or nothing saved since
+    resumed = before['committed'][-1]
+    ends = [name for name in names if re.fullmatch(r'epoch-\d{4}', name)]
+    kept = set(names[-config['saves']['keep_last']:]) | set(ends[-1:]) | {after['best']}
+    if _in_last_call(config, before['manifests'][resumed]):
+        kept.add(resumed)
+    extra = [name for name in names if name not in kept]
+    if extra:
+        fail(f"keep_last={config['saves']['keep_last']}, but after the relaunch (resumed "
+             f"from {resumed}) the folder keeps {extra} besides {sorted(kept - {None})}: "
+             f"{names}")
+
+
+def check_load_params(loaded, after):
+    """``net.load_params(checkpoint=...)`` with the newest checkpoint
+    damaged says so once, and loads the one before it if there is one."""
+    if len(loaded['warnings']) > 1:
+        fail(f"load_params warned {len(loaded['warnings'])} times about the damaged "
+             f"{loaded['damaged']}: {loaded['warnings']}")
+    if len(after['committed']) > 1 and ('error' in loaded or not loaded['warnings']):
+        fail(f"load_params with {loaded['damaged']} damaged and {after['committed'][-2]} "
+             f"before it: {loaded.get('error', 'no warning about the damaged one')}")
+
+
 def _refusal_names(config, facts):
     """The names a refusal of this change must contain, or None where the
     contract lets the change through."""
@@ -601,6 +683,8 @@ def check_example(config, results):
     if relaunch is None:
         fail("no relaunch ran (a launch before it failed)")
     _no_error(relaunch, 'the relaunch')
+    if 'load_params' in results:
+        check_load_params(results['load_params'], results['after'])
     facts, change = results['facts'], config['change']
     refused = [o for o in relaunch if o['status'] == 'refused']
     if refused and len(refused) != len(relaunch):
@@ -646,6 +730,7 @@ def check_example(config, results):
     if swapped:
         fail(f"unnamed callbacks reordered, {swapped} now name callbacks of other "
              "settings, and the relaunch was not refused")
+    check_retention(config, facts, results['after'])
     if change['kind'] in ('none', 'reorder'):
         check_exact(results['reference'], relaunch, config)
         return

@@ -85,16 +85,17 @@ def chosen(variable, default, every):
 
 
 INTERRUPTS = ('none', 'sigterm', 'crash', 'sigint', 'sigkill', 'sigkill_in_save')
-CHANGES = ('none', 'net', 'callback', 'reorder', 'world_size')
+# scheduled_lr: a new lr that check_params lets through, with an LR scheduler
+CHANGES = ('none', 'net', 'scheduled_lr', 'callback', 'reorder', 'world_size')
 
 
 # SIGKILLs only where a launch can die of them
 ONE_PROCESS_INTERRUPTS = chosen('FUZZ_INTERRUPTS', INTERRUPTS[:4], INTERRUPTS)
 LAUNCHED_INTERRUPTS = chosen('FUZZ_INTERRUPTS', INTERRUPTS, INTERRUPTS)
 # another number of processes: from 2 DDP processes to 1
-ONE_PROCESS_CHANGES = chosen('FUZZ_CHANGES', CHANGES[:4], CHANGES)
+ONE_PROCESS_CHANGES = chosen('FUZZ_CHANGES', CHANGES[:5], CHANGES)
 DDP_CHANGES = chosen('FUZZ_CHANGES', CHANGES, CHANGES)
-FSDP2_CHANGES = chosen('FUZZ_CHANGES', CHANGES[:4], CHANGES)
+FSDP2_CHANGES = chosen('FUZZ_CHANGES', CHANGES[:5], CHANGES)
 SCRIPTS = chosen('FUZZ_SCRIPTS', ('fit', 'fit+partial_fit', 'warm_start'),
                  ('fit', 'fit+partial_fit', 'warm_start'))
 

@@ -33,9 +33,11 @@ module's ``ARMED``, which no checkpoint sees.
 import json
 import os
 import random
+import re
 import signal
 import sys
 import traceback
+import warnings
 
 import numpy as np
 import torch
@@ -450,6 +452,45 @@ def final_state(net, cp, by_index):
         'settings': settings_in_force(net, by_index),
         'global_step': cp.global_step_, 'loader_batches': list(recorder.loader_batches_),
     }
+
+
+# ---------------------------------------------------------------- load_params
+
+def damage_model(checkpoint, how):
+    """Damage the model file of ``checkpoint`` (a folder): ``'grown'`` by a
+    byte more, ``'truncated'`` by one less; the file damaged."""
+    path = os.path.join(checkpoint, 'model.safetensors')
+    if how == 'grown':
+        with open(path, 'ab') as f:
+            f.write(b'\0')
+    else:
+        os.truncate(path, os.path.getsize(path) - 1)
+    return path
+
+
+def load_damaged(config, dirname, newest):
+    """``net.load_params(checkpoint=...)`` of a plain net on ``dirname``
+    after ``newest`` (its newest checkpoint's folder) is damaged as
+    ``config['damage']`` says: the warnings that name it, what was loaded
+    (the history's epochs) or the error."""
+    damage_model(newest, config['damage'])
+    seed_everything()
+    net = make_net(make_accelerator(), module=MLP, module__hidden=config['hidden'],
+                   module__batchnorm=config['batchnorm'], module__dropout=config['dropout'],
+                   callbacks=[])
+    net.initialize()
+    outcome = {'damaged': newest}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        try:
+            net.load_params(checkpoint=AccelerateCheckpoint(dirname=dirname))
+            outcome['epochs'] = len(net.history)
+        except CheckpointError as exc:
+            outcome['error'] = str(exc)
+    # the damaged one's name, not a step checkpoint's that begins with it
+    named = re.compile(re.escape(os.path.basename(newest)) + r'(?![\w-])')
+    outcome['warnings'] = [str(w.message) for w in caught if named.search(str(w.message))]
+    return outcome
 
 
 # ---------------------------------------------------------------- launched
