@@ -26,9 +26,11 @@ __all__ = [
     'check_rank_files',
     'check_same_data',
     'check_world_size',
+    'frozen_parameters',
     'model_files',
     'model_layout',
     'optimizer_layout',
+    'restore_frozen',
 ]
 
 
@@ -113,6 +115,7 @@ def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_earl
         'world_size': sync.num_processes(net),
         'save_on_each_node': accelerate_io.save_on_each_node(net.accelerator),
         'models': model_layout(net),
+        'frozen': frozen_parameters(net),
         'optimizers': optimizer_layout(net),
         'versions': _package_versions(),
     }
@@ -120,6 +123,30 @@ def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_earl
     if layout is not None:
         manifest['fsdp'] = layout
     return manifest
+
+
+def frozen_parameters(net: Any) -> dict[str, list[str]]:
+    """Of each module and criterion of ``net`` by name, its parameters that
+    require no gradient: frozen (skorch's ``Freezer``) or built so."""
+    return {name: sorted(key for key, param in module.named_parameters()
+                         if not param.requires_grad)
+            for name, module in bare_modules(net).items()}
+
+
+def restore_frozen(net: Any, manifest: dict[str, Any]) -> None:
+    """Freeze the parameters of ``net`` that the checkpoint of ``manifest``
+    was saved with frozen (:func:`frozen_parameters`) and let the others
+    train: whether a parameter trains is training state that skorch's
+    ``Freezer`` sets once, at its epoch, which a resume after it never
+    sees again. A manifest from before it was recorded changes nothing."""
+    saved = manifest.get('frozen')
+    if not isinstance(saved, dict):
+        return
+    for name, module in bare_modules(net).items():
+        if name in saved:
+            frozen = set(saved[name])
+            for key, param in module.named_parameters():
+                param.requires_grad_(key not in frozen)
 
 
 def model_files(manifest: dict[str, Any], folder: str) -> list[tuple[str, str]]:

@@ -11,6 +11,7 @@ import pytest
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
 from common import make_accelerator, make_data, make_net
+from contract_fuzz import check_batch, run_launched
 from launcher import free_port, launch
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
@@ -314,3 +315,40 @@ def test_another_layout_than_the_checkpoints_is_refused(runs, accelerator):
                 f"^{folder} was saved {saved}, this run loads {now}: resume it with the "
                 "accelerator")):
             fsdp_layout.check_shards(accelerator, format.read(folder), folder)
+
+
+# a sharded checkpoint of a net whose lin.bias skorch's Freezer froze from
+# epoch 1 (SGD with momentum: it never gets a momentum buffer), preempted
+# by a SIGTERM after training batch 10 (inside epoch 2 of 3, 6 an epoch;
+# without every_n_steps its save comes at that epoch's end)
+FROZEN = {
+    'nproc': 2, 'backend': 'fsdp2', 'rows': 96, 'hidden': 8, 'batchnorm': False,
+    'dropout': 0.0, 'lr': 0.05, 'momentum': 0.9, 'batch_size': 8, 'max_epochs': 3,
+    'valid': False, 'script': 'fit',
+    'callbacks': [{'kind': 'freezer', 'name': None, 'params': {'patterns': 'lin.bias'}}],
+    'saves': {'every_n_epochs': 1, 'every_n_steps': None, 'async_save': False,
+              'keep_last': 2},
+    'interrupt': {'kind': 'sigterm', 'batch': 10, 'who': 'all'},
+    'change': {'kind': 'none'},
+}
+
+
+@pytest.mark.slow
+def test_a_net_with_frozen_parameters_resumes_exactly(tmp_path):
+    """torch.distributed.checkpoint's load of the optimizer's shards is
+    planned after the fresh optimizer's state: a frozen parameter, which
+    has none in the checkpoint, was asked for its momentum buffer
+    (``Missing key in checkpoint state_dict``); it resumes without one,
+    bit-identical to the uninterrupted run on both ranks."""
+    results, launches = run_launched([FROZEN], tmp_path)
+    result = results[0]
+    assert [o['num_processes'] for o in result['reference']] == [2, 2]
+    # the SIGTERM fired on both ranks; training stopped at the end of epoch
+    # 2, whose checkpoint is resumed
+    assert [o['status'] for o in result['first']['outcomes']] == ['preempted'] * 2
+    assert result['facts']['committed'][-1] == 'epoch-0002'
+    check_batch([FROZEN], results, launches)
+    # the bias was frozen, the weight trained: the gathered optimizer
+    # states (rank 0) compared above differ in what they hold
+    state = result['relaunch'][0]['state']['optimizer']['state']
+    assert 'lin.weight' in state and 'lin.bias' not in state
