@@ -366,53 +366,7 @@ def save_state(
 
 
 def load_state(accelerator: Accelerator, folder: str | os.PathLike) -> None:
-    stateless = _saved_without_state(accelerator, folder)
-    # accelerate loads an FSDP2 optimizer's shards with torch's distributed
-    # checkpoint, planned after the optimizer's own state, which torch first
-    # makes by a step of zero gradients for every parameter that requires
-    # one: a parameter that had no state when saved (frozen by skorch's
-    # Freezer, so never stepped) would be asked for keys the checkpoint
-    # lacks. Frozen while loading, it comes back without state, as saved.
-    for parameter in stateless:
-        parameter.requires_grad_(False)
-    try:
-        accelerator.load_state(folder)
-    finally:
-        for parameter in stateless:
-            parameter.requires_grad_(True)
-
-
-_OPTIMIZER_STATE_KEY = 'optimizer.state.'
-
-
-def _saved_without_state(accelerator: Accelerator,
-                         folder: str | os.PathLike) -> list[torch.nn.Parameter]:
-    """The parameters that require a gradient, of prepared optimizers with
-    no state yet, that have no state in the sharded FSDP2 optimizer files
-    of ``folder`` (the keys of torch.distributed.checkpoint's metadata,
-    ``optimizer.state.<parameter name>.<state name>``); none but under FSDP2
-    with sharded state dicts."""
-    if not is_fsdp2(accelerator) or fsdp_state_dict_type(accelerator) != 'SHARDED_STATE_DICT':
-        return []
-    from torch.distributed.checkpoint import FileSystemReader
-
-    names = {id(parameter): name for model in accelerator._models
-             for name, parameter in model.named_parameters()}
-    stateless = []
-    for index, optimizer in enumerate(accelerator._optimizers):
-        inner = _inner(optimizer)
-        if inner.state:
-            continue  # torch plans after the state it has, and makes none
-        keys = FileSystemReader(os.path.join(folder, f'{OPTIMIZER_NAME}_{index}')) \
-            .read_metadata().state_dict_metadata
-        saved = {key[len(_OPTIMIZER_STATE_KEY):] for key in keys
-                 if key.startswith(_OPTIMIZER_STATE_KEY)}
-        for group in inner.param_groups:
-            stateless += [parameter for parameter in group['params']
-                          if parameter.requires_grad and id(parameter) in names
-                          and not any(key.startswith(names[id(parameter)] + '.')
-                                      for key in saved)]
-    return stateless
+    accelerator.load_state(folder)
 
 
 def accumulation_step(accelerator: Accelerator) -> int:

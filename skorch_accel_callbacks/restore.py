@@ -230,8 +230,10 @@ def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params:
     (the new values of the parameters allowed to change take effect)."""
     fresh = training_state.optimizer_hyperparameters(net_optimizers(net))
     fsdp_layout.make_room_for_group_settings(net.accelerator, manifest)
-    # before the optimizers' state: under FSDP2 torch plans its load after
-    # the state a fresh optimizer makes for the parameters that train
+    # before the optimizers' state: under FSDP2 accelerate loads it with
+    # torch.distributed.checkpoint, planned after the state a fresh
+    # optimizer makes for every parameter that trains (a step of zero
+    # gradients), which for a frozen one the checkpoint lacks
     compat.restore_frozen(net, manifest)
     read_naming_fault(_model_and_optimizer_files(path),
                       lambda: accelerate_io.load_state(net.accelerator, path),

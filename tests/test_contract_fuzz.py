@@ -29,10 +29,15 @@ where these tests fail (shrunk examples in the fuzz helper's report):
 - 2, FSDP2 with BatchNorm1d: ``running_mean`` differs on rank 0 after the
   resume (``differs_params``);
 - 3, a callback setting changed between launches is not refused (found
-  with the user callback's ``scale``, whose settings the contract since
-  leaves unchecked; skorch's callbacks' settings are drawn to change too);
+  with the user callback's ``scale``, drawn to change again now that every
+  callback's settings are recorded: ``callbacks__<name>__scale`` not
+  refused; skorch's callbacks' settings are drawn to change too);
 - 4, ``check_params=('lr',)`` with a scheduler: its ``base_lrs`` keep the
-  checkpoint's lr (StepLR, LambdaLR);
+  checkpoint's lr. Found by itself with the change kind ``scheduled_lr``
+  (``FUZZ_CHANGES=scheduled_lr FUZZ_SCRIPTS=fit FUZZ_EXAMPLES=8``, 1
+  process), shrunk to LambdaLR, lr 0.05 -> 0.2, no interruption, 2 epochs:
+  "check_params let lr=0.2 through, but the scheduler's base_lrs are
+  [0.05]" (``check_in_force``);
 - 5, two unnamed EarlyStoppings reordered: not refused;
 - 6, a script of two fit calls (``warm_start=True``, or fit then
   partial_fit) relaunched after it finished, or after an interruption in
@@ -40,9 +45,26 @@ where these tests fail (shrunk examples in the fuzz helper's report):
   crashes (``TypeError`` in load_state);
 - 7, a batch-size refusal of a checkpoint inside an epoch advises an
   epoch's end checkpoint where the folder (keep_last, every_n_steps) has none;
-- beyond the issue: FSDP2 with skorch's Freezer, the relaunch crashes in
-  torch.distributed.checkpoint's load (``Missing key in checkpoint
-  state_dict: optimizer.state.lin.bias.momentum_buffer``).
+- 8, ``load_params(checkpoint=...)`` with the newest checkpoint's model
+  file damaged warns twice (``check_load_params``): found in both focused
+  runs above and in ``FUZZ_CHANGES=none FUZZ_INTERRUPTS=crash
+  FUZZ_SCRIPTS=fit+partial_fit,warm_start FUZZ_EXAMPLES=10``, shrunk to
+  "load_params warned 2 times about the damaged .../B/epoch-0006:
+  ['skipping checkpoint ...: model.safetensors has 2425 bytes, manifest.json
+  says 2424: the file is damaged', the same again]" (fit then partial_fit,
+  3 epochs each, a crash after batch 2, damage ``grown``);
+  and in that last run (``check_retention``), a resumed checkpoint kept
+  beyond keep_last after the later partial_fit, shrunk to fit then
+  partial_fit of 3 epochs, keep_last=1, a crash after batch 16: "keep_last=1,
+  but after the relaunch (resumed from epoch-0001) the folder keeps
+  ['epoch-0001'] besides ['epoch-0006']" (with 6 there too: differs_params);
+- beyond the issue: skorch's Freezer (found from a hand-written
+  configuration, now tests/test_fsdp.py's frozen test): under FSDP2 the
+  relaunch crashed in torch.distributed.checkpoint's load (``Missing key
+  in checkpoint state_dict: optimizer.state.lin.bias.momentum_buffer``);
+  in 1 process and DDP a relaunch after the Freezer's epoch trained the
+  frozen parameters (``differs_params``), since whether a parameter
+  trains was not part of a checkpoint.
 """
 
 import json
