@@ -10,6 +10,7 @@ import torch
 from skorch.callbacks import (
     Callback,
     EarlyStopping,
+    Freezer,
     GradientNormClipping,
     LRScheduler,
     ProgressBar,
@@ -260,6 +261,28 @@ def test_a_new_lr_is_the_schedulers_new_base(tmp_path, policy, step_every, old_l
         recorded = [row['event_lr'] for epoch in net.history[2:] for row in epoch['batches']
                     if 'event_lr' in row]
     assert recorded == [lr for _, lr in seen.seen_][::4 if step_every == 'epoch' else 1]
+
+
+def test_parameters_a_freezer_froze_stay_frozen_after_a_resume(tmp_path):
+    """skorch's Freezer freezes once, when its epoch begins: a resume after
+    it trains on with the parameters as the checkpoint has them."""
+    def net(dirname, max_epochs=3):
+        return build(tmp_path / dirname, callbacks=[Freezer('lin.bias')],
+                     max_epochs=max_epochs, module__dropout=0.0)
+
+    straight = net('a')
+    straight.fit(*make_data(n=N_ROWS))
+    net('b', max_epochs=2).fit(*make_data(n=N_ROWS))
+    resumed = net('b')
+    resumed.fit(*make_data(n=N_ROWS))
+    assert loaded_from(resumed).endswith('epoch-0002') and len(resumed.history) == 3
+    assert not resumed.module_.lin.bias.requires_grad
+    assert resumed.module_.lin.weight.requires_grad
+    for (name, a), (_, b) in zip(straight.module_.state_dict().items(),
+                                 resumed.module_.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    # the frozen bias never trained: it is still the initial one
+    assert torch.equal(resumed.module_.lin.bias, net('c').initialize().module_.lin.bias)
 
 
 # ---------------------------------------------------------------- what is not checked
