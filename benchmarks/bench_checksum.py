@@ -44,7 +44,8 @@ import google_crc32c
 import xxhash
 from bench_checkpoint import REPO, new_epoch, trained_net
 
-from skorch_accel_callbacks import AccelerateCheckpoint, atomic, format
+from skorch_accel_callbacks import AccelerateCheckpoint
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest as format
 
 CHUNK = 1 << 22
 

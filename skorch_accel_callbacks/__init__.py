@@ -36,7 +36,11 @@ command ``python -m skorch_accel_callbacks list|verify|export``) on
 which ``checkpoint`` also uses).
 """
 
-from skorch_accel_callbacks.checkpoint import AccelerateCheckpoint
+from skorch_accel_callbacks._core.sync import RankError
+from skorch_accel_callbacks._core.wrapping import unwrapped
+from skorch_accel_callbacks.callbacks.checkpoint import AccelerateCheckpoint
+from skorch_accel_callbacks.callbacks.load_state import AccelerateLoadInitState
+from skorch_accel_callbacks.callbacks.mixin import AccelerateFixesMixin
 from skorch_accel_callbacks.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -44,14 +48,10 @@ from skorch_accel_callbacks.errors import (
     StoreUnavailableError,
     TrainingPreempted,
 )
-from skorch_accel_callbacks.load_state import AccelerateLoadInitState
-from skorch_accel_callbacks.lock import FolderInUseError
-from skorch_accel_callbacks.mixin import AccelerateFixesMixin
-from skorch_accel_callbacks.params import ParamsCheckpoint
-from skorch_accel_callbacks.params_load import LoadInitParams
-from skorch_accel_callbacks.params_train_end import TrainEndParamsCheckpoint
-from skorch_accel_callbacks.sync import RankError
-from skorch_accel_callbacks.wrapping import unwrapped
+from skorch_accel_callbacks.params.checkpoint import ParamsCheckpoint
+from skorch_accel_callbacks.params.load import LoadInitParams
+from skorch_accel_callbacks.params.train_end import TrainEndParamsCheckpoint
+from skorch_accel_callbacks.storage._lock import FolderInUseError
 
 __all__ = [
     'AccelerateCheckpoint',

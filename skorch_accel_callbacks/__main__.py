@@ -2,7 +2,7 @@
 
 import sys
 
-from skorch_accel_callbacks.cli import main
+from skorch_accel_callbacks.tools.cli import main
 
 if __name__ == '__main__':
     sys.exit(main(prog='python -m skorch_accel_callbacks'))

@@ -24,9 +24,9 @@ from skorch_accel_callbacks import (
     AccelerateCheckpoint,
     AccelerateLoadInitState,
     CorruptCheckpointError,
-    format,
 )
-from skorch_accel_callbacks.export import export
+from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.tools.export import export
 from testutil import edit_manifest
 
 CLI_TIMEOUT = 300

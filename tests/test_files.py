@@ -20,11 +20,10 @@ from skorch_accel_callbacks import (
     AccelerateLoadInitState,
     FolderInUseError,
     ParamsCheckpoint,
-    atomic,
-    format,
-    lock,
 )
-from skorch_accel_callbacks.folder import CheckpointFolder
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest as format
+from skorch_accel_callbacks.storage import _lock as lock
+from skorch_accel_callbacks.storage._local import CheckpointFolder
 
 # a deadlock guard, not a timed assert: the threads meet far sooner
 MEET_S = 120

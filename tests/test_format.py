@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import skorch_accel_callbacks
-from skorch_accel_callbacks import format
+from skorch_accel_callbacks.format import _manifest as format
 
 PACKAGE = Path(skorch_accel_callbacks.__file__).parent
 

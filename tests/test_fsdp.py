@@ -17,10 +17,10 @@ from skorch_accel_callbacks import (
     AccelerateLoadInitState,
     CheckpointError,
     CorruptCheckpointError,
-    accelerate_io,
-    format,
-    fsdp_layout,
 )
+from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.state import _fsdp_layout as fsdp_layout
 from testutil import assert_identical, edit_manifest, final_state, read_json, read_results
 
 # a hang in a collective fails the launch in seconds

@@ -20,12 +20,9 @@ import pytest
 from skorch.callbacks import Callback
 
 from checkpointed import fit, state
-from skorch_accel_callbacks import (
-    CheckpointError,
-    CorruptCheckpointError,
-    format,
-)
-from skorch_accel_callbacks.storage import open_storage
+from skorch_accel_callbacks import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.storage._interface import open_storage
 from testutil import assert_identical
 
 

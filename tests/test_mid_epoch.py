@@ -9,7 +9,7 @@ in that epoch, and ends bit-identical to the uninterrupted run.
 import pytest
 
 from resume_runs import run
-from skorch_accel_callbacks import format
+from skorch_accel_callbacks.format import _manifest as format
 from testutil import assert_identical, final_state, read_json
 
 # (scenario, processes, every_n_steps, kill after batch B of epoch E,

@@ -1,17 +1,13 @@
 """The skorch drop-ins live in modules of their own (params, params_train_end,
 params_load); what was pickled (a net's callbacks, in ``f_pickle``) when all
-three lived in ``skorch_accel_callbacks.params`` still unpickles."""
+three lived in ``skorch_accel_callbacks.params.checkpoint`` still unpickles."""
 
 import pickle
 
 import pytest
 
-from skorch_accel_callbacks import (
-    LoadInitParams,
-    ParamsCheckpoint,
-    TrainEndParamsCheckpoint,
-    params,
-)
+from skorch_accel_callbacks import LoadInitParams, ParamsCheckpoint, TrainEndParamsCheckpoint
+from skorch_accel_callbacks.params import checkpoint as params
 
 
 def _as_pickled_before_the_split(obj):
@@ -19,7 +15,7 @@ def _as_pickled_before_the_split(obj):
     data = pickle.dumps(obj, protocol=0)
     module = type(obj).__module__.encode()
     old = data.replace(b'c' + module + b'\n', b'cskorch_accel_callbacks.params\n')
-    assert module != b'skorch_accel_callbacks.params' and old != data
+    assert module != b'skorch_accel_callbacks.params.checkpoint' and old != data
     return old
 
 

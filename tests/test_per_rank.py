@@ -27,10 +27,10 @@ from skorch_accel_callbacks import (
     AccelerateLoadInitState,
     CheckpointError,
     CorruptCheckpointError,
-    format,
-    inspection,
 )
-from skorch_accel_callbacks.export import export
+from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.tools import inspection
+from skorch_accel_callbacks.tools.export import export
 from testutil import assert_nested_equal, edit_manifest, read_json, read_results
 
 # 256 training rows, 128 a rank in batches of 32: 4 optimizer steps an

@@ -32,13 +32,13 @@ from skorch_accel_callbacks import (
     CheckpointError,
     CorruptCheckpointError,
     TrainingPreempted,
-    format,
-    transfer,
 )
-from skorch_accel_callbacks.folder import CheckpointFolder
-from skorch_accel_callbacks.lock import FolderInUseError
-from skorch_accel_callbacks.remote import RemoteStorage, default_staging
-from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
+from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.storage import _transfer as transfer
+from skorch_accel_callbacks.storage._interface import CheckpointStorage, open_storage
+from skorch_accel_callbacks.storage._local import CheckpointFolder
+from skorch_accel_callbacks.storage._lock import FolderInUseError
+from skorch_accel_callbacks.storage._remote import RemoteStorage, default_staging
 from testutil import assert_identical, final_state, read_results
 
 FILES = {'callbacks.json', 'callbacks.safetensors', 'history.json', 'loader_state_0.safetensors',

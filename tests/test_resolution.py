@@ -5,14 +5,11 @@ import os
 import pytest
 
 from common import make_accelerator, make_data, make_net
-from skorch_accel_callbacks import (
-    AccelerateCheckpoint,
-    AccelerateLoadInitState,
-    export,
-    format,
-)
-from skorch_accel_callbacks.folder import CheckpointFolder, Found
-from skorch_accel_callbacks.storage import open_storage
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.storage._interface import open_storage
+from skorch_accel_callbacks.storage._local import CheckpointFolder, Found
+from skorch_accel_callbacks.tools import export
 
 
 def train(dirname, resume='latest', max_epochs=2):
@@ -59,8 +56,8 @@ def test_the_folder_resolves_every_kind_of_which(tmp_path):
 
 
 def test_verify_and_resume_report_the_same_problems(tmp_path):
-    from skorch_accel_callbacks import inspection
     from skorch_accel_callbacks.errors import CheckpointError
+    from skorch_accel_callbacks.tools import inspection
     train(tmp_path / 'ck', max_epochs=1)
     path = str(tmp_path / 'ck' / 'epoch-0001')
     os.remove(os.path.join(path, format.HISTORY_NAME))

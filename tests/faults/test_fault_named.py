@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import faultjob
-from skorch_accel_callbacks import CheckpointError, format
+from skorch_accel_callbacks import CheckpointError
+from skorch_accel_callbacks.format import _manifest as format
 from testutil import edit_manifest
 
 pytestmark = pytest.mark.faults

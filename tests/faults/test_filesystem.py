@@ -19,7 +19,7 @@ import subprocess
 import pytest
 
 from faultsuite import run_job
-from skorch_accel_callbacks import format
+from skorch_accel_callbacks.format import _manifest as format
 from testutil import assert_identical, final_state, read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.needs_root]

@@ -20,7 +20,10 @@ from faultsuite import WORKERS
 import faultjob
 from common import make_accelerator, make_data, make_net
 from launcher import REPO
-from skorch_accel_callbacks import LoadInitParams, ParamsCheckpoint, atomic, format, lock
+from skorch_accel_callbacks import LoadInitParams, ParamsCheckpoint
+from skorch_accel_callbacks.format import _atomic as atomic
+from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.storage import _lock as lock
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from resume_runs import run
-from skorch_accel_callbacks import format
+from skorch_accel_callbacks.format import _manifest as format
 from testutil import assert_identical, final_state, read_json, read_results
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]

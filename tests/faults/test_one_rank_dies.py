@@ -11,7 +11,7 @@ stays complete, and resuming from it ends bit-identical.
 import pytest
 
 from faultsuite import COLLECTIVE_TIMEOUT, run_job
-from skorch_accel_callbacks import format
+from skorch_accel_callbacks.format import _manifest as format
 from testutil import assert_identical, final_state, read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]

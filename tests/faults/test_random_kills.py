@@ -25,8 +25,8 @@ import pytest
 
 from faultsuite import run_job
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
-from skorch_accel_callbacks import format
-from skorch_accel_callbacks.format import PARTIAL_SUFFIX
+from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.format._manifest import PARTIAL_SUFFIX
 from testutil import assert_identical, final_state, read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]

@@ -20,8 +20,13 @@ from skorch import NeuralNetClassifier
 
 from common import MLP, make_data
 import faultjob
-from skorch_accel_callbacks import (CheckpointError, CorruptCheckpointError, LoadInitParams,
-                                    ParamsCheckpoint, format)
+from skorch_accel_callbacks import (
+    CheckpointError,
+    CorruptCheckpointError,
+    LoadInitParams,
+    ParamsCheckpoint,
+)
+from skorch_accel_callbacks.format import _manifest as format
 from testutil import read_json
 
 pytestmark = pytest.mark.faults

@@ -29,9 +29,9 @@ import pytest
 from faultjob import EPOCHS
 from faultsuite import run_job
 from s3server import start_auth_server
-from skorch_accel_callbacks import format
-from skorch_accel_callbacks.folder import CheckpointFolder
-from skorch_accel_callbacks.remote import RemoteStorage, default_staging
+from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.storage._local import CheckpointFolder
+from skorch_accel_callbacks.storage._remote import RemoteStorage, default_staging
 from testutil import assert_identical, final_state, read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]

@@ -63,10 +63,10 @@ from skorch_accel_callbacks import (
     CheckpointError,
     ParamsCheckpoint,
     TrainingPreempted,
-    format,
-    sync,
-    training_state,
 )
+from skorch_accel_callbacks._core import sync
+from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.state import _training_state as training_state
 
 # what arms the interruption of the run under way: {'kind', 'batch', 'who'}
 # or None; set by run(), never part of a net's settings

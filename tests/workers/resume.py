@@ -67,14 +67,10 @@ from common import (
     rank,
     write_result,
 )
-from skorch_accel_callbacks import (
-    AccelerateCheckpoint,
-    AccelerateLoadInitState,
-    TrainingPreempted,
-    format,
-    sync,
-    training_state,
-)
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, TrainingPreempted
+from skorch_accel_callbacks._core import sync
+from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.state import _training_state as training_state
 
 
 class KillBefore(Callback):

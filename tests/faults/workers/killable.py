@@ -33,7 +33,9 @@ from skorch.callbacks import Callback
 import faultjob
 from common import BatchEnds, rank
 from faultjob import EpochTracker, die, hold
-from skorch_accel_callbacks import accelerate_io, atomic, format, sync, training_state
+from skorch_accel_callbacks._core import accelerate_io, sync
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest as format
+from skorch_accel_callbacks.state import _training_state as training_state
 
 
 def half_written(path, write):

@@ -31,7 +31,7 @@ import faultjob
 from common import write_result
 from faultjob import EpochTracker, die
 from killable import RecordResume
-from skorch_accel_callbacks import format
+from skorch_accel_callbacks.format import _manifest as format
 
 
 def checkpoint_of(path):
