@@ -1,4 +1,5 @@
-"""``python -m skorch_accel_callbacks list|verify|export ...``: see :mod:`.cli`."""
+"""``python -m skorch_accel_callbacks list|verify|export ...``: see
+:mod:`skorch_accel_callbacks.tools.cli`."""
 
 import sys
 

@@ -19,8 +19,8 @@ import pytest
 
 import skorch_accel_callbacks.storage._lease as lease_module
 from s3server import filesystem, new_bucket
-from skorch_accel_callbacks.storage._lease import LeaseLostError, ObjectLease
-from skorch_accel_callbacks.storage._lock import FolderInUseError
+from skorch_accel_callbacks.errors import FolderInUseError, LeaseLostError
+from skorch_accel_callbacks.storage._lease import ObjectLease
 
 ROOT = Path(__file__).resolve().parents[1]
 ME = f"pid {os.getpid()} on host {socket.gethostname()}"
@@ -165,7 +165,7 @@ def test_a_job_in_another_pid_namespace_is_refused_a_live_lease(s3, s3_endpoint)
         sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
         from s3server import filesystem
         from skorch_accel_callbacks.storage._lease import ObjectLease
-        from skorch_accel_callbacks.storage._lock import FolderInUseError
+        from skorch_accel_callbacks.errors import FolderInUseError
         print(os.readlink('/proc/self/ns/pid'), flush=True)
         try:
             os.kill({os.getpid()}, 0)

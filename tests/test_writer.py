@@ -20,7 +20,7 @@ from skorch_accel_callbacks.engine._writer import (
     SaveRequest,
     SyncWriter,
 )
-from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.state import _training_state as training_state
 from skorch_accel_callbacks.storage._interface import CheckpointStorage, open_storage
 from skorch_accel_callbacks.storage._local import CheckpointFolder
@@ -190,8 +190,8 @@ def test_read_checkpoint_gives_a_record_of_what_was_saved(tmp_path, trained, mon
     torch.manual_seed(1)
     other = make_net(make_accelerator(), max_epochs=1).initialize()
     reads = []
-    original = format.read
-    monkeypatch.setattr(format, 'read', lambda folder: reads.append(folder) or original(folder))
+    original = _manifest.read
+    monkeypatch.setattr(_manifest, 'read', lambda folder: reads.append(folder) or original(folder))
     restored = restore.read_checkpoint(
         other, restore.Chosen(storage.path('epoch-0001')), restore.ResumeChecks())
     assert reads == [storage.path('epoch-0001')]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from accelerate.utils import broadcast_object_list, gather_object, recursively_apply
 
 from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks.errors import RankError
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     'NodeGroup',
-    'RankError',
     'Vote',
     'agree',
     'barrier',
@@ -48,15 +48,6 @@ __all__ = [
     'process_index',
     'run_on_main',
 ]
-
-
-class RankError(RuntimeError):
-    """A step failed on another process.
-
-    Raised on the processes where the step succeeded, so that every rank
-    leaves the step with an exception instead of waiting in the next
-    collective until the process-group timeout.
-    """
 
 
 def _accelerator(net: NeuralNet) -> Accelerator | None:

@@ -23,7 +23,7 @@ from skorch_accel_callbacks.engine._writer import (
     SyncWriter,
 )
 from skorch_accel_callbacks.errors import TrainingPreempted
-from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.state import (
     _compat as compat,
     _epoch_position as epoch_position,
@@ -436,8 +436,8 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         """The name of a checkpoint of the net as it is now: ``epoch-NNNN``
         after NNNN epochs, ``epoch-NNNN-step-SSSSSSSS`` at step SSSSSSSS."""
         if not net.history or training_state.epoch_completed(net):
-            return format.checkpoint_name(len(net.history))
-        return format.checkpoint_name(len(net.history) - 1, self.global_step_)
+            return _manifest.checkpoint_name(len(net.history))
+        return _manifest.checkpoint_name(len(net.history) - 1, self.global_step_)
 
     def _check_net(self, net: Any) -> None:
         # the back-end before the model layout, which would blame the

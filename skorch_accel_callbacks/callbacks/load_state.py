@@ -22,7 +22,7 @@ from skorch_accel_callbacks._core.wrapping import net_optimizers
 from skorch_accel_callbacks.callbacks.checkpoint import AccelerateCheckpoint
 from skorch_accel_callbacks.engine import _restore as restore
 from skorch_accel_callbacks.errors import CheckpointError
-from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.state import (
     _epoch_position as epoch_position,
     _rng_state as rng_state,
@@ -261,7 +261,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         restored = restore.read_checkpoint(net, chosen, restore.ResumeChecks(
             data=self.check_data, params=self.check_params,
             reseed=self.on_world_size_change == 'reseed', storage=self._storage), X, y)
-        self._fit_calls = format.fit_calls(restored.manifest, restored.path)
+        self._fit_calls = _manifest.fit_calls(restored.manifest, restored.path)
         if self._fit_calls[0] != (0, net.max_epochs):
             # not the script that took it (its first call had another
             # max_epochs): this fit continues it, as a single fit does

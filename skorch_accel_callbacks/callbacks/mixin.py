@@ -18,7 +18,7 @@ from skorch.hf import AccelerateMixin
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.wrapping import bare_modules, check_plain, gathered, unwrapped
 from skorch_accel_callbacks.callbacks import _preemption as preemption
-from skorch_accel_callbacks.errors import DivergedDecisionError
+from skorch_accel_callbacks.errors import DivergedDecisionError, RankError
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
@@ -460,7 +460,7 @@ class AccelerateFixesMixin:
         ranks = {kind: tuple(rank for rank, got in enumerate(outcomes) if got == kind)
                  for kind in (_WENT_ON, _STOPPED, _FAILED)}
         if verdict == 'failed':
-            raise sync.RankError(f"callback {described} failed in {hook} on rank(s) "
+            raise RankError(f"callback {described} failed in {hook} on rank(s) "
                                  f"{list(ranks[_FAILED])} (see their output)") from error
         raise DivergedDecisionError(described, hook, len(self.history), ranks[_STOPPED],
                                     ranks[_WENT_ON], self._advice_on_decisions()) from error

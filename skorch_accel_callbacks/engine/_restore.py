@@ -23,7 +23,7 @@ from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.base import processes
 from skorch_accel_callbacks._core.wrapping import net_optimizers, own_registries
 from skorch_accel_callbacks.errors import CheckpointError
-from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.format._manifest import POINTERS, is_checkpoint_name
 from skorch_accel_callbacks.format._readers import kind_of, read_naming_fault
 from skorch_accel_callbacks.state import (
@@ -112,7 +112,7 @@ class Restored:
     @property
     def stopped_early(self) -> bool:
         """A callback stopped its training: resuming it trains nothing."""
-        return format.stopped_early(self.manifest)
+        return _manifest.stopped_early(self.manifest)
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
     """
     rank, path = sync.process_index(net), chosen.path
     with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
-        saved = chosen.manifest if chosen.manifest is not None else format.read(path)
+        saved = chosen.manifest if chosen.manifest is not None else _manifest.read(path)
         changed = compat.check_world_size(net, saved, path, checks.reseed)
         compat.check_compatible(net, saved, path)
         if checks.data:
@@ -185,14 +185,14 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
                                                else None)
         rank_state = None
         if reads_own_rank:
-            rank_state = _read_own(path, format.rank_state_name(rank),
+            rank_state = _read_own(path, _manifest.rank_state_name(rank),
                                    lambda folder: training_state.load_rank_state(folder, rank))
         inside = None
-        if format.batches_into_epoch(saved) and reads_own_rank:
+        if _manifest.batches_into_epoch(saved) and reads_own_rank:
             inside = _read_position(path, rank, with_caches=not changed)
     restored = Restored(path, saved, history, callbacks, rng, rank_state, hyperparameters,
                         inside, _saved_step(net, saved, history),
-                        per_rank=format.per_rank(saved),
+                        per_rank=_manifest.per_rank(saved),
                         changed_params=tuple(changed_params))
     return _reseed(net, restored) if changed else restored
 
@@ -204,10 +204,11 @@ def _read_rank_states(net: Any, path: str, manifest: dict,
     (None for ``rank`` None: a new rank, which rank 0's reach in
     :func:`_reseed`); the rank's own buffers are put back into the models
     (``load_state`` gave every rank the checkpoint's one copy)."""
-    per_rank = format.per_rank(manifest)
+    per_rank = _manifest.per_rank(manifest)
     if 'buffers' in per_rank and rank is not None:
-        _read_own(path, format.buffers_name(rank), lambda folder: accelerate_io.set_fsdp2_buffers(
-            net.accelerator, training_state.load_buffers(folder, rank)))
+        _read_own(path, _manifest.buffers_name(rank),
+                  lambda folder: accelerate_io.set_fsdp2_buffers(
+                      net.accelerator, training_state.load_buffers(folder, rank)))
 
     def copy_of(item: str) -> int | None:
         return rank if item in per_rank else None
@@ -215,11 +216,11 @@ def _read_rank_states(net: Any, path: str, manifest: dict,
     history = callbacks = None
     if 'history' not in per_rank or rank is not None:
         own = copy_of('history')
-        history = _read_own(path, format.history_name(own),
+        history = _read_own(path, _manifest.history_name(own),
                             lambda folder: training_state.load_history(folder, own))
     if 'callbacks' not in per_rank or rank is not None:
         own = copy_of('callbacks')
-        callbacks = _read_own(path, format.callbacks_names(own),
+        callbacks = _read_own(path, _manifest.callbacks_names(own),
                               lambda folder: training_state.load_callback_states(folder, own))
     return history, callbacks
 
@@ -250,9 +251,9 @@ def _model_and_optimizer_files(folder: str) -> list[str]:
 
 
 def _read_position(path: str, rank: int, with_caches: bool) -> InsideEpoch:
-    names = [format.position_name(rank)]
+    names = [_manifest.position_name(rank)]
     if with_caches:
-        names += list(format.epoch_caches_names(rank))
+        names += list(_manifest.epoch_caches_names(rank))
 
     def load(folder: str) -> InsideEpoch:
         batches, start = epoch_position.load_position(folder, rank)
@@ -283,7 +284,7 @@ _ITEMS = {'history': 'history', 'callbacks': "callbacks' states", 'buffers': 'mo
 
 
 def _describe_items(items: frozenset[str]) -> str:
-    return ', '.join(_ITEMS[item] for item in format.PER_RANK_ITEMS if item in items)
+    return ', '.join(_ITEMS[item] for item in _manifest.PER_RANK_ITEMS if item in items)
 
 
 def _states_of_rank_0(net: Any, restored: Restored) -> Restored:

@@ -28,7 +28,7 @@ from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.base import format_bytes, say
 from skorch_accel_callbacks._core.wrapping import own_registries
 from skorch_accel_callbacks.engine._stager import HostStager, Staged
-from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.state import (
     _compat as compat,
     _epoch_position as epoch_position,
@@ -230,7 +230,7 @@ class SyncWriter:
                 training_state.save_epoch_caches(partial, rank, net)
             if not committer:
                 return StagedSave(None, large)
-            return StagedSave(format.with_per_rank(compat.build_manifest(
+            return StagedSave(_manifest.with_per_rank(compat.build_manifest(
                 net, request.name, request.best, request.finished, request.stopped_early,
                 request.data, request.position(), request.train_loader), per_rank), large)
 

@@ -61,6 +61,7 @@ __all__ = [
     'CALLBACKS_NAME',
     'CALLBACK_TENSORS_NAME',
     'CHECKSUM_ALGORITHM',
+    'DCP_METADATA_NAME',
     'FORMAT_VERSION',
     'HISTORY_NAME',
     'LEASE_NAME',
@@ -114,6 +115,9 @@ SHARED_STATES_FORMAT = 3
 PARTIAL_SUFFIX = '.partial'
 # the pointers at a checkpoint: pointer_name(which) for each
 POINTERS = ('latest', 'best')
+# torch.distributed.checkpoint's index of a sharded save (its FileSystemWriter
+# writes it beside one file per rank)
+DCP_METADATA_NAME = '.metadata'
 # the one job that uses a folder of checkpoints holds a lock on this file
 LOCK_NAME = '.lock'
 # the one-job lease of a folder in an object store (lease.ObjectLease)

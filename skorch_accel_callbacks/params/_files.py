@@ -25,10 +25,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from skorch_accel_callbacks._core.wrapping import check_plain, is_sharded
-from skorch_accel_callbacks.errors import CorruptCheckpointError
+from skorch_accel_callbacks.errors import CorruptCheckpointError, FolderInUseError
 from skorch_accel_callbacks.format import _atomic as atomic
 from skorch_accel_callbacks.format._atomic import TEMP_MARK, atomic_path
-from skorch_accel_callbacks.storage._lock import FolderInUseError, PrefixLock
+from skorch_accel_callbacks.storage._lock import PrefixLock
 
 __all__ = [
     'check_folders',

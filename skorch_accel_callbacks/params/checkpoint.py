@@ -6,7 +6,6 @@ Its companions: :mod:`~skorch_accel_callbacks.params.train_end` and
 :mod:`~skorch_accel_callbacks.params.load`.
 """
 
-import importlib
 import os
 import pickle
 import warnings
@@ -440,12 +439,3 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         finally:
             self.release_folder()
 
-
-# f_pickle files written before these classes had modules of their own name them here
-_MOVED = {'TrainEndParamsCheckpoint': 'params_train_end', 'LoadInitParams': 'params_load'}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        return getattr(importlib.import_module(f'{__package__}.{_MOVED[name]}'), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ from typing import Any
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.wrapping import bare_modules
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.format._readers import load_without_code, read_naming_fault
 from skorch_accel_callbacks.state import _fsdp_layout as fsdp_layout, _settings as settings
 
@@ -101,7 +101,7 @@ def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_earl
     training loader of the epoch (for its number of rows).
     """
     manifest = {
-        'format_version': format.SHARED_STATES_FORMAT,
+        'format_version': _manifest.SHARED_STATES_FORMAT,
         'name': name,
         # complete epochs
         'epoch': len(net.history) - (1 if position['batches'] else 0),
@@ -131,7 +131,7 @@ def model_files(manifest: dict[str, Any], folder: str) -> list[tuple[str, str]]:
     Raises :class:`CorruptCheckpointError` naming the file if the manifest
     does not list a model's file.
     """
-    path = os.path.join(folder, format.MANIFEST_NAME)
+    path = os.path.join(folder, _manifest.MANIFEST_NAME)
     models = manifest.get('models')
     if not isinstance(models, list):
         raise CorruptCheckpointError(f"{path} lists no models")
@@ -203,7 +203,7 @@ def check_world_size(net: Any, manifest: dict[str, Any], path: str, reseed: bool
         return False
     if type(saved) is not int or saved < 1:
         raise CorruptCheckpointError(
-            f"{os.path.join(path, format.MANIFEST_NAME)} has world_size {saved!r}, "
+            f"{os.path.join(path, _manifest.MANIFEST_NAME)} has world_size {saved!r}, "
             "not a number of processes")
     if not reseed:
         raise CheckpointError(
@@ -249,13 +249,13 @@ def check_rank_files(path: str, manifest: dict[str, Any], rank: int) -> None:
 
     Raises :class:`CorruptCheckpointError` naming the file and the rank.
     """
-    names = [accelerate_io.rng_file(rank), format.rank_state_name(rank)]
-    if format.batches_into_epoch(manifest):
-        names += [format.position_name(rank), *format.epoch_caches_names(rank)]
-    per_rank = format.per_rank(manifest)
-    for item in format.PER_RANK_ITEMS:
+    names = [accelerate_io.rng_file(rank), _manifest.rank_state_name(rank)]
+    if _manifest.batches_into_epoch(manifest):
+        names += [_manifest.position_name(rank), *_manifest.epoch_caches_names(rank)]
+    per_rank = _manifest.per_rank(manifest)
+    for item in _manifest.PER_RANK_ITEMS:
         if item in per_rank:
-            names += format.per_rank_files(item, rank)
+            names += _manifest.per_rank_files(item, rank)
     for name in names:
         if name not in manifest['files']:
             raise CorruptCheckpointError(

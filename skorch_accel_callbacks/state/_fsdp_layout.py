@@ -27,14 +27,12 @@ import torch
 
 from skorch_accel_callbacks._core import accelerate_io
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.format._manifest import DCP_METADATA_NAME
 
 __all__ = ['check_shards', 'make_room_for_group_settings', 'per_rank_buffer_modules',
            'shard_layout', 'warn_per_rank_buffers']
 
 SHARDED = 'SHARDED_STATE_DICT'
-# torch.distributed.checkpoint's names in a folder of shards (its
-# FileSystemWriter, one file per rank)
-_INDEX_NAME = '.metadata'
 
 
 def _shard_name(rank: int) -> str:
@@ -53,7 +51,7 @@ def shard_layout(accelerator: Any) -> dict[str, Any] | None:
     folders = []
     if kind == SHARDED:
         folders = accelerate_io.shard_folders(accelerator)
-    names = [_INDEX_NAME] + [_shard_name(rank) for rank in range(accelerator.num_processes)]
+    names = [DCP_METADATA_NAME] + [_shard_name(rank) for rank in range(accelerator.num_processes)]
     return {
         'fsdp_version': 2,
         'state_dict_type': kind,

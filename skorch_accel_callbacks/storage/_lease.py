@@ -28,18 +28,14 @@ import weakref
 from datetime import UTC, datetime, timedelta
 from typing import Any, Self
 
+from skorch_accel_callbacks.errors import FolderInUseError, LeaseLostError
 from skorch_accel_callbacks.storage import _transfer as transfer
-from skorch_accel_callbacks.storage._lock import FolderInUseError
 
-__all__ = ['LeaseLostError', 'ObjectLease', 'take_lease']
+__all__ = ['ObjectLease', 'take_lease']
 
 # a lease that keeps being created and removed under us (by jobs that take
 # and release it) is looked at this often before giving up
 _ATTEMPTS = 5
-
-
-class LeaseLostError(FolderInUseError):
-    """Another job took over the lease of a folder while this job held it."""
 
 
 class ObjectLease:
@@ -47,7 +43,7 @@ class ObjectLease:
     object ``path`` in the store of ``fs``.
 
     :meth:`acquire` creates the object, or refuses with
-    :class:`~skorch_accel_callbacks.storage._lock.FolderInUseError` naming the holder
+    :class:`~skorch_accel_callbacks.errors.FolderInUseError` naming the holder
     while its lease is live, or takes over a lease that expired (its holder
     was killed, or lost the store) with a ``UserWarning`` naming the previous
     holder. A thread renews the lease every ``renew_every`` seconds until
@@ -122,7 +118,7 @@ class ObjectLease:
 
     def acquire(self) -> Self:
         """Take the lease (once per object), or raise
-        :class:`~skorch_accel_callbacks.storage._lock.FolderInUseError` naming the
+        :class:`~skorch_accel_callbacks.errors.FolderInUseError` naming the
         holder; warn when taking over an expired one."""
         if self._held is not None:
             return self

@@ -19,7 +19,7 @@ from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest as format
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest
 from skorch_accel_callbacks.storage._lock import FolderLock
 
 __all__ = ['CheckpointFolder', 'Found', 'is_committer', 'retained']
@@ -49,7 +49,7 @@ def retained(names: list[str], keep_last: int, best: Iterable[str | None],
     newest taken at an epoch's end (the one a refusal to continue inside an
     epoch advises, while checkpoints inside epochs rotate), the ``best``
     ones and those in ``keep`` (the one the fit under way resumed from)."""
-    return (set(names[-keep_last:]) | {format.newest_at_epoch_end(names)}
+    return (set(names[-keep_last:]) | {_manifest.newest_at_epoch_end(names)}
             | set(best) | set(keep))
 
 
@@ -92,7 +92,7 @@ class CheckpointFolder:
         return self.path(name)
 
     def partial_path(self, name: str) -> str:
-        return self.path(name) + format.PARTIAL_SUFFIX
+        return self.path(name) + _manifest.PARTIAL_SUFFIX
 
     @staticmethod
     def name_of(path: str | os.PathLike[str]) -> str:
@@ -100,7 +100,7 @@ class CheckpointFolder:
         return os.path.basename(os.path.normpath(path))
 
     def _pointer(self, which: str) -> str:
-        return self.path(format.pointer_name(which))
+        return self.path(_manifest.pointer_name(which))
 
     # ------------------------------------------------------------ claiming
 
@@ -111,7 +111,7 @@ class CheckpointFolder:
         The committing process(es) create the folder, take its lock and
         remove what killed jobs left: only the job that holds the lock may,
         since another job's partial folder is still being written. Raises on
-        every rank if any fails: :class:`~skorch_accel_callbacks.storage._lock.FolderInUseError`
+        every rank if any fails: :class:`~skorch_accel_callbacks.errors.FolderInUseError`
         naming the holder, or :class:`CheckpointError` when
         ``save_on_each_node`` committers share the folder.
         """
@@ -147,7 +147,7 @@ class CheckpointFolder:
 
     def _remove_leftovers(self) -> None:
         for name in os.listdir(self.dirname):
-            if atomic.is_leftover(name) or name.endswith(format.PARTIAL_SUFFIX):
+            if atomic.is_leftover(name) or name.endswith(_manifest.PARTIAL_SUFFIX):
                 atomic.remove(self.path(name))
 
     def _check_not_shared(self, net: Any, committer: bool) -> None:
@@ -180,7 +180,7 @@ class CheckpointFolder:
         the other ranks' probes it finds there: ``{probing rank: ranks
         found}``, the same on every rank."""
         rank = sync.process_index(net)
-        probe = self.path(format.probe_name(rank))
+        probe = self.path(_manifest.probe_name(rank))
         with sync.agree(net, f"probing checkpoint folder {self.dirname}"):
             if probing:
                 os.makedirs(self.dirname, exist_ok=True)
@@ -188,8 +188,8 @@ class CheckpointFolder:
         others = None
         if probing:
             others = sorted(
-                int(name[len(format.PROBE_PREFIX):]) for name in os.listdir(self.dirname)
-                if name.startswith(format.PROBE_PREFIX) and name != os.path.basename(probe))
+                int(name[len(_manifest.PROBE_PREFIX):]) for name in os.listdir(self.dirname)
+                if name.startswith(_manifest.PROBE_PREFIX) and name != os.path.basename(probe))
         seen = sync.gather(net, others)
         with sync.agree(net, f"removing probe files in {self.dirname}"):
             if probing:
@@ -205,8 +205,8 @@ class CheckpointFolder:
         found = []
         for name in os.listdir(self.dirname):
             path = self.path(name)
-            if format.is_checkpoint_name(name) and os.path.isdir(path):
-                sealed = os.path.join(path, format.MANIFEST_NAME)
+            if _manifest.is_checkpoint_name(name) and os.path.isdir(path):
+                sealed = os.path.join(path, _manifest.MANIFEST_NAME)
                 stamp = os.path.getmtime(sealed) if os.path.exists(sealed) else 0.0
                 found.append((stamp, name))
         return [name for _, name in sorted(found)]
@@ -214,7 +214,7 @@ class CheckpointFolder:
     def pointed(self, which: str) -> str | None:
         """The name ``latest.json`` or ``best.json`` points at, or None."""
         try:
-            return format.pointed_name(atomic.read_json(self._pointer(which)))
+            return _manifest.pointed_name(atomic.read_json(self._pointer(which)))
         except (OSError, ValueError):
             return None
 
@@ -237,7 +237,7 @@ class CheckpointFolder:
           checkpoint of that name.
         """
         which = os.fspath(which)
-        if which in format.POINTERS:
+        if which in _manifest.POINTERS:
             name = self.pointed(which)
             if name is not None:
                 return self.path(name)
@@ -249,7 +249,7 @@ class CheckpointFolder:
                    if which == 'best' else '')
             raise FileNotFoundError(
                 f"no {which} checkpoint in {self.dirname}: there is no {file}{why}")
-        if format.is_checkpoint_name(which):
+        if _manifest.is_checkpoint_name(which):
             path = self.path(which)
             if not os.path.isdir(path):
                 raise FileNotFoundError(
@@ -287,11 +287,11 @@ class CheckpointFolder:
                 return None
         if which != 'latest':
             path = self.named(which)
-            return Found(path, format.read(path))
+            return Found(path, _manifest.read(path))
         problems = []
         for name in self.newest_first():
             try:
-                return Found(self.path(name), format.read(self.path(name)))
+                return Found(self.path(name), _manifest.read(self.path(name)))
             except CorruptCheckpointError as exc:
                 warnings.warn(f"skipping checkpoint {self.path(name)}: {exc}", UserWarning)
                 problems.append(str(exc))
@@ -333,7 +333,7 @@ class CheckpointFolder:
         # before the manifest flushes them: their writers (safetensors)
         # may have made them private
         atomic.give_plain_modes(partial)
-        written = format.write(partial, sealed, durable=durable, started=started)
+        written = _manifest.write(partial, sealed, durable=durable, started=started)
         replaced = atomic.replace_folder(partial, self.path(name))
         if replaced is not None:
             self._removals.append(replaced)
@@ -369,7 +369,7 @@ class CheckpointFolder:
     def _marked_best(self, name: str) -> bool:
         try:
             return bool(atomic.read_json(
-                os.path.join(self.path(name), format.MANIFEST_NAME)).get('best'))
+                os.path.join(self.path(name), _manifest.MANIFEST_NAME)).get('best'))
         except (OSError, ValueError, AttributeError):
             return False  # not a complete checkpoint: nothing to keep
 

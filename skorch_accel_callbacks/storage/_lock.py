@@ -10,13 +10,10 @@ import socket
 import threading
 from typing import Any, Self, TextIO
 
+from skorch_accel_callbacks.errors import FolderInUseError
 from skorch_accel_callbacks.format._manifest import LOCK_NAME
 
-__all__ = ['FolderInUseError', 'FolderLock', 'PrefixLock', 'probe']
-
-
-class FolderInUseError(RuntimeError):
-    """Another running job holds the lock of a checkpoint folder."""
+__all__ = ['FolderLock', 'PrefixLock', 'probe']
 
 
 class _Hold:

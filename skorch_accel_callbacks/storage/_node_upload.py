@@ -22,7 +22,7 @@ from typing import Any
 
 from skorch_accel_callbacks._core.sync import NodeGroup
 from skorch_accel_callbacks.errors import CheckpointError
-from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.storage import _transfer as transfer
 
 __all__ = ['upload_from_nodes']
@@ -42,7 +42,7 @@ def upload_from_nodes(nodes: NodeGroup, store: transfer.Store, local: str, name:
             if not any(rel in before['files'] for before in manifest[:nodes.node])]
     _agreed(nodes, store, name, lambda: transfer.send(store, local, name, mine))
     if nodes.node == 0:
-        transfer.seal(store, name, json.dumps(format.merged(manifest)).encode(), best,
+        transfer.seal(store, name, json.dumps(_manifest.merged(manifest)).encode(), best,
                       before_manifest)
 
 

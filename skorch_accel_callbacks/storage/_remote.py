@@ -33,8 +33,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
-from skorch_accel_callbacks.errors import CheckpointError, StoreUnavailableError
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest as format
+from skorch_accel_callbacks.errors import CheckpointError, FolderInUseError, StoreUnavailableError
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest
 from skorch_accel_callbacks.storage import (
     _node_upload as node_upload,
     _remote_read as remote_read,
@@ -42,7 +42,6 @@ from skorch_accel_callbacks.storage import (
 )
 from skorch_accel_callbacks.storage._lease import ObjectLease, take_lease
 from skorch_accel_callbacks.storage._local import CheckpointFolder, Found, is_committer, retained
-from skorch_accel_callbacks.storage._lock import FolderInUseError
 
 __all__ = ['RemoteStorage', 'default_staging', 'is_remote']
 
@@ -237,7 +236,7 @@ class RemoteStorage:
         staged = self.staging.committed()
         if not staged:
             return None
-        manifest, problems = format.check(self.staging.path(max(staged)))
+        manifest, problems = _manifest.check(self.staging.path(max(staged)))
         return None if problems else (max(staged), bool(manifest.get('best')))
 
     def _unfinished(self, staged: list[tuple[str, bool] | None]) -> tuple[str, str, bool] | None:
@@ -384,9 +383,9 @@ class RemoteStorage:
             if name in kept:
                 continue
             try:
-                store.persist(f"removing {self.url(name)}/{format.MANIFEST_NAME}",
+                store.persist(f"removing {self.url(name)}/{_manifest.MANIFEST_NAME}",
                               lambda seconds, name=name: store.fs.rm_file(
-                                  self._remote(name, format.MANIFEST_NAME),
+                                  self._remote(name, _manifest.MANIFEST_NAME),
                                   **transfer.deadline(store.fs, seconds)))
                 store.persist(f"removing {self.url(name)}",
                               lambda seconds, name=name: store.fs.rm(
@@ -450,7 +449,7 @@ class RemoteStorage:
 
 def _take_lease(store: transfer.Store, ttl_seconds: float) -> ObjectLease | None:
     try:
-        return take_lease(store.fs, store.path(format.LEASE_NAME), ttl_seconds)
+        return take_lease(store.fs, store.path(_manifest.LEASE_NAME), ttl_seconds)
     except FolderInUseError:
         raise
     except Exception as exc:

@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest as format
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest
 from skorch_accel_callbacks.storage import _transfer as transfer
 from skorch_accel_callbacks.storage._local import CheckpointFolder, Found
 
@@ -28,7 +28,7 @@ def _read_json(store: transfer.Store, *parts: str) -> Any:
 def pointed(store: transfer.Store, which: str) -> str | None:
     """The name ``latest.json`` or ``best.json`` in the store points at, or None."""
     try:
-        return format.pointed_name(_read_json(store, format.pointer_name(which)))
+        return _manifest.pointed_name(_read_json(store, _manifest.pointer_name(which)))
     except (OSError, ValueError):
         return None
 
@@ -42,7 +42,7 @@ def check(store: transfer.Store, name: str) -> tuple[dict[str, Any], str | None]
         return json.loads(sealed), None
     except CorruptCheckpointError as exc:
         try:
-            saved = _read_json(store, name, format.MANIFEST_NAME)
+            saved = _read_json(store, name, _manifest.MANIFEST_NAME)
         except (OSError, ValueError):
             saved = {}
         return (saved if isinstance(saved, dict) else {}), str(exc)
@@ -51,7 +51,7 @@ def check(store: transfer.Store, name: str) -> tuple[dict[str, Any], str | None]
 def marked_best(store: transfer.Store, name: str) -> bool:
     """Whether the manifest of checkpoint ``name`` marks it a best one."""
     try:
-        return bool(_read_json(store, name, format.MANIFEST_NAME).get('best'))
+        return bool(_read_json(store, name, _manifest.MANIFEST_NAME).get('best'))
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -71,7 +71,7 @@ def committed(store: transfer.Store) -> list[str]:
     names = set()
     for path in paths:
         name, _, rest = path[len(store.root) + 1:].partition('/')
-        if rest == format.MANIFEST_NAME and format.is_checkpoint_name(name):
+        if rest == _manifest.MANIFEST_NAME and _manifest.is_checkpoint_name(name):
             names.add(name)
     return sorted(names)
 
@@ -97,13 +97,13 @@ def find_checkpoint(store: transfer.Store, staging: CheckpointFolder,
                     "because of `monitor` are best ones")
             return None
         return fetch(store, staging, best)
-    if format.is_checkpoint_name(which):
+    if _manifest.is_checkpoint_name(which):
         if which not in names:
             raise FileNotFoundError(
                 f"no checkpoint {which} in {store.dirname}; it has {names or 'none'}")
         return fetch(store, staging, which)
     if which != 'latest':
-        return Found(which, format.read(which))
+        return Found(which, _manifest.read(which))
     latest = pointed(store, 'latest')
     problems = []
     for name in ([latest] if latest in names else []) + [
@@ -128,7 +128,7 @@ def fetch(store: transfer.Store, staging: CheckpointFolder, name: str) -> Found:
     sealed, files = transfer.check_remote(store, name)
     local = staging.path(name)
     if transfer.holds_manifest(local, sealed):
-        manifest, problems = format.check(local)
+        manifest, problems = _manifest.check(local)
         if not problems:
             return Found(local, manifest)
     # a partial folder renamed into place once complete, as a save

@@ -32,14 +32,12 @@ from accelerate.utils import SAFE_WEIGHTS_NAME, merge_fsdp_weights
 from safetensors.torch import load_file
 
 from skorch_accel_callbacks.errors import CorruptCheckpointError
+from skorch_accel_callbacks.format._manifest import DCP_METADATA_NAME
 from skorch_accel_callbacks.format._readers import load_without_code, read_naming_fault
 from skorch_accel_callbacks.state import _compat as compat
 
-__all__ = ['METADATA_NAME', 'check_sharded_model', 'is_sharded_model', 'loadable', 'model_files',
+__all__ = ['check_sharded_model', 'is_sharded_model', 'loadable', 'model_files',
            'read_model', 'read_sharded_model']
-
-# torch.distributed.checkpoint's index of a sharded save
-METADATA_NAME = '.metadata'
 
 # accelerate's FSDP_MODEL_NAME (accelerate.utils.constants, not exported)
 FSDP_MODEL_NAME = 'pytorch_model_fsdp'
@@ -74,7 +72,7 @@ def _fsdp_model_file(index: int, files: dict[str, Any]) -> str | None:
     ``index``-th model of an FSDP checkpoint listing ``files``, or None."""
     sharded = f'{FSDP_MODEL_NAME}_{index}'
     full = f'{FSDP_MODEL_NAME}.bin' if index == 0 else f'{FSDP_MODEL_NAME}_{index}.bin'
-    if os.path.join(sharded, METADATA_NAME) in files:
+    if os.path.join(sharded, DCP_METADATA_NAME) in files:
         return sharded
     return full if full in files else None
 
@@ -101,7 +99,7 @@ def model_files(manifest: dict[str, Any], folder: str) -> list[tuple[str, str]]:
     for index, entry in enumerate(models):
         name = _fsdp_model_file(index, files)
         if name is None:
-            missing = os.path.join(folder, f'{FSDP_MODEL_NAME}_{index}', METADATA_NAME)
+            missing = os.path.join(folder, f'{FSDP_MODEL_NAME}_{index}', DCP_METADATA_NAME)
             raise CorruptCheckpointError(
                 f"{missing} is missing: the manifest lists model {entry[0]!r} but not its "
                 "file")
@@ -159,7 +157,7 @@ def check_sharded_model(folder: str | os.PathLike) -> None:
     code, lists tensors only, and whose piece files are all there, each at
     least as long as the metadata says."""
     folder = os.fspath(folder)
-    path = os.path.join(folder, METADATA_NAME)
+    path = os.path.join(folder, DCP_METADATA_NAME)
     for name, size in sorted(_piece_sizes(path, _read_metadata(path)).items()):
         piece = os.path.join(folder, name)
         try:

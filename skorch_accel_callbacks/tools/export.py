@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format import _manifest as format
+from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.format._atomic import atomic_path, read_json
 from skorch_accel_callbacks.format._manifest import POINTERS, is_checkpoint_name
 from skorch_accel_callbacks.format._readers import load_without_code, read_naming_fault
@@ -89,7 +89,7 @@ def _found(source: str | os.PathLike, which: str | os.PathLike) -> Found:
             raise ValueError(
                 f"{source} is one checkpoint; which={which!r} chooses among the "
                 "checkpoints of a folder: pass that folder")
-        return Found(source, format.read(source))
+        return Found(source, _manifest.read(source))
     which = os.fspath(which)
     if not (which in POINTERS or is_checkpoint_name(which) or os.path.isdir(which)):
         raise FileNotFoundError(
@@ -128,10 +128,10 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
     Raises :class:`CorruptCheckpointError` naming the file if the checkpoint
     is not complete.
     """
-    saved = format.read(path)
+    saved = _manifest.read(path)
     files = {f_argument(name): os.path.join(path, file)
              for name, file in consolidate.model_files(saved, path)}
-    files['f_history'] = os.path.join(path, format.plain_history_name(saved))
+    files['f_history'] = os.path.join(path, _manifest.plain_history_name(saved))
     return files
 
 
@@ -141,26 +141,26 @@ def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
     a missing or damaged optimizer or random-state file, cannot be resumed
     from, but its model can be exported; a warning names the files at fault.
 
-    Raises the error of :func:`format.read` if the manifest itself is at
+    Raises the error of :func:`_manifest.read` if the manifest itself is at
     fault, and :class:`CorruptCheckpointError` naming the model file or
     history that is missing or damaged.
     """
-    saved, problems = format.check(path)
+    saved, problems = _manifest.check(path)
     if saved is None:
         raise problems[0].error
     if not problems:
         return saved
     files = saved['files']
-    history = format.plain_history_name(saved)
+    history = _manifest.plain_history_name(saved)
     needed = [file for _, file in consolidate.model_files(saved, path)]
     needed.append(history)
-    if 'buffers' in format.per_rank(saved):
-        needed.append(format.buffers_name(0))
+    if 'buffers' in _manifest.per_rank(saved):
+        needed.append(_manifest.buffers_name(0))
     for problem in problems:
         # a sharded model's pieces lie in its folder
         if problem.file is not None and problem.file.split(os.sep)[0] in needed:
             raise problem.error
-    sealed = os.path.join(path, format.MANIFEST_NAME)
+    sealed = os.path.join(path, _manifest.MANIFEST_NAME)
     if history not in files:
         raise CorruptCheckpointError(f"{os.path.join(path, history)} is not listed in {sealed}")
     warnings.warn(f"{path} is not a complete checkpoint, it cannot be resumed from: "
@@ -209,7 +209,7 @@ def _exported_checkpoint(
 
 def _is_one_checkpoint(source: str | os.PathLike) -> bool:
     return (is_checkpoint_name(os.path.basename(os.path.normpath(source)))
-            or os.path.isfile(os.path.join(source, format.MANIFEST_NAME)))
+            or os.path.isfile(os.path.join(source, _manifest.MANIFEST_NAME)))
 
 
 def _load_tensors(file: str) -> dict[str, torch.Tensor]:
@@ -228,9 +228,9 @@ def _take_rank_0_buffers(path: str, saved: dict[str, Any],
     """Give ``models`` (name, state dict) of checkpoint ``path`` saved
     rank 0's buffers, where the ranks' differed (FSDP2 keeps them per rank,
     its sharded checkpoint holds one rank's), with a warning saying so."""
-    if 'buffers' not in format.per_rank(saved):
+    if 'buffers' not in _manifest.per_rank(saved):
         return
-    file = os.path.join(path, format.buffers_name(0))
+    file = os.path.join(path, _manifest.buffers_name(0))
     buffers = read_naming_fault([file], lambda: load_without_code(file, 'safetensors'))
     for key, value in buffers.items():
         index, name = key.split('/', 1)
@@ -330,7 +330,7 @@ def export(
     inside = os.path.relpath(os.path.realpath(out), os.path.realpath(path))
     if not (inside == os.pardir or inside.startswith(os.pardir + os.sep)):
         raise ValueError(f"{out} is inside the checkpoint {path}: export into another folder")
-    history = os.path.join(path, format.plain_history_name(saved))
+    history = os.path.join(path, _manifest.plain_history_name(saved))
     try:
         read_json(history)
     except (OSError, ValueError) as exc:
@@ -349,7 +349,7 @@ def export(
                 'format': 'pt', 'module': name, 'checkpoint': os.path.basename(path),
                 'epoch': str(saved.get('epoch'))})
         written[f_argument(name)] = target
-    target = os.path.join(out, format.HISTORY_NAME)
+    target = os.path.join(out, _manifest.HISTORY_NAME)
     with atomic_path(target) as tmp:
         shutil.copyfile(history, tmp)
     written['f_history'] = target

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest as format
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest
 from skorch_accel_callbacks.format._manifest import (
     LOCK_NAME,
     PARTIAL_SUFFIX,
@@ -48,7 +48,7 @@ def _score(path: str | os.PathLike, saved: dict[str, Any]) -> tuple[str, float] 
     (rank 0's, where the ranks' differed): ``valid_loss``, else
     ``train_loss``; None if neither can be read."""
     try:
-        history = format.plain_history_name(saved)
+        history = _manifest.plain_history_name(saved)
         with open(os.path.join(path, history), encoding='utf-8') as f:
             rows = json.load(f)
         # inside an epoch, the last row has no scores yet
@@ -74,7 +74,7 @@ def _saved_at(path: str | os.PathLike, saved: Any) -> datetime | None:
         else:
             return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
     try:
-        mtime = os.path.getmtime(os.path.join(path, format.MANIFEST_NAME))
+        mtime = os.path.getmtime(os.path.join(path, _manifest.MANIFEST_NAME))
     except OSError:
         return None
     return datetime.fromtimestamp(mtime, UTC)
@@ -101,11 +101,11 @@ def describe(dirname: str | os.PathLike) -> list[dict[str, Any]]:
         path = folder.path(name)
         problem = None
         try:
-            saved = format.read(path)
+            saved = _manifest.read(path)
         except CheckpointError as exc:  # and CorruptCheckpointError
             problem = str(exc)
             try:
-                saved = atomic.read_json(os.path.join(path, format.MANIFEST_NAME))
+                saved = atomic.read_json(os.path.join(path, _manifest.MANIFEST_NAME))
             except (OSError, ValueError):
                 saved = {}
         rows.append(describe_one(name, path, saved, problem))
@@ -125,10 +125,10 @@ def describe_one(name: str, path: str, saved: Any, problem: str | None) -> dict[
         'path': path,
         'epoch': saved.get('epoch'),
         'step': (saved.get('position') or {}).get('step'),
-        'batches_into_epoch': format.batches_into_epoch(saved),
+        'batches_into_epoch': _manifest.batches_into_epoch(saved),
         'best': bool(saved.get('best')),
         'finished': bool(saved.get('finished')),
-        'stopped_early': format.stopped_early(saved) if saved else False,
+        'stopped_early': _manifest.stopped_early(saved) if saved else False,
         'world_size': saved.get('world_size'),
         'bytes': checkpoint_bytes(saved),
         'saved_at': _saved_at(path, saved),
@@ -225,8 +225,8 @@ def verify(path: str | os.PathLike) -> Verdict:
     header) also in a checkpoint saved without checksums.
     """
     verdict = Verdict(path)
-    sealed = os.path.join(path, format.MANIFEST_NAME)
-    saved, problems = format.check(path)
+    sealed = os.path.join(path, _manifest.MANIFEST_NAME)
+    saved, problems = _manifest.check(path)
     if saved is None:
         verdict.damaged.append(str(problems[0].error))
         return verdict
@@ -258,16 +258,16 @@ def verify(path: str | os.PathLike) -> Verdict:
     for root, _, names in os.walk(path):
         for name in names:
             rel = os.path.relpath(os.path.join(root, name), path)
-            if rel != format.MANIFEST_NAME and rel not in files:
+            if rel != _manifest.MANIFEST_NAME and rel not in files:
                 verdict.notes.append(
                     f"{os.path.join(path, rel)} is not listed in {sealed} (added later?)")
     return verdict
 
 
-def _damage(file: str, problem: format.Problem | None,
+def _damage(file: str, problem: _manifest.Problem | None,
             layout: tuple[str, dict[str, Any] | None] | None) -> str | None:
     """Why the listed ``file`` is damaged, or None: ``problem`` is what
-    :func:`format.check` found, ``layout`` a model file's in the manifest.
+    :func:`_manifest.check` found, ``layout`` a model file's in the manifest.
     A file whose checksum differs is loaded all the same: that it does not
     load says more."""
     if problem is not None and not problem.checksum_differs:

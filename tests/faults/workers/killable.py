@@ -34,7 +34,7 @@ import faultjob
 from common import BatchEnds, rank
 from faultjob import EpochTracker, die, hold
 from skorch_accel_callbacks._core import accelerate_io, sync
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest as format
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest
 from skorch_accel_callbacks.state import _training_state as training_state
 
 
@@ -134,7 +134,7 @@ class Instrument:
 
         def json_write(path, obj, **kwargs):
             name = os.path.basename(path)
-            which = {format.MANIFEST_NAME: 'manifest', 'latest.json': 'pointer'}.get(name)
+            which = {_manifest.MANIFEST_NAME: 'manifest', 'latest.json': 'pointer'}.get(name)
             # the manifest's path names the epoch; the pointer's content does
             epoch_path = path if which == 'manifest' else obj.get('name', '')
             if which:
@@ -151,7 +151,7 @@ class Instrument:
 
         def os_replace(src, dst):
             # the commit's rename, not a leftover partial folder marked discarded
-            renaming = (str(src).endswith(format.PARTIAL_SUFFIX)
+            renaming = (str(src).endswith(_manifest.PARTIAL_SUFFIX)
                         and atomic.DISCARD_MARK not in str(dst))
             if renaming:
                 fire('before-rename', src)
