@@ -1,5 +1,5 @@
-"""The on-disk format (issue 20, item 3): format.py sits at the bottom of
-the package, its manifest writer takes JSON values only (the duration of a
+"""The on-disk format (issue 20, item 3): format/_manifest.py sits at the
+bottom of the package, its manifest writer takes JSON values only (the duration of a
 save is a ``started`` stamp, not a callable in the manifest), and manifests
 written by earlier versions still read."""
 
@@ -18,30 +18,37 @@ PACKAGE = Path(skorch_accel_callbacks.__file__).parent
 
 
 def own_imports(module):
-    """The modules of the package that ``module``'s source imports."""
-    tree = ast.parse((PACKAGE / f'{module}.py').read_text())
-    found = set()
+    """The modules of the package (dotted, below it) that ``module``'s source imports."""
+    tree = ast.parse((PACKAGE / f"{module.replace('.', '/')}.py").read_text())
+    named = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == 'skorch_accel_callbacks':
-                found |= {alias.name for alias in node.names}
-            elif node.module.startswith('skorch_accel_callbacks.'):
-                found.add(node.module.split('.')[1])
+            named |= {f"{node.module}.{alias.name}" for alias in node.names}
         elif isinstance(node, ast.Import):
-            found |= {alias.name.split('.')[1] for alias in node.names
-                      if alias.name.startswith('skorch_accel_callbacks.')}
+            named |= {alias.name for alias in node.names}
+    found = set()
+    for name in named:
+        if not name.startswith('skorch_accel_callbacks.'):
+            continue
+        # ``from skorch_accel_callbacks.format import _atomic``: the module _atomic;
+        # ``from skorch_accel_callbacks.errors import CheckpointError``: errors
+        name = name.removeprefix('skorch_accel_callbacks.')
+        for candidate in (name, name.rpartition('.')[0]):
+            if (PACKAGE / f"{candidate.replace('.', '/')}.py").is_file():
+                found.add(candidate)
+                break
     return found
 
 
 def test_format_imports_nothing_above_atomic_and_errors():
-    assert own_imports('format') == {'atomic', 'errors'}
+    assert own_imports('format._manifest') == {'format._atomic', 'errors'}
     # and they import nothing of the package: the format is at the bottom
-    seen, todo = set(), ['format']
+    seen, todo = set(), ['format._manifest']
     while todo:
         module = todo.pop()
         seen.add(module)
         todo += sorted(own_imports(module) - seen)
-    assert seen == {'format', 'atomic', 'errors'}
+    assert seen == {'format._manifest', 'format._atomic', 'errors'}
 
 
 def folder_with_a_file(tmp_path):
