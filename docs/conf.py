@@ -27,7 +27,7 @@ extensions = [
     'numpydoc',
 ]
 
-exclude_patterns = ['_build', '_generated/*.py']
+exclude_patterns = ['_build', '_generated']
 html_theme = 'pydata_sphinx_theme'
 html_theme_options = {'navigation_with_keys': False}
 html_static_path = []

@@ -6,6 +6,7 @@ the folder ``OUT``.
 """
 
 import pathlib
+import re
 import sys
 
 import matplotlib
@@ -22,9 +23,7 @@ def simple_table(text, title):
     dicts from the header's column names to the cells."""
     lines = text.splitlines()
     start = lines.index(title)
-    borders = [i for i in range(start, len(lines))
-               if lines[i].startswith('=') and set(lines[i].split()) == {'=' * len(w)
-                                                                       for w in lines[i].split()}]
+    borders = [i for i in range(start, len(lines)) if re.fullmatch(r'=+( +=+)*', lines[i])]
     top, header_end, bottom = borders[:3]
     spans = []
     column = 0
