@@ -151,7 +151,7 @@ def skorch_name(specs, index):
 def changeable(spec):
     """Whether a setting of this callback is drawn to change: skorch's
     callbacks' settings are recorded and checked; a user's own callback's
-    are not (the README's resume contract), so its settings stay."""
+    are not (the resume contract, docs/contract.rst), so its settings stay."""
     return spec['kind'] in ('early_stopping', 'grad_clip') or (
         spec['kind'] == 'lr_scheduler' and spec['params']['policy'] != 'LambdaLR')
 

@@ -151,9 +151,9 @@ def unwrapped(net: NeuralNet) -> Iterator[NeuralNet]:
     Under FSDP2 nothing wraps the module: ``fully_shard`` made the module
     itself the sharded one, and it stays sharded inside the block (its
     ``state_dict()`` holds each rank's shards as ``DTensor``): skorch's
-    ``save_params`` writes the full parameters inside :func:`gathered`, and
+    ``save_params`` writes the full parameters inside ``gathered``, and
     what needs the plain module (loading a state dict into it, pickling it)
-    raises a ``ValueError`` saying so (:func:`check_plain`).
+    raises a ``ValueError`` saying so (``check_plain``).
 
     Parameters loaded into the bare module inside the block are the
     parameters of the wrapper after it (DDP shares the tensors), so loading the

@@ -43,7 +43,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     Saves all a run needs to go on bit for bit (models, optimizers, random
     states and data order of every rank, history, callbacks' state) into
     ``<dirname>/epoch-NNNN``, committed once every rank wrote its part.
-    Resume with :class:`AccelerateLoadInitState`. See the README, section
+    Resume with :class:`AccelerateLoadInitState`. See the docs, section
     'How the callbacks differ from skorch's'.
 
     Parameters
@@ -130,7 +130,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
 
     writer_ : CheckpointWriter
       What writes the saves: a ``SyncWriter``, or with ``async_save`` a
-      ``BackgroundWriter`` (see :mod:`skorch_accel_callbacks.engine._writer`).
+      ``BackgroundWriter`` (the package's writer module).
 
     last_saved_ : str or None
       Name of the last checkpoint saved (maybe still being written).

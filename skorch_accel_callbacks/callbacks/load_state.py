@@ -66,7 +66,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     another ``max_epochs``, or a checkpoint without that record, continues
     it itself, as a single ``fit`` does. A checkpoint this run cannot continue
     exactly (another model, number of processes, data, hyper-parameters) is
-    refused before any training step. See the README, section 'How the
+    refused before any training step. See the docs, section 'How the
     callbacks differ from skorch's'.
 
     Parameters

@@ -156,7 +156,7 @@ class AccelerateFixesMixin:
     - The net pickles (and deep-copies) without its accelerator's process
       state: modules and optimizers unwrapped, the accelerator as its
       settings. Unpickled, it gets an accelerator of the process that
-      unpickles it (see :func:`dump_net`): a net pickled in a job of several
+      unpickles it (see ``dump_net``): a net pickled in a job of several
       processes predicts and trains in one process on its own, and one
       pickled while wrapped in DDP loads where no process group exists. The
       modules are prepared again when training begins. Its ``device``
@@ -170,7 +170,7 @@ class AccelerateFixesMixin:
       pass over its loaders, which accelerate's gradient state otherwise
       keeps as a weak reference that no pickle can hold.
     - The outputs of ``predict``, ``predict_proba`` and ``forward`` are
-      gathered by :func:`skorch_accel_callbacks._core.sync.gather_for_metrics`,
+      gathered by this package's ``gather_for_metrics``,
       as by ``accelerator.gather_for_metrics``, holding the tensors on gloo
       until gloo let go of them: a script whose last collective is a
       prediction exits cleanly, instead of aborting now and then at exit

@@ -77,7 +77,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     ``net.load_params(checkpoint=cp)`` accepts it. Use it in every process.
     What it changes (the main process decides and writes, a save's files
     replace the previous ones together, a lock on
-    ``<dirname>/.<fn_prefix>lock`` while training) is in the README, "How
+    ``<dirname>/.<fn_prefix>lock`` while training) is in the docs, "How
     the callbacks differ from skorch's".
 
     Parameters
@@ -102,7 +102,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
 
     f_pickle : file-like object, str, None (default=None)
       File for the whole pickled net, without its accelerator's processes
-      (:func:`~skorch_accel_callbacks.callbacks.mixin.dump_net`; see the README);
+      (``dump_net``; see the docs' page on saving parameters);
       format specifiers as for ``f_params``.
 
     fn_prefix : str (default='')
@@ -351,7 +351,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
         :meth:`stateless_files`); call it on every process.
 
         The main process writes each file under a temporary name, then moves
-        all of them into place together (see the README); the first file
+        all of them into place together (see the docs); the first file
         that fails ends the save and leaves the previous checkpoint as it was.
         """
         kwargs_module, kwargs_other = _check_f_arguments(

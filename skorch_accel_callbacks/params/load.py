@@ -28,7 +28,7 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
     A drop-in for :class:`skorch.callbacks.LoadInitState`: as with skorch,
     nothing is loaded when the checkpoint's files do not exist yet. What it
     changes (every rank loads the same files, or every rank raises) is in
-    the README, "How the callbacks differ from skorch's".
+    the docs, "How the callbacks differ from skorch's".
 
     Parameters
     ----------

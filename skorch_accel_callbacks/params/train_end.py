@@ -18,12 +18,12 @@ __all__ = ['TrainEndParamsCheckpoint']
 
 
 class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
-    """Save the model at the end of training; correct in every process.
+    r"""Save the model at the end of training; correct in every process.
 
     A drop-in for :class:`skorch.callbacks.TrainEndCheckpoint` (default
     ``fn_prefix='train_end_'``, plus ``on_error``) that saves through a
     :class:`~skorch_accel_callbacks.ParamsCheckpoint`, stored as
-    ``checkpoint_``, and so saves as that one does. See the README, "How the
+    ``checkpoint_``, and so saves as that one does. See the docs, "How the
     callbacks differ from skorch's".
 
     Parameters
@@ -31,7 +31,7 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
     f_params, f_optimizer, f_criterion, f_history, f_pickle : file-like object, str, None
       As for :class:`~skorch_accel_callbacks.ParamsCheckpoint` (same defaults).
 
-    fn_prefix : str (default='train_end_')
+    fn_prefix : str (default='train_end\_')
       Prefix of every file name given as a string.
 
     dirname : str (default='')

@@ -380,7 +380,7 @@ class LoadableCheckpoint:
 
     def find(self, which: str = 'latest') -> str | None:
         """Path of the checkpoint to resume from, or None; see
-        :meth:`CheckpointFolder.find`."""
+        ``CheckpointFolder.find``."""
         return self._reader().find(which)
 
     @property
@@ -416,14 +416,14 @@ class LoadableCheckpoint:
         :class:`AccelerateLoadInitState`'s). Where the checkpoint holds
         every rank's own history, rank 0's is loaded; the module buffers
         are those of accelerate's model files (for every rank's own under
-        FSDP2, rank 0's, :func:`export` the checkpoint). With a torch older than 2.13,
+        FSDP2, rank 0's, ``export()`` the checkpoint). With a torch older than 2.13,
         pass ``use_safetensors=True`` to ``load_params``.
 
         A model that FSDP2 saved sharded is merged in this process
-        (:mod:`~skorch_accel_callbacks.tools._consolidate`) and comes as an
+        (as ``export()`` merges it) and comes as an
         in-memory file of torch's format: load it without
         ``use_safetensors=True``, in one process (in a job of several,
-        :func:`export` it first and load the exported files).
+        ``export()`` it first and load the exported files).
 
         Parameters
         ----------
