@@ -3,14 +3,15 @@
 # `make test-quick` its quick subset (1- and 2-process basics, no slow or fault
 # tests), `make fuzz` the resume contract's fuzzer at length (FUZZ_EXAMPLES
 # in-process examples, FUZZ_LAUNCHED batches of 2-process ones each for DDP and
-# FSDP2), `make lint` ruff (configured in pyproject.toml); each sets up its own
+# FSDP2), `make lint` ruff (configured in pyproject.toml), `make docs` the
+# Sphinx site of docs/ into docs/_build/html, warnings as errors; each sets up its own
 # virtual environment with the pinned dependencies first.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-s3 test test-quick fuzz lint bench bench-s3 clean
+.PHONY: demo demo-s3 test test-quick fuzz lint docs bench bench-s3 clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +43,10 @@ fuzz: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
+# -n: every cross-reference must resolve; --keep-going: all warnings at once
+docs: $(STAMP)
+	$(PY) -m sphinx -b html -W --keep-going -n -q docs docs/_build/html
+
 bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_mid_epoch.py
@@ -50,4 +55,4 @@ bench-s3: $(STAMP)
 	$(PY) benchmarks/bench_remote.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs docs/_build docs/_generated

@@ -57,9 +57,9 @@ from skorch_accel_callbacks import (  # noqa: E402
     AccelerateFixesMixin,
     AccelerateLoadInitState,
     ParamsCheckpoint,
-    atomic,
 )
-from skorch_accel_callbacks.stager import copy_into  # noqa: E402
+from skorch_accel_callbacks.engine._stager import copy_into  # noqa: E402
+from skorch_accel_callbacks.format import _atomic as atomic  # noqa: E402
 
 WIDTH = 1024
 
@@ -218,7 +218,7 @@ def bench_size(size, repeats, root):
 
 def worker_epoch_cost(out, calls):
     """Every rank times the checkpoint hooks of epochs that save nothing."""
-    from skorch_accel_callbacks import sync
+    from skorch_accel_callbacks._core import sync
     net = make_net(1e6, max_epochs=1)
     variants = {
         'AccelerateCheckpoint(every_n_epochs=large)':

@@ -123,7 +123,8 @@ def bench_skip(rows, repeats):
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
 
-    from skorch_accel_callbacks import accelerate_io, epoch_position
+    from skorch_accel_callbacks._core import accelerate_io
+    from skorch_accel_callbacks.state import _epoch_position as epoch_position
 
     dataset = TensorDataset(torch.from_numpy(np.random.rand(rows, 16).astype(np.float32)))
     accelerator = Accelerator(cpu=True)

@@ -6,7 +6,8 @@ import signal
 from typing import Any
 
 __all__ = ['CheckpointError', 'CorruptCheckpointError', 'DivergedDecisionError',
-           'StoreUnavailableError', 'TrainingPreempted']
+           'FolderInUseError', 'LeaseLostError', 'RankError', 'StoreUnavailableError',
+           'TrainingPreempted']
 
 
 class CheckpointError(ValueError):
@@ -104,3 +105,20 @@ class DivergedDecisionError(RuntimeError):
     def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
         return type(self), (self.callback, self.hook, self.epoch, self.stopped,
                             self.went_on, self.advice)
+
+
+class FolderInUseError(RuntimeError):
+    """Another running job holds the lock of a checkpoint folder."""
+
+
+class LeaseLostError(FolderInUseError):
+    """Another job took over the lease of a folder while this job held it."""
+
+
+class RankError(RuntimeError):
+    """A step failed on another process.
+
+    Raised on the processes where the step succeeded, so that every rank
+    leaves the step with an exception instead of waiting in the next
+    collective until the process-group timeout.
+    """

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from common import make_accelerator, make_data, make_net
-from skorch_accel_callbacks import accelerate_io
+from skorch_accel_callbacks._core import accelerate_io
 
 
 class Counter:

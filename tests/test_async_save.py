@@ -17,7 +17,8 @@ from sklearn.base import clone
 
 from common import make_accelerator, make_data, make_net
 from launcher import launch
-from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, accelerate_io
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+from skorch_accel_callbacks._core import accelerate_io
 from testutil import assert_identical, final_state, read_results
 
 

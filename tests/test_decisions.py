@@ -23,9 +23,9 @@ from skorch_accel_callbacks import (
     AccelerateLoadInitState,
     CheckpointError,
     DivergedDecisionError,
-    settings,
 )
-from skorch_accel_callbacks.mixin import _verdict
+from skorch_accel_callbacks.callbacks.mixin import _verdict
+from skorch_accel_callbacks.state import _settings as settings
 from testutil import read_results
 
 # a hang fails the launch after this long; the checks that raise must be far quicker

@@ -1,5 +1,5 @@
-"""The on-disk format (issue 20, item 3): format.py sits at the bottom of
-the package, its manifest writer takes JSON values only (the duration of a
+"""The on-disk format (issue 20, item 3): format/_manifest.py sits at the
+bottom of the package, its manifest writer takes JSON values only (the duration of a
 save is a ``started`` stamp, not a callable in the manifest), and manifests
 written by earlier versions still read."""
 
@@ -12,42 +12,49 @@ from pathlib import Path
 import pytest
 
 import skorch_accel_callbacks
-from skorch_accel_callbacks import format
+from skorch_accel_callbacks.format import _manifest
 
 PACKAGE = Path(skorch_accel_callbacks.__file__).parent
 
 
 def own_imports(module):
-    """The modules of the package that ``module``'s source imports."""
-    tree = ast.parse((PACKAGE / f'{module}.py').read_text())
-    found = set()
+    """The modules of the package (dotted, below it) that ``module``'s source imports."""
+    tree = ast.parse((PACKAGE / f"{module.replace('.', '/')}.py").read_text())
+    named = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == 'skorch_accel_callbacks':
-                found |= {alias.name for alias in node.names}
-            elif node.module.startswith('skorch_accel_callbacks.'):
-                found.add(node.module.split('.')[1])
+            named |= {f"{node.module}.{alias.name}" for alias in node.names}
         elif isinstance(node, ast.Import):
-            found |= {alias.name.split('.')[1] for alias in node.names
-                      if alias.name.startswith('skorch_accel_callbacks.')}
+            named |= {alias.name for alias in node.names}
+    found = set()
+    for name in named:
+        if not name.startswith('skorch_accel_callbacks.'):
+            continue
+        # ``from skorch_accel_callbacks.format import _atomic``: the module _atomic;
+        # ``from skorch_accel_callbacks.errors import CheckpointError``: errors
+        name = name.removeprefix('skorch_accel_callbacks.')
+        for candidate in (name, name.rpartition('.')[0]):
+            if (PACKAGE / f"{candidate.replace('.', '/')}.py").is_file():
+                found.add(candidate)
+                break
     return found
 
 
 def test_format_imports_nothing_above_atomic_and_errors():
-    assert own_imports('format') == {'atomic', 'errors'}
+    assert own_imports('format._manifest') == {'format._atomic', 'errors'}
     # and they import nothing of the package: the format is at the bottom
-    seen, todo = set(), ['format']
+    seen, todo = set(), ['format._manifest']
     while todo:
         module = todo.pop()
         seen.add(module)
         todo += sorted(own_imports(module) - seen)
-    assert seen == {'format', 'atomic', 'errors'}
+    assert seen == {'format._manifest', 'format._atomic', 'errors'}
 
 
 def folder_with_a_file(tmp_path):
     folder = tmp_path / 'epoch-0001.partial'
     folder.mkdir()
-    (folder / format.HISTORY_NAME).write_text('[]')
+    (folder / _manifest.HISTORY_NAME).write_text('[]')
     return folder
 
 
@@ -55,31 +62,31 @@ def folder_with_a_file(tmp_path):
 def test_write_measures_the_save_from_started(tmp_path, durable):
     folder = folder_with_a_file(tmp_path)
     started = time.monotonic()
-    written = format.write(str(folder), {'format_version': format.FORMAT_VERSION},
+    written = _manifest.write(str(folder), {'format_version': _manifest.FORMAT_VERSION},
                            durable=durable, started=started)
-    on_disk = json.loads((folder / format.MANIFEST_NAME).read_text())
+    on_disk = json.loads((folder / _manifest.MANIFEST_NAME).read_text())
     assert on_disk == written
     assert isinstance(on_disk['save_seconds'], float) and on_disk['save_seconds'] >= 0
-    assert on_disk['files'] == {format.HISTORY_NAME: 2} and on_disk['bytes'] == 2
+    assert on_disk['files'] == {_manifest.HISTORY_NAME: 2} and on_disk['bytes'] == 2
     assert isinstance(on_disk['saved_at'], str)
 
 
 def test_write_without_started_records_no_duration(tmp_path):
     folder = folder_with_a_file(tmp_path)
-    written = format.write(str(folder), {'format_version': format.FORMAT_VERSION},
+    written = _manifest.write(str(folder), {'format_version': _manifest.FORMAT_VERSION},
                            durable=False)
     assert 'save_seconds' not in written
-    assert 'save_seconds' not in json.loads((folder / format.MANIFEST_NAME).read_text())
+    assert 'save_seconds' not in json.loads((folder / _manifest.MANIFEST_NAME).read_text())
 
 
 def test_write_refuses_a_callable_and_writes_no_manifest(tmp_path):
     """Before, a callable value was called and its result written: the
     writer now takes JSON values only."""
     folder = folder_with_a_file(tmp_path)
-    content = {'format_version': format.FORMAT_VERSION, 'save_seconds': lambda: 1.0}
+    content = {'format_version': _manifest.FORMAT_VERSION, 'save_seconds': lambda: 1.0}
     with pytest.raises(TypeError, match='not JSON serializable'):
-        format.write(str(folder), content, durable=False)
-    assert sorted(os.listdir(folder)) == [format.HISTORY_NAME]  # no manifest, no temp file
+        _manifest.write(str(folder), content, durable=False)
+    assert sorted(os.listdir(folder)) == [_manifest.HISTORY_NAME]  # no manifest, no temp file
 
 
 # manifests as 0.2 (format 2) and 0.3 (format 3) wrote them, less the
@@ -109,29 +116,29 @@ FORMAT_3 = {
 def test_read_manifests_of_earlier_versions(tmp_path, saved, stopped, batches):
     folder = tmp_path / saved['name']
     folder.mkdir()
-    (folder / format.HISTORY_NAME).write_text('[]')
-    manifest = dict(saved, files={format.HISTORY_NAME: 2})
-    (folder / format.MANIFEST_NAME).write_text(json.dumps(manifest))
-    assert format.read(folder) == manifest
-    assert format.stopped_early(manifest) is stopped
-    assert format.batches_into_epoch(manifest) == batches
-    assert format.is_checkpoint_name(saved['name'])
+    (folder / _manifest.HISTORY_NAME).write_text('[]')
+    manifest = dict(saved, files={_manifest.HISTORY_NAME: 2})
+    (folder / _manifest.MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert _manifest.read(folder) == manifest
+    assert _manifest.stopped_early(manifest) is stopped
+    assert _manifest.batches_into_epoch(manifest) == batches
+    assert _manifest.is_checkpoint_name(saved['name'])
 
 
 def test_names_are_the_ones_on_disk():
     """The names a checkpoint folder of 0.3 holds, from their one place."""
-    assert format.checkpoint_name(3) == 'epoch-0003'
-    assert format.checkpoint_name(2, 12) == 'epoch-0002-step-00000012'
-    assert all(format.is_checkpoint_name(format.checkpoint_name(2, step))
+    assert _manifest.checkpoint_name(3) == 'epoch-0003'
+    assert _manifest.checkpoint_name(2, 12) == 'epoch-0002-step-00000012'
+    assert all(_manifest.is_checkpoint_name(_manifest.checkpoint_name(2, step))
                for step in (None, 0, 12))
-    assert not format.is_checkpoint_name('epoch-0003' + format.PARTIAL_SUFFIX)
-    assert [format.pointer_name(which) for which in format.POINTERS] == [
+    assert not _manifest.is_checkpoint_name('epoch-0003' + _manifest.PARTIAL_SUFFIX)
+    assert [_manifest.pointer_name(which) for which in _manifest.POINTERS] == [
         'latest.json', 'best.json']
-    assert format.rank_state_name(1) == 'loader_state_1.safetensors'
-    assert format.position_name(1) == 'position_1.safetensors'
-    assert format.epoch_caches_names(1) == ('epoch_caches_1.json',
+    assert _manifest.rank_state_name(1) == 'loader_state_1.safetensors'
+    assert _manifest.position_name(1) == 'position_1.safetensors'
+    assert _manifest.epoch_caches_names(1) == ('epoch_caches_1.json',
                                             'epoch_caches_1.safetensors')
-    assert format.probe_name(1) == '.node-probe-1'
-    assert (format.MANIFEST_NAME, format.HISTORY_NAME, format.CALLBACKS_NAME,
-            format.CALLBACK_TENSORS_NAME, format.LOCK_NAME) == (
+    assert _manifest.probe_name(1) == '.node-probe-1'
+    assert (_manifest.MANIFEST_NAME, _manifest.HISTORY_NAME, _manifest.CALLBACKS_NAME,
+            _manifest.CALLBACK_TENSORS_NAME, _manifest.LOCK_NAME) == (
         'manifest.json', 'history.json', 'callbacks.json', 'callbacks.safetensors', '.lock')

@@ -1,5 +1,5 @@
 """FSDP2 and a net's parameters: a sharded model read in one process
-(:mod:`skorch_accel_callbacks.consolidate`), and, in a 2-process FSDP2
+(:mod:`skorch_accel_callbacks.tools._consolidate`), and, in a 2-process FSDP2
 job, ``ParamsCheckpoint``/``save_params`` writing the full parameters,
 ``load_params(checkpoint=...)`` and ``export`` of its sharded checkpoint
 into plain nets, and the clear errors where a plain module is needed.
@@ -30,14 +30,14 @@ from skorch import NeuralNetClassifier
 from common import MLP, make_data
 from launcher import REPO
 from skorch_accel_callbacks import AccelerateCheckpoint, CorruptCheckpointError
-from skorch_accel_callbacks.consolidate import (
+from skorch_accel_callbacks.tools._consolidate import (
     check_sharded_model,
     loadable,
     model_files,
     read_model,
 )
-from skorch_accel_callbacks.export import export
-from skorch_accel_callbacks.inspection import verify
+from skorch_accel_callbacks.tools.export import export
+from skorch_accel_callbacks.tools.inspection import verify
 
 
 def plain_state(seed=0):

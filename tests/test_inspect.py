@@ -29,12 +29,12 @@ from skorch_accel_callbacks import (
     AccelerateLoadInitState,
     CheckpointError,
     CorruptCheckpointError,
-    accelerate_io,
 )
-from skorch_accel_callbacks.base import format_bytes
-from skorch_accel_callbacks.export import export
-from skorch_accel_callbacks.lock import FolderLock
-from skorch_accel_callbacks.wrapping import is_wrapped
+from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks._core.base import format_bytes
+from skorch_accel_callbacks._core.wrapping import is_wrapped
+from skorch_accel_callbacks.storage._lock import FolderLock
+from skorch_accel_callbacks.tools.export import export
 
 CLI_TIMEOUT = 300
 
@@ -585,11 +585,11 @@ def test_help_documents_the_exit_codes():
 def test_console_script_is_declared():
     from configparser import ConfigParser
 
-    from skorch_accel_callbacks import cli as cli_module
+    from skorch_accel_callbacks.tools import cli as cli_module
     config = ConfigParser()
     config.read(REPO / 'setup.cfg')
     scripts = config['options.entry_points']['console_scripts'].split()
-    assert scripts == ['skorch-accel-callbacks', '=', 'skorch_accel_callbacks.cli:main']
+    assert scripts == ['skorch-accel-callbacks', '=', 'skorch_accel_callbacks.tools.cli:main']
     assert callable(cli_module.main)
 
 

@@ -1,4 +1,4 @@
-"""The lease of a remote checkpoint folder (skorch_accel_callbacks.lease),
+"""The lease of a remote checkpoint folder (skorch_accel_callbacks.storage._lease),
 against a real S3 server (moto, over HTTP, through s3fs)."""
 
 import json
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-import skorch_accel_callbacks.lease as lease_module
+import skorch_accel_callbacks.storage._lease as lease_module
 from s3server import filesystem, new_bucket
-from skorch_accel_callbacks.lease import LeaseLostError, ObjectLease
-from skorch_accel_callbacks.lock import FolderInUseError
+from skorch_accel_callbacks.errors import FolderInUseError, LeaseLostError
+from skorch_accel_callbacks.storage._lease import ObjectLease
 
 ROOT = Path(__file__).resolve().parents[1]
 ME = f"pid {os.getpid()} on host {socket.gethostname()}"
@@ -164,8 +164,8 @@ def test_a_job_in_another_pid_namespace_is_refused_a_live_lease(s3, s3_endpoint)
         import os, sys
         sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
         from s3server import filesystem
-        from skorch_accel_callbacks.lease import ObjectLease
-        from skorch_accel_callbacks.lock import FolderInUseError
+        from skorch_accel_callbacks.storage._lease import ObjectLease
+        from skorch_accel_callbacks.errors import FolderInUseError
         print(os.readlink('/proc/self/ns/pid'), flush=True)
         try:
             os.kill({os.getpid()}, 0)
@@ -334,7 +334,7 @@ def test_a_job_that_exits_without_release_removes_its_lease_silently(s3, s3_endp
         import sys
         sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
         from s3server import filesystem
-        from skorch_accel_callbacks.lease import ObjectLease
+        from skorch_accel_callbacks.storage._lease import ObjectLease
         kept = ObjectLease(filesystem({s3_endpoint!r}), {path!r}).acquire()
         print(kept.url, flush=True)
     """)

@@ -14,13 +14,9 @@ from sklearn.base import clone
 from skorch.callbacks import Callback
 
 from common import NotTrainingState, make_accelerator, make_data, make_net
-from skorch_accel_callbacks import (
-    AccelerateCheckpoint,
-    AccelerateLoadInitState,
-    TrainingPreempted,
-    cli,
-)
-from skorch_accel_callbacks.triggers import STOPPED_EARLY
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, TrainingPreempted
+from skorch_accel_callbacks.callbacks._triggers import STOPPED_EARLY
+from skorch_accel_callbacks.tools import cli
 
 DATA = dict(n=96)
 

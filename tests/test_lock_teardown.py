@@ -6,7 +6,8 @@ import textwrap
 
 import pytest
 
-from skorch_accel_callbacks import inspection, lock
+from skorch_accel_callbacks.storage import _lock as lock
+from skorch_accel_callbacks.tools import inspection
 
 
 @pytest.mark.slow
@@ -15,7 +16,7 @@ def test_locks_held_at_exit_end_without_a_message(tmp_path):
     # at exit the lock file is finalized before the second lock's release
     script = textwrap.dedent("""
         import sys
-        from skorch_accel_callbacks.lock import FolderLock, PrefixLock
+        from skorch_accel_callbacks.storage._lock import FolderLock, PrefixLock
         folder = FolderLock(sys.argv[1]).acquire()
         first = PrefixLock(sys.argv[1], 'train_end_').acquire()
         second = PrefixLock(sys.argv[1], 'train_end_').acquire()

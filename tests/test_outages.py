@@ -14,7 +14,7 @@ from skorch.callbacks import Callback
 
 from checkpointed import fit
 from skorch_accel_callbacks import StoreUnavailableError
-from skorch_accel_callbacks.transfer import S3_CLIENT_DEFAULTS, client_options
+from skorch_accel_callbacks.storage._transfer import S3_CLIENT_DEFAULTS, client_options
 
 OUTAGE_S = 10
 

@@ -28,8 +28,8 @@ from skorch_accel_callbacks import (
     RankError,
     TrainEndParamsCheckpoint,
 )
-from skorch_accel_callbacks.atomic import TEMP_MARK
 from skorch_accel_callbacks.errors import CorruptCheckpointError
+from skorch_accel_callbacks.format._atomic import TEMP_MARK
 from testutil import read_results
 
 

@@ -1,12 +1,13 @@
-"""The files of a params save (skorch_accel_callbacks.params_files): the
+"""The files of a params save (skorch_accel_callbacks.params._files): the
 sweep of the temporary files that killed saves left takes those of the
 checkpoint's own names only, through atomic.remove_temp_files."""
 
 import os
 from pathlib import Path
 
-from skorch_accel_callbacks import atomic, params_files
-from skorch_accel_callbacks.atomic import TEMP_MARK
+from skorch_accel_callbacks.format import _atomic as atomic
+from skorch_accel_callbacks.format._atomic import TEMP_MARK
+from skorch_accel_callbacks.params import _files as params_files
 
 SUFFIX = f'{TEMP_MARK}0123456789ab'
 

@@ -25,8 +25,8 @@ from skorch_accel_callbacks import (
     CheckpointError,
     CorruptCheckpointError,
     ParamsCheckpoint,
-    accelerate_io,
 )
+from skorch_accel_callbacks._core import accelerate_io
 from testutil import edit_manifest
 
 

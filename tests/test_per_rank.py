@@ -27,10 +27,10 @@ from skorch_accel_callbacks import (
     AccelerateLoadInitState,
     CheckpointError,
     CorruptCheckpointError,
-    format,
-    inspection,
 )
-from skorch_accel_callbacks.export import export
+from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.tools import inspection
+from skorch_accel_callbacks.tools.export import export
 from testutil import assert_nested_equal, edit_manifest, read_json, read_results
 
 # 256 training rows, 128 a rank in batches of 32: 4 optimizer steps an
@@ -106,16 +106,16 @@ def test_each_rank_resumes_its_own_history_and_callbacks(runs, backend):
                 assert resumed[rank][key] == full[rank][key], ('async', rank, key)
             assert_nested_equal(rank_state(results, 'async-epoch', rank),
                                  rank_state(results, 'ddp-full', rank), f"async rank {rank}")
-        saved = read_json(root / 'async' / 'epoch-0004' / format.MANIFEST_NAME)
+        saved = read_json(root / 'async' / 'epoch-0004' / _manifest.MANIFEST_NAME)
         assert saved['per_rank'] == ['history', 'callbacks']
     for name in RESUMED.values():
-        saved = read_json(root / backend / 'full' / name / format.MANIFEST_NAME)
+        saved = read_json(root / backend / 'full' / name / _manifest.MANIFEST_NAME)
         assert saved['per_rank'] == (['history', 'callbacks', 'buffers']
                                      if backend == 'fsdp2' else ['history', 'callbacks'])
         # a version that reads one history.json refuses it as newer
-        assert saved['format_version'] == format.FORMAT_VERSION > format.SHARED_STATES_FORMAT
+        assert saved['format_version'] == _manifest.FORMAT_VERSION > _manifest.SHARED_STATES_FORMAT
         assert {'history_0.json', 'history_1.json', 'callbacks_1.json'} <= set(saved['files'])
-        assert format.HISTORY_NAME not in saved['files']
+        assert _manifest.HISTORY_NAME not in saved['files']
 
 
 @pytest.mark.slow
@@ -146,10 +146,10 @@ def test_states_that_agree_are_stored_once_as_before(runs):
     assert [r['num_processes'] for r in agree] == [2, 2]
     assert agree[0]['history'] == agree[1]['history']
     for name in ('epoch-0001', 'epoch-0002'):
-        saved = read_json(root / 'agree' / name / format.MANIFEST_NAME)
-        assert 'per_rank' not in saved and saved['format_version'] == format.SHARED_STATES_FORMAT
-        assert {format.HISTORY_NAME, format.CALLBACKS_NAME,
-                format.CALLBACK_TENSORS_NAME} <= set(saved['files'])
+        saved = read_json(root / 'agree' / name / _manifest.MANIFEST_NAME)
+        assert 'per_rank' not in saved and saved['format_version'] == _manifest.SHARED_STATES_FORMAT
+        assert {_manifest.HISTORY_NAME, _manifest.CALLBACKS_NAME,
+                _manifest.CALLBACK_TENSORS_NAME} <= set(saved['files'])
         assert not [file for file in saved['files']
                     if file.startswith(('history_', 'callbacks_', 'buffers_'))]
 
@@ -198,9 +198,9 @@ def test_one_process_keeps_the_files_of_before(tmp_path):
 
     X, y = make_data(n=64)
     net(1).fit(X, y)
-    saved = read_json(tmp_path / 'epoch-0001' / format.MANIFEST_NAME)
+    saved = read_json(tmp_path / 'epoch-0001' / _manifest.MANIFEST_NAME)
     assert 'per_rank' not in saved
-    assert {format.HISTORY_NAME, format.CALLBACKS_NAME} <= set(saved['files'])
+    assert {_manifest.HISTORY_NAME, _manifest.CALLBACKS_NAME} <= set(saved['files'])
     assert not [file for file in saved['files'] if file.startswith(('history_', 'callbacks_'))]
     assert len(net(2).fit(X, y).history) == 2
 

@@ -32,13 +32,13 @@ from skorch_accel_callbacks import (
     CheckpointError,
     CorruptCheckpointError,
     TrainingPreempted,
-    format,
-    transfer,
 )
-from skorch_accel_callbacks.folder import CheckpointFolder
-from skorch_accel_callbacks.lock import FolderInUseError
-from skorch_accel_callbacks.remote import RemoteStorage, default_staging
-from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
+from skorch_accel_callbacks.errors import FolderInUseError
+from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.storage import _transfer as transfer
+from skorch_accel_callbacks.storage._interface import CheckpointStorage, open_storage
+from skorch_accel_callbacks.storage._local import CheckpointFolder
+from skorch_accel_callbacks.storage._remote import RemoteStorage, default_staging
 from testutil import assert_identical, final_state, read_results
 
 FILES = {'callbacks.json', 'callbacks.safetensors', 'history.json', 'loader_state_0.safetensors',
@@ -430,7 +430,7 @@ def test_the_manifest_of_the_nodes_parts_lists_every_node_s_files():
     node1 = {'epoch': 2, 'files': {'model.safetensors': 10, 'random_states_1.pkl': 4},
              'checksums': {'model.safetensors': 'xxh3_64:c', 'random_states_1.pkl': 'xxh3_64:d'},
              'bytes': 14}
-    assert format.merged([node0, node1]) == {
+    assert _manifest.merged([node0, node1]) == {
         'epoch': 2,
         'files': {'model.safetensors': 10, 'random_states_0.pkl': 3, 'random_states_1.pkl': 4},
         'checksums': {'model.safetensors': 'xxh3_64:a', 'random_states_0.pkl': 'xxh3_64:b',
@@ -549,7 +549,7 @@ def test_an_upload_the_network_cuts_fails_naming_the_staged_checkpoint(s3_bucket
     with pytest.warns(UserWarning, match=f'could not remove the lease of {url}'):
         _, _, said, error = cut_fit(network, url, None, rb'PUT /[^ ]*/run/epoch-0003/manif', 3)
     assert failed(error, 'epoch-0003'), error
-    assert format.check(os.path.join(staged, 'epoch-0003'))[1] == []
+    assert _manifest.check(os.path.join(staged, 'epoch-0003'))[1] == []
 
 
 @pytest.mark.slow
@@ -563,7 +563,7 @@ def test_a_multipart_upload_cut_by_the_network_is_aborted_at_the_next_claim(
     net = make_net(make_accelerator()).initialize()
     storage = open_storage(url, local_dir=tmp_path / 'staging', storage_options=NO_RETRIES)
     storage.claim(net)
-    content = {'format_version': format.FORMAT_VERSION}
+    content = {'format_version': _manifest.FORMAT_VERSION}
     for name, size in (('epoch-0001', 10), ('epoch-0002', 100 * 2**20 + 1)):
         with open(os.path.join(storage.start(name), 'model.safetensors'), 'wb') as file:
             file.write(os.urandom(size))
@@ -616,7 +616,7 @@ def test_files_that_failed_past_the_client_s_retries_are_sent_again(
                       r'\(.*\); sending it again for up to 60 s') as warned:
         back = threading.Thread(target=back_once_warned, args=(warned,))
         back.start()
-        storage.commit('epoch-0001', {'format_version': format.FORMAT_VERSION},
+        storage.commit('epoch-0001', {'format_version': _manifest.FORMAT_VERSION},
                        durable=False, best=False)
         storage.wait()
     back.join()

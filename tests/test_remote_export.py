@@ -12,9 +12,10 @@ import torch
 from skorch import NeuralNetClassifier
 
 from common import MLP, make_accelerator, make_data, make_net
-from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, cli
-from skorch_accel_callbacks.export import export
-from skorch_accel_callbacks.remote import default_staging
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+from skorch_accel_callbacks.storage._remote import default_staging
+from skorch_accel_callbacks.tools import cli
+from skorch_accel_callbacks.tools.export import export
 
 pytestmark = pytest.mark.slow
 

@@ -5,14 +5,11 @@ import os
 import pytest
 
 from common import make_accelerator, make_data, make_net
-from skorch_accel_callbacks import (
-    AccelerateCheckpoint,
-    AccelerateLoadInitState,
-    export,
-    format,
-)
-from skorch_accel_callbacks.folder import CheckpointFolder, Found
-from skorch_accel_callbacks.storage import open_storage
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.storage._interface import open_storage
+from skorch_accel_callbacks.storage._local import CheckpointFolder, Found
+from skorch_accel_callbacks.tools import export
 
 
 def train(dirname, resume='latest', max_epochs=2):
@@ -25,8 +22,8 @@ def train(dirname, resume='latest', max_epochs=2):
 
 def counting_reads(monkeypatch):
     reads = []
-    original = format.read
-    monkeypatch.setattr(format, 'read', lambda folder: reads.append(os.fspath(folder))
+    original = _manifest.read
+    monkeypatch.setattr(_manifest, 'read', lambda folder: reads.append(os.fspath(folder))
                         or original(folder))
     return reads
 
@@ -47,7 +44,7 @@ def test_the_folder_resolves_every_kind_of_which(tmp_path):
     folder = open_storage(tmp_path / 'ck')
     latest = folder.find_checkpoint('latest')
     assert isinstance(latest, Found) and latest.path == folder.path('epoch-0002')
-    assert latest.manifest == format.read(latest.path)
+    assert latest.manifest == _manifest.read(latest.path)
     assert folder.find_checkpoint('epoch-0001').path == folder.path('epoch-0001')
     assert folder.find_checkpoint(folder.path('epoch-0001')).manifest['epoch'] == 1
     with pytest.raises(FileNotFoundError, match="no checkpoint epoch-0009 in .*; it has"):
@@ -59,28 +56,28 @@ def test_the_folder_resolves_every_kind_of_which(tmp_path):
 
 
 def test_verify_and_resume_report_the_same_problems(tmp_path):
-    from skorch_accel_callbacks import inspection
     from skorch_accel_callbacks.errors import CheckpointError
+    from skorch_accel_callbacks.tools import inspection
     train(tmp_path / 'ck', max_epochs=1)
     path = str(tmp_path / 'ck' / 'epoch-0001')
-    os.remove(os.path.join(path, format.HISTORY_NAME))
-    with open(os.path.join(path, format.CALLBACKS_NAME), 'a', encoding='utf-8') as f:
+    os.remove(os.path.join(path, _manifest.HISTORY_NAME))
+    with open(os.path.join(path, _manifest.CALLBACKS_NAME), 'a', encoding='utf-8') as f:
         f.write(' ')
-    _, problems = format.check(path)
+    _, problems = _manifest.check(path)
     assert sorted(problem.file for problem in problems) == [
-        format.CALLBACKS_NAME, format.HISTORY_NAME]
+        _manifest.CALLBACKS_NAME, _manifest.HISTORY_NAME]
     with pytest.raises(CheckpointError) as info:
-        format.read(path)
+        _manifest.read(path)
     assert str(info.value) == str(problems[0].error)
     damaged = inspection.verify(path).damaged
     assert sorted(damaged) == sorted(str(problem.error) for problem in problems)
     # a newer format: verify says what a resume says
-    manifest = os.path.join(path, format.MANIFEST_NAME)
+    manifest = os.path.join(path, _manifest.MANIFEST_NAME)
     with open(manifest, encoding='utf-8') as f:
         text = f.read()
     with open(manifest, 'w', encoding='utf-8') as f:
-        f.write(text.replace(f'"format_version": {format.SHARED_STATES_FORMAT}',
-                             f'"format_version": {format.FORMAT_VERSION + 1}'))
+        f.write(text.replace(f'"format_version": {_manifest.SHARED_STATES_FORMAT}',
+                             f'"format_version": {_manifest.FORMAT_VERSION + 1}'))
     with pytest.raises(CheckpointError) as info:
-        format.read(path)
+        _manifest.read(path)
     assert inspection.verify(path).damaged == [str(info.value)]

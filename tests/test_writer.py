@@ -11,16 +11,19 @@ import pytest
 import torch
 
 from common import make_accelerator, make_data, make_net
-from skorch_accel_callbacks import accelerate_io, format, restore, training_state
-from skorch_accel_callbacks.folder import CheckpointFolder
-from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
-from skorch_accel_callbacks.writer import (
+from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks.engine import _restore as restore
+from skorch_accel_callbacks.engine._writer import (
     BackgroundWriter,
     Retention,
     SaveReport,
     SaveRequest,
     SyncWriter,
 )
+from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.state import _training_state as training_state
+from skorch_accel_callbacks.storage._interface import CheckpointStorage, open_storage
+from skorch_accel_callbacks.storage._local import CheckpointFolder
 from testutil import read_json
 
 
@@ -187,8 +190,8 @@ def test_read_checkpoint_gives_a_record_of_what_was_saved(tmp_path, trained, mon
     torch.manual_seed(1)
     other = make_net(make_accelerator(), max_epochs=1).initialize()
     reads = []
-    original = format.read
-    monkeypatch.setattr(format, 'read', lambda folder: reads.append(folder) or original(folder))
+    original = _manifest.read
+    monkeypatch.setattr(_manifest, 'read', lambda folder: reads.append(folder) or original(folder))
     restored = restore.read_checkpoint(
         other, restore.Chosen(storage.path('epoch-0001')), restore.ResumeChecks())
     assert reads == [storage.path('epoch-0001')]

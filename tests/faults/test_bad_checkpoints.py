@@ -14,7 +14,7 @@ import torch
 import faultjob
 from faultsuite import run_job
 from skorch_accel_callbacks import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format import FORMAT_VERSION
+from skorch_accel_callbacks.format._manifest import FORMAT_VERSION
 from testutil import edit_manifest
 
 pytestmark = pytest.mark.faults

@@ -20,7 +20,10 @@ from faultsuite import WORKERS
 import faultjob
 from common import make_accelerator, make_data, make_net
 from launcher import REPO
-from skorch_accel_callbacks import LoadInitParams, ParamsCheckpoint, atomic, format, lock
+from skorch_accel_callbacks import LoadInitParams, ParamsCheckpoint
+from skorch_accel_callbacks.format import _atomic as atomic
+from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.storage import _lock as lock
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
@@ -65,7 +68,7 @@ def test_second_job_refused_and_killed_holder_leaves_no_stale_lock(tmp_path):
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     # the kernel released the dead holder's flock; the lock file stays
-    assert (ckpt / format.LOCK_NAME).exists()
+    assert (ckpt / _manifest.LOCK_NAME).exists()
     net, cp = faultjob.build(str(ckpt))
     net.fit(*faultjob.data())
     assert faultjob.loaded_from(net) == str(ckpt / 'epoch-0001')

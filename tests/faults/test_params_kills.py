@@ -17,7 +17,7 @@ import pytest
 
 from faultsuite import run_job
 from params_killable import PARAMS_POINTS
-from skorch_accel_callbacks.atomic import TEMP_MARK
+from skorch_accel_callbacks.format._atomic import TEMP_MARK
 from testutil import read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]

@@ -25,8 +25,8 @@ import pytest
 
 from faultsuite import run_job
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
-from skorch_accel_callbacks import format
-from skorch_accel_callbacks.format import PARTIAL_SUFFIX
+from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format._manifest import PARTIAL_SUFFIX
 from testutil import assert_identical, final_state, read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -60,7 +60,7 @@ def pointed(ckpt):
     except FileNotFoundError:
         return None
     path = ckpt / name
-    format.read(path)  # raises naming the file if it is not complete
+    _manifest.read(path)  # raises naming the file if it is not complete
     return str(path)
 
 
@@ -72,7 +72,7 @@ def one_run(seed, folder, reference, figures):
     for launch_no in range(KILLS_PER_RUN + 1):
         tag = f'launch{launch_no}'
         expected = pointed(ckpt)
-        epoch_done = read_json(os.path.join(expected, format.MANIFEST_NAME))['epoch'] \
+        epoch_done = read_json(os.path.join(expected, _manifest.MANIFEST_NAME))['epoch'] \
             if expected else 0
         env = dict(mode)
         if kills < KILLS_PER_RUN and epoch_done < EPOCHS:

@@ -29,9 +29,9 @@ import pytest
 from faultjob import EPOCHS
 from faultsuite import run_job
 from s3server import start_auth_server
-from skorch_accel_callbacks import format
-from skorch_accel_callbacks.folder import CheckpointFolder
-from skorch_accel_callbacks.remote import RemoteStorage, default_staging
+from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.storage._local import CheckpointFolder
+from skorch_accel_callbacks.storage._remote import RemoteStorage, default_staging
 from testutil import assert_identical, final_state, read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -67,7 +67,7 @@ def expected_resume(url):
     manifest = remote[newest]
     staged = CheckpointFolder(storage.local_dir).committed()
     if staged and max(staged) > newest:
-        staged_manifest, problems = format.check(storage.path(max(staged)))
+        staged_manifest, problems = _manifest.check(storage.path(max(staged)))
         if not problems:
             newest, manifest = max(staged), staged_manifest
     return storage.url(newest), manifest['epoch']
@@ -83,7 +83,7 @@ def leftovers(url):
                             Prefix=f'{key}/').get('Uploads', [])
     names = {path.rsplit('/', 1)[-1] for path in fs.ls(f'{bucket}/{key}', refresh=True)}
     return ([upload['Key'] for upload in unfinished]
-            + sorted(name for name in names if format.is_checkpoint_name(name)
+            + sorted(name for name in names if _manifest.is_checkpoint_name(name)
                      and name not in storage.committed()))
 
 
@@ -126,7 +126,7 @@ def one_run(seed, url, folder, reference, figures):
     assert_identical(final_state(reference, 'ref'), final_state(folder, tag))
     # retention keeps the checkpoint a launch resumed from besides the newest
     storage = RemoteStorage(url)
-    assert storage.committed()[-1] == format.checkpoint_name(EPOCHS)
+    assert storage.committed()[-1] == _manifest.checkpoint_name(EPOCHS)
     assert [storage.check(name)[1] for name in storage.committed()] == [
         None] * len(storage.committed())
     assert leftovers(url) == []

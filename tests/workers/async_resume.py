@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import resume
 from common import write_result
-from skorch_accel_callbacks import accelerate_io
+from skorch_accel_callbacks._core import accelerate_io
 
 COLLECTIVES = ('barrier', 'broadcast', 'broadcast_object_list', 'all_gather',
                'all_gather_object', 'gather_object', 'all_reduce', 'reduce', 'gather')

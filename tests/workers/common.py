@@ -60,7 +60,7 @@ def plain_criterion():
 @atexit.register
 def _destroy_process_group():
     # a clean end of every launch; the abort at interpreter exit
-    # (pytorch/pytorch#190489) is prevented in skorch_accel_callbacks.sync
+    # (pytorch/pytorch#190489) is prevented in skorch_accel_callbacks._core.sync
     # (also for a FixedNet's predictions) and, after a StockNet's
     # predictions, by settle_gloo, not here
     if dist.is_available() and dist.is_initialized():

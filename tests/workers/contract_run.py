@@ -65,10 +65,10 @@ from skorch_accel_callbacks import (
     CheckpointError,
     ParamsCheckpoint,
     TrainingPreempted,
-    format,
-    sync,
-    training_state,
 )
+from skorch_accel_callbacks._core import sync
+from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.state import _training_state as training_state
 
 # what arms the interruption of the run under way: {'kind', 'batch', 'who'}
 # or None; set by run(), never part of a net's settings
@@ -184,13 +184,13 @@ def write_marker(kind):
 def arm_kill_in_save():
     """SIGKILL the committing process in the next save, once its files are
     written and before the commit (the other ranks fail in a collective)."""
-    original = format.write
+    original = _manifest.write
 
     def commit_then_die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
         return original(*args, **kwargs)
 
-    format.write = commit_then_die
+    _manifest.write = commit_then_die
 
 
 # ---------------------------------------------------------------- building

@@ -21,7 +21,8 @@ from common import (
     rank,
     write_result,
 )
-from skorch_accel_callbacks import RankError, sync, unwrapped
+from skorch_accel_callbacks import RankError, unwrapped
+from skorch_accel_callbacks._core import sync
 
 
 def registry_sizes(accelerator):

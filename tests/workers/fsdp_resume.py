@@ -37,12 +37,8 @@ from torch.optim.lr_scheduler import StepLR
 from common import NotTrainingState, make_data, make_net, rank, settle_gloo, write_result
 from fsdp_backend import fsdp_accelerator
 from resume import KillBefore, history_rows
-from skorch_accel_callbacks import (
-    AccelerateCheckpoint,
-    AccelerateLoadInitState,
-    accelerate_io,
-    sync,
-)
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+from skorch_accel_callbacks._core import accelerate_io, sync
 
 
 def save_full_state(net, history, name):

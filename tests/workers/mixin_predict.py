@@ -23,7 +23,7 @@ from common import (
     rank,
     write_result,
 )
-from skorch_accel_callbacks import sync
+from skorch_accel_callbacks._core import sync
 
 # accelerate fills up the last batch of 101 rows in 2 processes of 16 rows each
 ROWS = 101

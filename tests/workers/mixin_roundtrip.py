@@ -23,8 +23,9 @@ from sklearn.base import clone
 from skorch.callbacks import Callback
 
 from common import make_accelerator, make_data, make_net, write_result
-from skorch_accel_callbacks import AccelerateCheckpoint, TrainingPreempted, sync
-from skorch_accel_callbacks.wrapping import is_wrapped
+from skorch_accel_callbacks import AccelerateCheckpoint, TrainingPreempted
+from skorch_accel_callbacks._core import sync
+from skorch_accel_callbacks._core.wrapping import is_wrapped
 
 ENDINGS = ('preempted', 'normal', 'error')
 MAX_EPOCHS = 2

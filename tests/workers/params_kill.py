@@ -20,7 +20,8 @@ from skorch.hf import AccelerateMixin
 from torch.nn.parallel import DistributedDataParallel
 
 from common import make_accelerator, make_data, make_net, params_digest, write_result
-from skorch_accel_callbacks import AccelerateFixesMixin, ParamsCheckpoint, sync, unwrapped
+from skorch_accel_callbacks import AccelerateFixesMixin, ParamsCheckpoint, unwrapped
+from skorch_accel_callbacks._core import sync
 
 
 class DieWhileWriting:

@@ -38,10 +38,10 @@ from skorch_accel_callbacks import (
     LoadInitParams,
     ParamsCheckpoint,
     TrainEndParamsCheckpoint,
-    sync,
     unwrapped,
 )
-from skorch_accel_callbacks.wrapping import is_wrapped
+from skorch_accel_callbacks._core import sync
+from skorch_accel_callbacks._core.wrapping import is_wrapped
 
 SLOW_WRITE_S = 0.3
 AUDIT = {'root': None, 'events': []}

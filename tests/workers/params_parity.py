@@ -39,7 +39,8 @@ from common import (
     settle_gloo,
     write_result,
 )
-from skorch_accel_callbacks import ParamsCheckpoint, sync
+from skorch_accel_callbacks import ParamsCheckpoint
+from skorch_accel_callbacks._core import sync
 
 HOLD_TIMEOUT_S = 300
 

@@ -27,7 +27,8 @@ from skorch.callbacks import Callback, EarlyStopping
 from skorch.dataset import ValidSplit
 
 from common import make_accelerator, make_data, make_net, rank, settle_gloo, write_result
-from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, sync
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+from skorch_accel_callbacks._core import sync
 
 
 class RankLosses(Callback):

@@ -67,14 +67,10 @@ from common import (
     rank,
     write_result,
 )
-from skorch_accel_callbacks import (
-    AccelerateCheckpoint,
-    AccelerateLoadInitState,
-    TrainingPreempted,
-    format,
-    sync,
-    training_state,
-)
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, TrainingPreempted
+from skorch_accel_callbacks._core import sync
+from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.state import _training_state as training_state
 
 
 class KillBefore(Callback):
@@ -114,14 +110,14 @@ class KillAt(BatchEnds):
 
 def kill_inside_save(epoch):
     """SIGKILL the committer after the checkpoint files are written, before commit."""
-    original = format.write
+    original = _manifest.write
 
     def commit_then_die(folder, sealed, durable, started=None):
         if sealed['epoch'] == epoch:
             os.kill(os.getpid(), signal.SIGKILL)
         return original(folder, sealed, durable, started)
 
-    format.write = commit_then_die
+    _manifest.write = commit_then_die
 
 
 def fail_upload(epoch):

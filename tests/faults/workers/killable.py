@@ -33,7 +33,9 @@ from skorch.callbacks import Callback
 import faultjob
 from common import BatchEnds, rank
 from faultjob import EpochTracker, die, hold
-from skorch_accel_callbacks import accelerate_io, atomic, format, sync, training_state
+from skorch_accel_callbacks._core import accelerate_io, sync
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest
+from skorch_accel_callbacks.state import _training_state as training_state
 
 
 def half_written(path, write):
@@ -132,7 +134,7 @@ class Instrument:
 
         def json_write(path, obj, **kwargs):
             name = os.path.basename(path)
-            which = {format.MANIFEST_NAME: 'manifest', 'latest.json': 'pointer'}.get(name)
+            which = {_manifest.MANIFEST_NAME: 'manifest', 'latest.json': 'pointer'}.get(name)
             # the manifest's path names the epoch; the pointer's content does
             epoch_path = path if which == 'manifest' else obj.get('name', '')
             if which:
@@ -149,7 +151,7 @@ class Instrument:
 
         def os_replace(src, dst):
             # the commit's rename, not a leftover partial folder marked discarded
-            renaming = (str(src).endswith(format.PARTIAL_SUFFIX)
+            renaming = (str(src).endswith(_manifest.PARTIAL_SUFFIX)
                         and atomic.DISCARD_MARK not in str(dst))
             if renaming:
                 fire('before-rename', src)

@@ -1,0 +1,197 @@
+"""Unwrap a net's modules for a block and restore the very same wrappers.
+
+skorch's ``AccelerateMixin`` unwraps with ``_unwrap_accelerator`` and wraps
+again with ``_initialize_accelerator``, which calls ``accelerator.prepare``:
+under DDP that rebuilds the wrapper (a broadcast of all weights) and appends
+the module to ``accelerator._models`` once more, so every later
+``accelerator.save_state`` writes one more copy of the model. ``unwrapped``
+keeps the wrapper objects aside and puts them back instead.
+
+FSDP2 (accelerate's FSDP back-end, ``fsdp_version=2``) wraps nothing:
+``fully_shard`` turns the module itself into the sharded one, whose
+parameters each rank holds a shard of. ``unwrapped`` leaves it as it is;
+:func:`gathered` stands in its full parameters for a save, and
+:func:`check_plain` refuses what needs the plain module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from skorch_accel_callbacks._core import accelerate_io
+
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+
+__all__ = ['bare_modules', 'check_plain', 'gathered', 'is_sharded', 'is_wrapped', 'net_optimizers',
+           'own_registries', 'unwrapped']
+
+# accelerate's unwrap with keep_fp32_wrapper=False (what skorch uses, so that
+# an unwrapped module pickles) replaces these instance attributes of the inner
+# module under mixed precision; they are put back on exit so the wrapper
+# autocasts exactly as before.
+_FORWARD_ATTRS = ('forward', '_original_forward')
+_MISSING = object()
+
+
+def is_wrapped(net: NeuralNet) -> bool:
+    """Whether the net's modules are currently prepared by accelerate."""
+    return bool(getattr(net, '_wrapped_with_accelerator', False))
+
+
+def is_sharded(net: NeuralNet) -> bool:
+    """Whether the net's modules are sharded by FSDP2: under accelerate's
+    FSDP2 back-end, once the net is initialized (it prepares them then)."""
+    accelerator = getattr(net, 'accelerator', None)
+    return (accelerator is not None and bool(getattr(net, 'initialized_', False))
+            and accelerate_io.is_fsdp2(accelerator))
+
+
+def check_plain(net: NeuralNet, needs: str, instead: str) -> None:
+    """Raise ``ValueError`` saying what ``needs`` a plain module and what to
+    do ``instead`` if the net's modules are sharded by FSDP2
+    (:func:`is_sharded`): no rank holds more than a shard of them.
+
+    ``needs`` begins the message: ``"LoadInitParams needs a plain module to
+    load into"``.
+    """
+    if is_sharded(net):
+        names = ', '.join(f'net.{name}_' for name in net._modules)
+        raise ValueError(
+            f"{needs}, and {names} is sharded by FSDP2 (each rank holds a shard of its "
+            f"parameters): {instead}")
+
+
+class _FullParameters:
+    """Stands for a module sharded by FSDP2 inside :func:`gathered`: its
+    ``state_dict()`` is the module's full parameters, on the main process
+    (empty on the other ranks)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._state = state
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        return self._state
+
+
+@contextmanager
+def gathered(net: NeuralNet) -> Iterator[NeuralNet]:
+    """Context manager: inside, each module of ``net`` sharded by FSDP2
+    stands as its full parameters, gathered onto the CPU of the main process
+    (``accelerator.get_state_dict``), for skorch's ``save_params`` to write
+    there: ``net.module_.state_dict()`` is the full state dict on the main
+    process, empty on the others. On exit the net gets back its sharded
+    modules. Enter it on every rank: gathering is a collective.
+
+    A no-op for a net whose modules are not sharded (:func:`is_sharded`).
+    """
+    if not is_sharded(net):
+        yield net
+        return
+    sharded: dict[str, Any] = {name + '_': getattr(net, name + '_') for name in net._modules}
+    for attr, module in sharded.items():
+        if isinstance(module, torch.nn.Module):
+            setattr(net, attr, _FullParameters(net.accelerator.get_state_dict(module)))
+    try:
+        yield net
+    finally:
+        for attr, module in sharded.items():
+            setattr(net, attr, module)
+
+
+def _module_names(net: NeuralNet) -> list[str]:
+    return [name + '_' for name in list(net._modules) + list(net._criteria)]
+
+
+def bare_modules(net: NeuralNet) -> dict[str, torch.nn.Module]:
+    """Name -> the bare ``nn.Module`` of each module and criterion of ``net``.
+
+    These are the objects that accelerate keeps in ``accelerator._models``,
+    whether the net is wrapped or not.
+    """
+    return {
+        attr[:-1]: net.accelerator.unwrap_model(getattr(net, attr))
+        for attr in _module_names(net)
+        if isinstance(getattr(net, attr, None), torch.nn.Module)
+    }
+
+
+def net_optimizers(net: NeuralNet) -> list[torch.optim.Optimizer]:
+    """The optimizers of ``net`` (as prepared by accelerate, if they are)."""
+    return [getattr(net, name + '_') for name in net._optimizers
+            if getattr(net, name + '_', None) is not None]
+
+
+def own_registries(net: NeuralNet) -> AbstractContextManager[None]:
+    """Context manager: inside, the accelerator's registries hold only the
+    modules and optimizers of ``net`` (see
+    :func:`skorch_accel_callbacks._core.accelerate_io.registries_of`)."""
+    return accelerate_io.registries_of(
+        net.accelerator, bare_modules(net).values(), net_optimizers(net))
+
+
+@contextmanager
+def unwrapped(net: NeuralNet) -> Iterator[NeuralNet]:
+    """Context manager: inside, every module and criterion of ``net`` is plain.
+
+    Inside the block ``net.module_`` (and every other module and criterion) is
+    the bare ``torch.nn.Module``, without DDP wrapper and without the
+    ``module.`` key prefix, and ``net._wrapped_with_accelerator`` is False, so
+    skorch's ``save_params``/``load_params`` take their plain path. On exit,
+    also when the block raises, the net gets back the very same wrapper
+    objects it had; nothing is prepared again and no collective is run.
+
+    It is a no-op for a net that is not wrapped, for a plain skorch net
+    without accelerate, and for a nested block.
+
+    Under FSDP2 nothing wraps the module: ``fully_shard`` made the module
+    itself the sharded one, and it stays sharded inside the block (its
+    ``state_dict()`` holds each rank's shards as ``DTensor``): skorch's
+    ``save_params`` writes the full parameters inside ``gathered``, and
+    what needs the plain module (loading a state dict into it, pickling it)
+    raises a ``ValueError`` saying so (``check_plain``).
+
+    Parameters loaded into the bare module inside the block are the
+    parameters of the wrapper after it (DDP shares the tensors), so loading the
+    same file on every rank keeps the ranks in sync.
+
+    Examples
+    --------
+    >>> with unwrapped(net):
+    ...     state = net.module_.state_dict()  # no 'module.' prefix
+    >>> net.module_  # the same DistributedDataParallel object as before
+
+    """
+    if not is_wrapped(net):
+        yield net
+        return
+
+    accelerator = net.accelerator
+    wrappers = {}
+    forwards = {}
+    for attr in _module_names(net):
+        wrapper = getattr(net, attr)
+        if not isinstance(wrapper, torch.nn.Module):
+            continue
+        wrappers[attr] = wrapper
+        inner = accelerator.unwrap_model(wrapper, keep_fp32_wrapper=True)
+        forwards[attr] = (inner, {
+            key: inner.__dict__.get(key, _MISSING) for key in _FORWARD_ATTRS})
+        setattr(net, attr, accelerator.unwrap_model(wrapper, keep_fp32_wrapper=False))
+    net._wrapped_with_accelerator = False
+    try:
+        yield net
+    finally:
+        for inner, saved in forwards.values():
+            for key, value in saved.items():
+                if value is _MISSING:
+                    inner.__dict__.pop(key, None)
+                else:
+                    inner.__dict__[key] = value
+        for attr, wrapper in wrappers.items():
+            setattr(net, attr, wrapper)
+        net._wrapped_with_accelerator = True

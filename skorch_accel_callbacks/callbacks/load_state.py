@@ -1,0 +1,438 @@
+"""AccelerateLoadInitState: resume a run from an AccelerateCheckpoint."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+from skorch.callbacks import Callback
+from skorch.utils import noop
+
+from skorch_accel_callbacks._core import accelerate_io, sync
+from skorch_accel_callbacks._core.base import (
+    FolderStateCallback,
+    Resumed,
+    check_sink,
+    move_callback,
+    processes,
+    say,
+)
+from skorch_accel_callbacks._core.wrapping import net_optimizers
+from skorch_accel_callbacks.callbacks.checkpoint import AccelerateCheckpoint
+from skorch_accel_callbacks.engine import _restore as restore
+from skorch_accel_callbacks.errors import CheckpointError
+from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.state import (
+    _epoch_position as epoch_position,
+    _rng_state as rng_state,
+    _settings as settings,
+    _training_state as training_state,
+)
+from skorch_accel_callbacks.storage._interface import CheckpointStorage
+from skorch_accel_callbacks.storage._local import CheckpointFolder
+
+__all__ = ['AccelerateLoadInitState']
+
+WORLD_SIZE_CHANGES = ('raise', 'reseed')
+
+
+class AccelerateLoadInitState(FolderStateCallback, Callback):
+    """Resume training from the checkpoints of an :class:`AccelerateCheckpoint`.
+
+    When training begins, every rank loads the checkpoint ``resume`` names
+    (``accelerator.load_state``) and the net its history; when the first
+    epoch begins, the random states, data order and callbacks' state come
+    back, each rank's own (under skorch's ``AccelerateMixin`` each rank logs
+    its own losses: a checkpoint stores every rank's history, callbacks'
+    states and, under FSDP2, module buffers where they differ). ``fit``
+    then trains only the epochs left to reach ``max_epochs`` (none once a
+    callback such as ``EarlyStopping`` had stopped the run), bit for bit as
+    the uninterrupted run; a checkpoint taken inside an epoch continues that
+    epoch. The net's parameters are never changed. Without a checkpoint,
+    training starts fresh.
+
+    A script of several calls (``fit`` then ``partial_fit``, or ``fit``
+    twice with ``warm_start=True``), run again, goes on in the call that
+    was under way: calls are counted from the net's ``initialize``, and a
+    checkpoint records the call it was taken in and where each call so far
+    began and ends. The first call loads the newest checkpoint; if a later
+    call of the same script took it (the first call's ``max_epochs`` is
+    the one recorded), the calls before that one train nothing (their work
+    is done: the net holds the checkpoint's parameters and history between
+    them), and that call gets the random states, the callbacks' state and
+    the position inside an epoch, and trains the epochs left of its own
+    ``max_epochs`` (counted from the epoch it began at). A first call with
+    another ``max_epochs``, or a checkpoint without that record, continues
+    it itself, as a single ``fit`` does. A checkpoint this run cannot continue
+    exactly (another model, number of processes, data, hyper-parameters) is
+    refused before any training step. See the docs, section 'How the
+    callbacks differ from skorch's'.
+
+    Parameters
+    ----------
+    checkpoint : AccelerateCheckpoint
+      The checkpoint callback whose folder to resume from.
+
+    resume : str (default='latest')
+      ``'latest'`` (the newest complete checkpoint), ``'best'`` (the newest
+      the checkpoint's ``monitor`` marked best) or a checkpoint folder's path.
+
+    sink : callable (default=noop)
+      Where to say what was resumed (main process only), e.g. ``print``.
+
+    check_data : bool (default=True)
+      Refuse a checkpoint trained on other data than this ``fit``'s (e.g.
+      another fold in a shared folder); ``False`` resumes anyway.
+
+    on_world_size_change : str (default='raise')
+      A checkpoint written by another number of processes: ``'raise'`` a
+      :class:`CheckpointError`, or ``'reseed'``: resume it with random
+      states derived for the new ranks (not bit-exact; a warning says so);
+      where the saved ranks' histories and callbacks' states differed,
+      every rank resumes saved rank 0's.
+
+    check_params : bool or tuple of str (default=True)
+      Refuse a checkpoint trained with other values of the net's parameters
+      that change training (not ``max_epochs``, ``verbose``, ...) or of the
+      settings of its callbacks (skorch's and this package's: their class
+      by name, ``callbacks__<name>``, and their ``get_params``,
+      ``callbacks__<name>__<param>``, without those that only decide where
+      and how verbosely they speak, or where and when checkpoints are
+      written), naming each; a skorch callback added or gone, and unnamed
+      callbacks of one class listed in another order (skorch names them by
+      position, ``EarlyStopping_1``...) are refused too. A tuple of names, e.g. ``('lr',)`` or
+      ``('callbacks__lr_scheduler__gamma',)``, lets those differ and take
+      effect (``'callbacks__<name>'``: every setting of that callback);
+      ``False`` lets any differ. A new ``lr`` becomes the new base lr of a
+      restored LR scheduler, which keeps its position; a callback setting's
+      new value wins over the one in the callback's restored state.
+
+    Attributes
+    ----------
+    did_load_ : bool
+      Whether this callback has looked for a checkpoint (once per
+      ``initialize``).
+
+    loaded_from_ : str or None
+      Path of the checkpoint the net was resumed from; its URL when it was
+      read from an object store (through its staged copy).
+
+    resumed_ : Resumed or None
+      What the net was resumed from (path, name, optimizer steps, batches
+      into its epoch, the epochs after which the call under way ends, the
+      fit calls so far); a new one in each call up to the one that continues
+      the checkpoint. The checkpoint callback of the folder counts on from it.
+
+    Raises
+    ------
+    TypeError, ValueError
+      At ``initialize``: an argument of the wrong type or value. When
+      training begins: accelerate's FSDP1, DeepSpeed, Megatron-LM or XLA
+      back-end (``ValueError`` naming it; FSDP2 is supported).
+    CheckpointError
+      When training begins (before any training step): the checkpoint
+      cannot be resumed by this run (number of processes, model, data,
+      hyper-parameters, a newer format, a change that moves the position
+      inside an epoch; the message names what differs), or no complete
+      checkpoint is left. A changed number of training rows inside an epoch
+      raises when the first epoch begins.
+    CorruptCheckpointError
+      When training begins: a named checkpoint, or a file of the chosen
+      one, is damaged; the message names the file.
+
+    Examples
+    --------
+    >>> cp = AccelerateCheckpoint(dirname='run1')
+    >>> net = AcceleratedNet(
+    ...     MyModule, accelerator=Accelerator(), max_epochs=20,
+    ...     callbacks=[cp, AccelerateLoadInitState(cp)],
+    ... )
+    >>> net.fit(X, y)  # after a crash: trains only the epochs not yet done
+
+    A job that may come back on another number of GPUs:
+
+    >>> load = AccelerateLoadInitState(cp, on_world_size_change='reseed')
+
+    Going on with a larger learning rate on purpose, or with another decay
+    of a ``('lr_scheduler', LRScheduler(StepLR, step_size=1, gamma=...))``:
+
+    >>> load = AccelerateLoadInitState(cp, check_params=('lr',))
+    >>> load = AccelerateLoadInitState(cp, check_params=('callbacks__lr_scheduler__gamma',))
+
+    """
+
+    def __init__(self, checkpoint: AccelerateCheckpoint, resume: str = 'latest',
+                 sink: Any = noop, check_data: bool = True,
+                 on_world_size_change: str = 'raise',
+                 check_params: bool | tuple[str, ...] = True) -> None:
+        self.checkpoint = checkpoint
+        self.resume = resume
+        self.sink = sink
+        self.check_data = check_data
+        self.on_world_size_change = on_world_size_change
+        self.check_params = check_params
+
+    def initialize(self) -> AccelerateLoadInitState:
+        owner = type(self).__name__
+        if not isinstance(self.checkpoint, AccelerateCheckpoint):
+            raise TypeError(
+                f"{owner} needs an AccelerateCheckpoint, got {self.checkpoint!r}")
+        if not isinstance(self.resume, (str, os.PathLike)) or not str(self.resume):
+            raise ValueError(
+                f"{owner}: resume must be 'latest', 'best' or a folder, got {self.resume!r}")
+        check_sink(self.sink, owner)
+        if not isinstance(self.check_data, bool):
+            raise ValueError(
+                f"{owner}: check_data must be True or False, got {self.check_data!r}")
+        if self.on_world_size_change not in WORLD_SIZE_CHANGES:
+            raise ValueError(
+                f"{owner}: on_world_size_change must be one of {WORLD_SIZE_CHANGES}, "
+                f"got {self.on_world_size_change!r}")
+        if not (isinstance(self.check_params, bool) or (
+                isinstance(self.check_params, (tuple, list))
+                and all(isinstance(name, str) for name in self.check_params))):
+            raise ValueError(
+                f"{owner}: check_params must be True, False or a tuple of parameter "
+                f"names, got {self.check_params!r}")
+        self.did_load_ = False
+        self.loaded_from_ = None
+        self.resumed_ = None
+        # the epochs after which the fit that resumed ends; None in other fits
+        self._last_epoch = None
+        # the checkpoint read, until its callback states are applied
+        self._pending: restore.Restored | None = None
+        # where inside its epoch it goes on, until the epoch's first batch
+        self._inside: restore.InsideEpoch | None = None
+        self._undo_skip = None
+        self._skipped = 0
+        self._storage: CheckpointStorage | None = None
+        # the fit/partial_fit call under way, counted from initialize
+        self._call = -1
+        # the calls the checkpoint read records: the last one continues it
+        self._fit_calls: list[tuple[int, int]] = []
+        return self
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _undo_skip=None)
+
+    def _checkpoint_storage(self, net: Any) -> CheckpointStorage:
+        """The storage of the checkpoint callback that trains with this net:
+        ``checkpoint``'s, or that of the callback of the net with the same
+        folder (a clone of the net holds a copy of ``checkpoint`` here and
+        another in its callbacks); else one of its own."""
+        wanted = os.path.realpath(self.checkpoint.dirname)
+        for _, callback in net.callbacks_:
+            if (isinstance(callback, AccelerateCheckpoint)
+                    and getattr(callback, 'folder_', None) is not None
+                    and os.path.realpath(callback.dirname) == wanted):
+                return callback.folder_
+        return self.checkpoint.open_storage()
+
+    # pylint: disable=arguments-differ
+    def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
+        self._call += 1
+        self._last_epoch = None
+        accelerator = getattr(net, 'accelerator', None)
+        if accelerator is not None:
+            # before the checkpoint's model layout is compared, which would
+            # blame the modules of a back-end that shards or wraps them itself
+            accelerate_io.check_plain_state(accelerator, type(self).__name__)
+        move_callback(net, self, 'first')
+        self._storage = self._checkpoint_storage(net)
+        # a job refused by the lock must not have read another job's checkpoint
+        self._storage.claim(net)
+        if not self.did_load_:
+            self.did_load_ = True
+            if not self._load(net, X, y):
+                return
+        if self._pending is not None and self._call < len(self._fit_calls):
+            self._begin_call(net)
+            if self._call == 0:
+                say(net, self.sink, self._resumed_message(self._pending))
+
+    def _load(self, net: Any, X: Any, y: Any) -> bool:
+        """Read the checkpoint to resume from, if any: whether there was one."""
+        chosen = restore.choose_checkpoint(net, self._storage, self.resume)
+        if chosen is None:
+            say(net, self.sink, f"No checkpoint in {self.checkpoint.dirname}; "
+                                "training from scratch.")
+            return False
+        restored = restore.read_checkpoint(net, chosen, restore.ResumeChecks(
+            data=self.check_data, params=self.check_params,
+            reseed=self.on_world_size_change == 'reseed', storage=self._storage), X, y)
+        self._fit_calls = _manifest.fit_calls(restored.manifest, restored.path)
+        if self._fit_calls[0] != (0, net.max_epochs):
+            # not the script that took it (its first call had another
+            # max_epochs): this fit continues it, as a single fit does
+            self._fit_calls = [(0, net.max_epochs)]
+        net.history = restored.history
+        self._pending, self._inside = restored, restored.inside
+        self.loaded_from_ = self._named(restored.path)
+        return True
+
+    def _continues(self) -> bool:
+        """Whether the call under way is the one the checkpoint read was
+        taken in, and its state is not applied yet."""
+        return self._pending is not None and self._call == len(self._fit_calls) - 1
+
+    def _begin_call(self, net: Any) -> None:
+        """Where the call under way ends, up to the call the checkpoint was
+        taken in: a call before that one trains nothing (its work is done),
+        that one the epochs left of its ``max_epochs``."""
+        restored, call = self._pending, self._call
+        done = restored.epochs_done
+        if not self._continues():
+            last = done
+            calls = self._fit_calls[:call + 1]
+        else:
+            begins = self._fit_calls[call][0]
+            last = done if restored.stopped_early else max(done, begins + net.max_epochs)
+            if restored.inside is not None and last <= done:
+                raise CheckpointError(
+                    f"{self.loaded_from_} was taken inside epoch {done + 1}, which this "
+                    f"fit call (it began at epoch {begins}, max_epochs={net.max_epochs}) "
+                    "does not reach: it cannot go on inside that epoch; raise max_epochs "
+                    f"to {done + 1 - begins} or more, or "
+                    + settings.epoch_end_advice(self._storage, restored.manifest))
+            calls = [*self._fit_calls[:call], (begins, last)]
+        self._last_epoch = last
+        self.resumed_ = Resumed(
+            dirname=os.path.realpath(self.checkpoint.dirname), path=restored.path,
+            name=CheckpointFolder.name_of(restored.path), step=restored.step,
+            # on another number of processes, the batches this run skips
+            batches=restored.inside.batches if restored.inside else 0,
+            last_epoch=last, fit_calls=tuple(calls))
+
+    def _named(self, path: str) -> str:
+        """How the checkpoint read at ``path`` is named: its URL if it is
+        a store's staged copy, else its path."""
+        name = CheckpointFolder.name_of(path)
+        return self._storage.url(name) if self._storage.path(name) == path else path
+
+    def _resumed_message(self, restored: restore.Restored) -> str:
+        done = restored.epochs_done
+        where = (f"at batch {restored.inside.batches} of epoch {done + 1}" if restored.inside
+                 else f"after epoch {done}")
+        source = self.loaded_from_
+        if restored.reseeded_from is not None:
+            source += (f" (written by {processes(restored.reseeded_from)}, "
+                       "random states derived anew"
+                       + (f", saved rank {restored.states_of_rank}'s history and callbacks"
+                          if restored.states_of_rank is not None else '') + ")")
+        taken_in = len(self._fit_calls) - 1
+        if taken_in:
+            return (f"Resumed from {source} {where}, taken in fit call {taken_in + 1} since "
+                    f"initialize (a partial_fit or warm_start fit): the {taken_in} call(s) "
+                    "before it train nothing, it goes on.")
+        left = self._last_epoch - done
+        return (f"Resumed from {source} {where}; "
+                + ("a callback had stopped training." if restored.stopped_early
+                   else f"training {left} more epoch(s)." if left
+                   else "max_epochs had been reached."))
+
+    def on_epoch_begin(self, net: Any, dataset_train: Any = None, **kwargs: Any) -> None:
+        # skorch began an epoch that the resumed run does not have
+        ends = self._last_epoch is not None and sum(
+            'train_loss' in row for row in net.history[:-1]) >= self._last_epoch
+        if ends:
+            net.history.pop()
+        if self._continues():
+            loader = training_state.find_train_loader(net, dataset_train)
+            # (a call that ends before the epoch it was taken in was refused)
+            if self._inside is not None:
+                self._continue_epoch(net, loader)
+                return
+            restored = self._restore_callbacks(net)
+            rng_state.apply_loader_state(loader, restored.rank_state)
+            # preparing the training loader drew from the global generator to
+            # seed the sampler; the uninterrupted run had not drawn at this
+            # point (nor, when this fit ends here, at its end)
+            rng_state.restore_rng(restored.rng)
+        if ends:
+            raise KeyboardInterrupt
+
+    def _continue_epoch(self, net: Any, loader: Any) -> None:
+        """Set the epoch that a checkpoint taken inside it was taken in up to
+        go on after its trained batches."""
+        if not epoch_position.can_skip(loader):
+            raise CheckpointError(
+                f"{self.loaded_from_} was taken inside an epoch, but this run's training "
+                "data cannot skip batches by index (an IterableDataset): resume it with "
+                "a map-style data set, or "
+                + settings.epoch_end_advice(self._storage, self._pending.manifest))
+        # the train split is made by now, before the epoch's first step
+        settings.check_train_rows(self._pending.manifest, len(loader.dataset),
+                                  self.loaded_from_, self._storage)
+        # on another number of processes the share of an epoch changed; at
+        # least one batch is left, which the resume begins at
+        batches = min(self._inside.batches, max(len(loader) - 1, 0))
+        unknown = training_state.unknown_batch_state(net)
+        if unknown and sync.is_main_process(net):
+            warnings.warn(
+                f"{self.loaded_from_} was taken inside an epoch; the callback(s) "
+                f"{', '.join(map(repr, unknown))} act on every batch, and of their state "
+                "only the fitted attributes (names ending in '_') come back, as the main "
+                "process saved them: give them state_dict()/load_state_dict() methods to "
+                "say what a checkpoint holds", UserWarning, stacklevel=2)
+        # skorch began a new epoch; the checkpoint's last one goes on instead
+        net.history.pop()
+        # the loader draws the epoch's order again from these, skipping the
+        # batches trained
+        self._inside.start.restore(loader)
+        self._undo_skip = accelerate_io.skip_first_batches_once(loader, batches)
+        self._skipped = batches
+
+    def on_batch_begin(self, net: Any, training: bool = False, **kwargs: Any) -> None:
+        # armed by _continue_epoch, in the call that continues the checkpoint
+        if self._undo_skip is None or not training:
+            return
+        inside, self._inside = self._inside, None
+        # the pass over the loader has begun: it keeps its skip
+        self._undo_skip()
+        self._undo_skip = None
+        # after every callback's on_epoch_begin, which resets their scratch space
+        restored = self._restore_callbacks(net)
+        training_state.apply_epoch_caches(net, inside.caches, device=net.accelerator.device)
+        if inside.rng_at_batch:
+            rng_state.restore_rng(restored.rng)
+
+    def on_epoch_end(self, net: Any, **kwargs: Any) -> None:
+        if self._skipped:
+            # skorch counted the batches of this fit only
+            net.history.record('train_batch_count',
+                               self._skipped + net.history[-1]['train_batch_count'])
+            self._skipped = 0
+
+    def _restore_callbacks(self, net: Any) -> restore.Restored:
+        """Give the callbacks and optimizer settings their saved state, once.
+
+        Done after every callback's on_train_begin, which may reset state
+        (EarlyStopping) or build and step a new LR scheduler.
+        """
+        restored, self._pending = self._pending, None
+        # the settings check_params let differ take effect: in the callbacks'
+        # states, and an optimizer's new lr as its schedulers' base
+        training_state.apply_callback_states(
+            net, restored.callbacks, settings.changed_callback_settings(restored.changed_params))
+        training_state.restore_optimizer_hyperparameters(net_optimizers(net),
+                                                         restored.hyperparameters)
+        training_state.keep_new_base_lrs(net, restored.changed_params)
+        return restored
+
+    def on_train_end(self, net: Any, **kwargs: Any) -> None:
+        try:
+            if self._undo_skip is not None:
+                self._undo_skip()
+                self._undo_skip = None
+            if self._continues():
+                # a finished run trained no epoch; end with the state it was saved with
+                self._restore_callbacks(net)
+            self._last_epoch = None
+        finally:
+            # the checkpoint callback releases a storage it shares, when its
+            # training ends (it runs after this one)
+            if self._storage is not None and not any(
+                    getattr(cb, 'folder_', None) is self._storage for _, cb in net.callbacks_):
+                self._storage.release()
+            self._storage = None

@@ -1,0 +1,356 @@
+"""Read a checkpoint once, into a record that the resume hooks apply.
+
+:func:`choose_checkpoint` finds the checkpoint to resume from, the same on
+every rank; :func:`read_checkpoint` checks it against the net (every check
+before anything is loaded), loads the model, optimizer and accelerator
+state with ``accelerator.load_state``, reads this package's own files, and
+returns a :class:`Restored`. On another number of processes
+(``on_world_size_change='reseed'``) the record holds random states derived
+for this rank (:func:`_reseed`). Nothing here changes the net beyond its
+accelerator's state: :class:`~skorch_accel_callbacks.AccelerateLoadInitState`
+applies the record, each part in the hook where skorch's loop allows it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from skorch_accel_callbacks._core import accelerate_io, sync
+from skorch_accel_callbacks._core.base import processes
+from skorch_accel_callbacks._core.wrapping import net_optimizers, own_registries
+from skorch_accel_callbacks.errors import CheckpointError
+from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format._manifest import POINTERS, is_checkpoint_name
+from skorch_accel_callbacks.format._readers import kind_of, read_naming_fault
+from skorch_accel_callbacks.state import (
+    _compat as compat,
+    _epoch_position as epoch_position,
+    _fingerprint as fingerprint,
+    _fsdp_layout as fsdp_layout,
+    _rng_state as rng_state,
+    _settings as settings,
+    _training_state as training_state,
+)
+from skorch_accel_callbacks.storage._interface import CheckpointStorage
+from skorch_accel_callbacks.storage._local import CheckpointFolder, is_committer
+
+__all__ = ['Chosen', 'InsideEpoch', 'ResumeChecks', 'Restored', 'choose_checkpoint',
+           'read_checkpoint']
+
+
+@dataclass(frozen=True)
+class ResumeChecks:
+    """What a resume refuses (see ``AccelerateLoadInitState``)."""
+
+    #: refuse other training data
+    data: bool = True
+    #: refuse other hyper-parameters: True, False or the names allowed to differ
+    params: bool | tuple[str, ...] = True
+    #: derive new random states on another number of processes, instead of refusing
+    reseed: bool = False
+    #: the checkpoints a refusal may advise instead (a CheckpointStorage)
+    storage: Any = None
+
+
+@dataclass(frozen=True)
+class InsideEpoch:
+    """Where inside its epoch a checkpoint was taken, for this rank."""
+
+    #: training batches of the epoch that this rank skips
+    batches: int
+    #: the random states the epoch began with, which draw its order again
+    start: epoch_position.EpochStart
+    #: the epoch's caches (scores of its training batches so far)
+    caches: dict
+    #: give the random states of the saved batch back at the first batch
+    #: (not when they were derived anew: the epoch's draws go on from its start)
+    rng_at_batch: bool = True
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A checkpoint as read for this rank, before it is applied."""
+
+    #: the checkpoint folder
+    path: str
+    #: its manifest
+    manifest: dict
+    history: Any
+    #: the callbacks' states, by callback name
+    callbacks: dict
+    #: this process's random states, as saved
+    rng: dict
+    #: the training loader's shuffling state (None on a rank that read none)
+    rank_state: dict | None
+    #: the optimizers' settings, as saved (or allowed to change)
+    hyperparameters: list
+    #: where inside an epoch it was taken, or None at an epoch's end
+    inside: InsideEpoch | None
+    #: optimizer steps taken when it was saved
+    step: int
+    #: the number of processes that wrote it, if another than now
+    reseeded_from: int | None = None
+    #: the states stored per rank (the manifest's ``per_rank``: the ranks'
+    #: copies differed), which this rank resumed its own copy of ...
+    per_rank: frozenset[str] = frozenset()
+    #: ... or, on another number of processes, the saved rank whose copy
+    #: every rank resumed (0); None when it resumed its own or the one copy
+    states_of_rank: int | None = None
+    #: the net's parameters and callbacks' settings that differ from the
+    #: checkpoint's, as check_params allowed (they take effect)
+    changed_params: tuple[str, ...] = ()
+
+    @property
+    def epochs_done(self) -> int:
+        """Complete epochs (the history's last row is the epoch under way, if any)."""
+        return len(self.history) - (1 if self.inside else 0)
+
+    @property
+    def stopped_early(self) -> bool:
+        """A callback stopped its training: resuming it trains nothing."""
+        return _manifest.stopped_early(self.manifest)
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The checkpoint to resume from, as this process knows it."""
+
+    path: str
+    #: its manifest, on a process that read it to choose (None elsewhere)
+    manifest: dict | None = None
+
+
+def choose_checkpoint(net: Any, storage: CheckpointStorage,
+                      which: str | os.PathLike) -> Chosen | None:
+    """The checkpoint to resume from, the same on every rank, or None.
+
+    The committing process(es) look in ``storage``
+    (:meth:`~CheckpointStorage.find_checkpoint`); rank 0's choice is sent
+    to every rank. Raises :class:`CheckpointError` when committers of
+    ``save_on_each_node`` would choose different ones.
+    """
+    committer = is_committer(net)
+    found = None
+    with sync.agree(net, f"finding a checkpoint in {storage.dirname}"):
+        if committer:
+            found = storage.find_checkpoint(which)
+    name = None if found is None else CheckpointFolder.name_of(found.path)
+    chosen = sync.broadcast(net, name)
+    with sync.agree(net, "choosing the checkpoint to resume from"):
+        if committer and name != chosen:
+            raise CheckpointError(
+                f"rank {sync.process_index(net)} would resume from {found.path}, but "
+                f"rank 0 from {chosen}: the nodes' checkpoint folders differ")
+    if chosen is None:
+        return None
+    if found is not None:
+        return Chosen(found.path, found.manifest)
+    if which in POINTERS or is_checkpoint_name(os.fspath(which)):
+        return Chosen(storage.path(chosen))
+    return Chosen(os.fspath(which))
+
+
+def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = None,
+                    y: Any = None) -> Restored:
+    """Check ``chosen`` against ``net`` and the data ``X``, ``y``, load its
+    accelerator state into the net's accelerator, and read the rest for
+    this rank; on every rank, raising on every rank if one fails.
+
+    Raises :class:`CheckpointError` naming what differs, or the file that
+    could not be loaded; :class:`CorruptCheckpointError` naming a damaged
+    file.
+    """
+    rank, path = sync.process_index(net), chosen.path
+    with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
+        saved = chosen.manifest if chosen.manifest is not None else _manifest.read(path)
+        changed = compat.check_world_size(net, saved, path, checks.reseed)
+        compat.check_compatible(net, saved, path)
+        if checks.data:
+            compat.check_same_data(saved, fingerprint.data_fingerprint(X, y), path)
+        changed_params = settings.check_same_params(net, saved, path, checks.params)
+        # the number of training rows is checked when the first epoch begins
+        settings.check_epoch_settings(net, saved, path, checks.storage)
+        # on another number of processes the new ranks' random states
+        # derive from rank 0's: the other saved ranks' files are not read
+        reads_own_rank = not changed or rank == 0
+        if reads_own_rank:
+            compat.check_rank_files(path, saved, rank)
+        hyperparameters = _load_accelerator_state(net, path, saved, changed_params)
+        rng = rng_state.capture_rng()
+        history, callbacks = _read_rank_states(net, path, saved, rank if reads_own_rank
+                                               else None)
+        rank_state = None
+        if reads_own_rank:
+            rank_state = _read_own(path, _manifest.rank_state_name(rank),
+                                   lambda folder: training_state.load_rank_state(folder, rank))
+        inside = None
+        if _manifest.batches_into_epoch(saved) and reads_own_rank:
+            inside = _read_position(path, rank, with_caches=not changed)
+    restored = Restored(path, saved, history, callbacks, rng, rank_state, hyperparameters,
+                        inside, _saved_step(net, saved, history),
+                        per_rank=_manifest.per_rank(saved),
+                        changed_params=tuple(changed_params))
+    return _reseed(net, restored) if changed else restored
+
+
+def _read_rank_states(net: Any, path: str, manifest: dict,
+                      rank: int | None) -> tuple[Any, dict | None]:
+    """The history and callbacks' states of ``path`` for ``rank``: the copy
+    that every rank shares, or of what is stored per rank the rank's own
+    (None for ``rank`` None: a new rank, which rank 0's reach in
+    :func:`_reseed`); the rank's own buffers are put back into the models
+    (``load_state`` gave every rank the checkpoint's one copy)."""
+    per_rank = _manifest.per_rank(manifest)
+    if 'buffers' in per_rank and rank is not None:
+        _read_own(path, _manifest.buffers_name(rank),
+                  lambda folder: accelerate_io.set_fsdp2_buffers(
+                      net.accelerator, training_state.load_buffers(folder, rank)))
+
+    def copy_of(item: str) -> int | None:
+        return rank if item in per_rank else None
+
+    history = callbacks = None
+    if 'history' not in per_rank or rank is not None:
+        own = copy_of('history')
+        history = _read_own(path, _manifest.history_name(own),
+                            lambda folder: training_state.load_history(folder, own))
+    if 'callbacks' not in per_rank or rank is not None:
+        own = copy_of('callbacks')
+        callbacks = _read_own(path, _manifest.callbacks_names(own),
+                              lambda folder: training_state.load_callback_states(folder, own))
+    return history, callbacks
+
+
+def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params: Any) -> list:
+    """``accelerator.load_state(path)``; the optimizers' settings to restore
+    (the new values of the parameters allowed to change take effect)."""
+    fresh = training_state.optimizer_hyperparameters(net_optimizers(net))
+    fsdp_layout.make_room_for_group_settings(net.accelerator, manifest)
+    # before the optimizers' state: under FSDP2 accelerate loads it with
+    # torch.distributed.checkpoint, planned after the state a fresh
+    # optimizer makes for every parameter that trains (a step of zero
+    # gradients), which for a frozen one the checkpoint lacks
+    compat.restore_frozen(net, manifest)
+    read_naming_fault(_model_and_optimizer_files(path),
+                      lambda: accelerate_io.load_state(net.accelerator, path),
+                      error=CheckpointError, failed='could not be loaded', fallback=path)
+    saved = training_state.optimizer_hyperparameters(net_optimizers(net))
+    if accelerate_io.is_fsdp2(net.accelerator):
+        # from a full state dict rank 0 alone read the optimizers: the
+        # settings that a fresh optimizer lacks (an LR scheduler's
+        # initial_lr) reach the other ranks from it
+        saved = sync.broadcast(net, saved)
+        training_state.restore_optimizer_hyperparameters(net_optimizers(net), saved)
+    training_state.keep_new_optimizer_settings(net, changed_params, fresh, saved)
+    return saved
+
+
+def _model_and_optimizer_files(folder: str) -> list[str]:
+    """The files of ``folder`` that ``load_state`` may have read."""
+    return [os.path.join(folder, name) for name in sorted(os.listdir(folder))
+            if kind_of(name) in ('safetensors', 'torch')]
+
+
+def _read_position(path: str, rank: int, with_caches: bool) -> InsideEpoch:
+    names = [_manifest.position_name(rank)]
+    if with_caches:
+        names += list(_manifest.epoch_caches_names(rank))
+
+    def load(folder: str) -> InsideEpoch:
+        batches, start = epoch_position.load_position(folder, rank)
+        caches = training_state.load_epoch_caches(folder, rank) if with_caches else {}
+        return InsideEpoch(batches, start, caches)
+
+    return _read_own(path, names, load)
+
+
+def _read_own(folder: str, names: str | list[str] | tuple[str, ...],
+              load: Callable[[str], Any]) -> Any:
+    """``load(folder)`` for this package's own files ``names``; an error names
+    the file (JSON and safetensors readers do not always say which)."""
+    names = (names,) if isinstance(names, str) else names
+    return read_naming_fault([os.path.join(folder, name) for name in names],
+                             lambda: load(folder))
+
+
+def _saved_step(net: Any, saved: dict, history: Any) -> int:
+    position = saved.get('position')
+    if position is None:  # format 2 recorded no steps: count them
+        return training_state.optimizer_steps(
+            history, accelerate_io.accumulation_steps(net.accelerator))
+    return position['step']
+
+
+_ITEMS = {'history': 'history', 'callbacks': "callbacks' states", 'buffers': 'module buffers'}
+
+
+def _describe_items(items: frozenset[str]) -> str:
+    return ', '.join(_ITEMS[item] for item in _manifest.PER_RANK_ITEMS if item in items)
+
+
+def _states_of_rank_0(net: Any, restored: Restored) -> Restored:
+    """``restored`` with saved rank 0's history, callbacks' states and
+    buffers, of those stored per rank, on every rank (which rank 0 alone
+    read: on another number of processes a new rank has no copy of its own)."""
+    with sync.agree(net, f"reading rank 0's states of {restored.path}"), own_registries(net):
+        buffers = None
+        if 'buffers' in restored.per_rank and sync.is_main_process(net):
+            buffers = accelerate_io.fsdp2_buffers(net.accelerator)
+    history, callbacks, buffers = sync.broadcast(
+        net, (restored.history, restored.callbacks, buffers))
+    with sync.agree(net, f"giving every rank rank 0's buffers of {restored.path}"), \
+            own_registries(net):
+        if buffers is not None and not sync.is_main_process(net):
+            accelerate_io.set_fsdp2_buffers(net.accelerator, buffers)
+    return replace(restored, history=history, callbacks=callbacks, states_of_rank=0)
+
+
+def _reseed(net: Any, restored: Restored) -> Restored:
+    """``restored`` for a run on another number of processes than wrote it:
+    this rank's random state, loader state and place in the epoch derived
+    from the saved rank 0's and the new number of processes, so that every
+    resume of it on that many processes draws the same numbers."""
+    world_size = sync.num_processes(net)
+    saved_size = restored.manifest['world_size']
+    rank_state, inside = restored.rank_state, restored.inside
+    origin, iteration, step, position = sync.broadcast(net, (
+        rng_state.reseed_origin(restored.rng, rank_state),
+        rank_state['loader_iteration'],
+        accelerate_io.accumulation_step(net.accelerator),
+        None if inside is None else (inside.batches, inside.start.iteration),
+    ) if rank_state is not None else None)
+    accelerate_io.set_accumulation_step(net.accelerator, step)
+    rng = rng_state.derived_rng(origin, world_size, sync.process_index(net))
+    rank_state = rng_state.derived_rank_state(origin, world_size, iteration)
+    message = (
+        f"{restored.path} was written by {processes(saved_size)}, this run has "
+        f"{world_size}: the model, optimizer, schedulers, history and callbacks "
+        "are resumed exactly, but every rank's random state and data order are "
+        "derived anew (on_world_size_change='reseed') and a step now "
+        f"averages the batches of {world_size} process(es): the run goes on "
+        "statistically, not bitwise, as the uninterrupted one would have")
+    if restored.per_rank:
+        restored = _states_of_rank_0(net, restored)
+        message += (
+            f". Its ranks' {_describe_items(restored.per_rank)} differed (each rank "
+            "logs its own losses): every rank resumes saved rank 0's")
+    if position is not None:
+        batches, start_iteration = position
+        # as many rows of the epoch as the saved run had trained, in the
+        # new order: some rows of the epoch are trained twice, others not
+        skipped = batches * saved_size // world_size
+        message += (
+            f". It was taken inside an epoch, after {batches} batches on each of "
+            f"{processes(saved_size)}: each process skips {skipped} "
+            "batches of that epoch in the new order, and scores collected on the "
+            "epoch's training batches (EpochScoring on_train) cover the rest only")
+        start = epoch_position.EpochStart(rng, rank_state['generator'], start_iteration)
+        inside = InsideEpoch(skipped, start, {}, rng_at_batch=False)
+    if sync.is_main_process(net):
+        warnings.warn(message, UserWarning, stacklevel=4)
+    return replace(restored, rng=rng, rank_state=rank_state, inside=inside,
+                   reseeded_from=saved_size)

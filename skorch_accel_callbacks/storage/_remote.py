@@ -1,0 +1,458 @@
+"""Checkpoints in an object store (``s3://bucket/run1``), through fsspec.
+
+A store has no rename to commit with: a checkpoint is committed into a
+local staging folder exactly as a local save is (training waits no
+longer), then uploaded in the background
+(:mod:`~skorch_accel_callbacks.storage._transfer`): its files, its manifest last
+with a create-only write (``If-None-Match: *`` on S3), then the pointers.
+In the store a checkpoint is complete exactly when its manifest is there
+and every file it lists has its listed size: an upload cut short leaves
+files without a manifest. A resume downloads the checkpoint it chose into
+the staging folder and reads it there, also on a new machine
+(:mod:`~skorch_accel_callbacks.storage._remote_read`). Nodes that stage on their
+own disks (``save_on_each_node``) upload a part each
+(:mod:`~skorch_accel_callbacks.storage._node_upload`).
+
+fsspec (and the protocol's package, s3fs for ``s3://``) is imported only
+when a store is used: ``pip install skorch-accel-callbacks[s3]``. The
+credentials and endpoint come from ``storage_options`` or the protocol's
+usual configuration (for s3fs the ``AWS_*`` variables, ``AWS_ENDPOINT_URL``
+included).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from skorch_accel_callbacks._core import accelerate_io, sync
+from skorch_accel_callbacks.errors import CheckpointError, FolderInUseError, StoreUnavailableError
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest
+from skorch_accel_callbacks.storage import (
+    _node_upload as node_upload,
+    _remote_read as remote_read,
+    _transfer as transfer,
+)
+from skorch_accel_callbacks.storage._lease import ObjectLease, take_lease
+from skorch_accel_callbacks.storage._local import CheckpointFolder, Found, is_committer, retained
+
+__all__ = ['RemoteStorage', 'default_staging', 'is_remote']
+
+
+def is_remote(dirname: str | os.PathLike[str]) -> bool:
+    """Whether ``dirname`` is a URL of a store other than the local
+    filesystem (``s3://...``; not a path, not ``file://...``)."""
+    protocol, separator, _ = os.fspath(dirname).partition('://')
+    return bool(separator) and protocol.isalnum() and protocol.lower() != 'file'
+
+
+def default_staging(url: str) -> str:
+    """The staging folder of ``url`` when none is given: the same on every
+    process of a machine, and another for each URL."""
+    digest = hashlib.sha1(url.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), 'skorch-accel-staging', digest)
+
+
+class RemoteStorage:
+    """The checkpoints under the URL ``dirname``, staged in a local folder.
+
+    Implements :class:`~skorch_accel_callbacks.storage._interface.CheckpointStorage`.
+    The writers write and commit into the staging folder (:meth:`path`,
+    :meth:`partial_path` and :meth:`start` are the staging folder's); the
+    upload runs on one background thread, at most one at a time, and
+    :meth:`wait` raises what failed. After an upload the staging folder
+    keeps only that checkpoint. A copy (pickle, deepcopy) holds no
+    connection, claim or upload in progress.
+
+    Parameters
+    ----------
+    dirname : str
+      The URL of the folder of checkpoints, e.g. ``s3://bucket/run1``.
+    local_dir : str or None (default=None)
+      The staging folder; None: a folder under the system's temporary
+      folder named after the URL (:func:`default_staging`).
+    storage_options : dict or None (default=None)
+      Arguments of the fsspec filesystem (``key``, ``secret``,
+      ``endpoint_url``, ...). For ``s3://``, those of
+      :data:`~skorch_accel_callbacks.storage._transfer.S3_CLIENT_DEFAULTS` that it
+      does not set bound each attempt of a request (a connection within
+      5 s, an answer within 10 s, one retry), on a filesystem of its own.
+    outage_seconds : float (default=60.0)
+      How long each request of an upload may fail, or go unanswered, before
+      the upload fails; it is sent again meanwhile
+      (:meth:`~skorch_accel_callbacks.storage._transfer.Store.persist`).
+    lease_seconds : float (default=60.0)
+      How long the lease of the folder in the store lasts after each
+      renewal (S3): how long a job elsewhere is refused the folder after
+      this job was killed (plus 10 s for clocks that disagree).
+    """
+
+    def __init__(self, dirname: str, local_dir: str | os.PathLike[str] | None = None,
+                 storage_options: dict[str, Any] | None = None, *,
+                 outage_seconds: float = 60.0, lease_seconds: float = 60.0) -> None:
+        self.dirname = os.fspath(dirname).rstrip('/')
+        self.local_dir = os.fspath(local_dir or default_staging(self.dirname))
+        self.storage_options = dict(storage_options or {})
+        self.outage_seconds = outage_seconds
+        self.lease_seconds = lease_seconds
+        self.staging = CheckpointFolder(self.local_dir)
+        self._fs = None
+        self._root = None
+        self._executor: ThreadPoolExecutor | None = None
+        # the background work, and the URL of each upload among it
+        self._pending: list[tuple[Future, str | None]] = []
+        # the removals of older staged checkpoints
+        self._removals: list[threading.Thread | None] = []
+        # in the store when this job took it, or committed by it: replaceable
+        self._known: set[str] = set()
+        # the one-job lock in the store (lease.ObjectLease), taken in claim
+        self._lease = None
+        # with save_on_each_node, the nodes' main processes (sync.NodeGroup)
+        self._nodes = None
+        self._main = True
+        self._claimed = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__, _fs=None, _root=None, _executor=None, _pending=[],
+                    _removals=[], _known=set(), _lease=None, _nodes=None, _main=True,
+                    _claimed=False)
+
+    # ------------------------------------------------------------ paths
+
+    def path(self, name: str) -> str:
+        """Where checkpoint ``name`` is read from: its staged copy."""
+        return self.staging.path(name)
+
+    def url(self, name: str) -> str:
+        """Where checkpoint ``name`` is kept: its URL."""
+        return f"{self.dirname}/{name}"
+
+    def partial_path(self, name: str) -> str:
+        return self.staging.partial_path(name)
+
+    def _filesystem(self) -> tuple[Any, str]:
+        """The fsspec filesystem and the path of ``dirname`` in it."""
+        if self._fs is None:
+            self._fs, self._root = transfer.open_filesystem(self.dirname, self.storage_options)
+        return self._fs, self._root
+
+    def _store(self) -> transfer.Store:
+        return transfer.Store(*self._filesystem(), self.dirname, self.outage_seconds)
+
+    def _remote(self, *parts: str) -> str:
+        return self._store().path(*parts)
+
+    # ------------------------------------------------------------ claiming
+
+    def claim(self, net: Any) -> None:
+        """Check that the store can be reached and take the staging folder,
+        on every rank; acts once until :meth:`release`.
+
+        The staging folder is one that every rank sees, or with
+        ``save_on_each_node`` one on each node's own disk
+        (:mod:`~skorch_accel_callbacks.storage._node_upload`). Raises on every rank
+        :class:`CheckpointError` naming the URL when fsspec or the
+        protocol's package is missing, the bucket does not exist, the
+        credentials are refused, or a node does not see the staging folder
+        without ``save_on_each_node``; the errors of
+        :meth:`CheckpointFolder.claim` for the staging folder.
+        """
+        if self._claimed:
+            return
+        with sync.agree(net, f"opening {self.dirname}"):
+            # on every rank: each raises the store's refusal itself
+            self._check_reachable()
+        # the staging folder's lock keeps a second job of this machine out;
+        # with save_on_each_node it refuses nodes that share the folder
+        self.staging.claim(net)
+        if not (accelerate_io.save_on_each_node(net.accelerator) and sync.is_distributed(net)):
+            self._nodes = None
+            self.staging.check_shared(
+                net, f"every rank stages its files there for rank 0 to upload to "
+                f"{self.dirname}; give local_dir a shared folder, or set "
+                "save_on_each_node=True to stage on each node's own disk")
+        elif self._nodes is None:
+            # kept for the next fits: a process group lasts as long as its process
+            self._nodes = sync.NodeGroup.of_node_mains(net)
+        self._main = sync.is_main_process(net)
+        with sync.agree(net, f"taking the lease of {self.dirname}"):
+            if self._main:
+                # one job at a time in the store, before this one changes it
+                self._lease = _take_lease(self._store(), self.lease_seconds)
+            if is_committer(net):
+                self._known = set(self.committed())
+        self._finish_upload(net)
+        with sync.agree(net, f"removing what killed uploads left in {self.dirname}"):
+            if self._main:
+                self._remove_leftovers()
+        self._claimed = True
+
+    def _check_reachable(self) -> None:
+        try:
+            store = self._store()
+        except (ImportError, ValueError) as exc:
+            raise CheckpointError(
+                f"cannot open {self.dirname}: {exc} (pip install "
+                "skorch-accel-callbacks[s3] for s3://)") from exc
+        transfer.check_reachable(store)
+
+    def _finish_upload(self, net: Any) -> None:
+        """Finish the upload of the checkpoint that a job of this machine
+        (or of these nodes) committed into the staging folder but was killed
+        before it uploaded it, or before it wrote the pointers: the newest
+        staged one, if it is complete (on every node) and not older than
+        every one in the store (names sort in training order). A store
+        emptied by hand stays empty."""
+        newest = None
+        with sync.agree(net, f"reading the staging folder {self.local_dir}"):
+            if is_committer(net):
+                newest = self._newest_staged()
+        staged = sync.gather(net, newest)
+        committers = [0] if self._nodes is None else self._nodes.ranks
+        todo = None
+        with sync.agree(net, f"looking for an unfinished upload into {self.dirname}"):
+            if self._main:
+                todo = self._unfinished([staged[rank] for rank in committers])
+        todo = sync.broadcast(net, todo)
+        if todo is None:
+            return
+        what, name, best = todo
+        with sync.agree(net, f"finishing the upload of {self.url(name)}"):
+            if what == 'upload' and is_committer(net):
+                self._upload(name, best)
+            elif what == 'point' and self._main:
+                transfer.point(self._store(), name, best)
+
+    def _newest_staged(self) -> tuple[str, bool] | None:
+        """The newest checkpoint of the staging folder and whether it is a
+        best one, if it is complete."""
+        staged = self.staging.committed()
+        if not staged:
+            return None
+        manifest, problems = _manifest.check(self.staging.path(max(staged)))
+        return None if problems else (max(staged), bool(manifest.get('best')))
+
+    def _unfinished(self, staged: list[tuple[str, bool] | None]) -> tuple[str, str, bool] | None:
+        """What is left to do of the upload of the newest staged checkpoint
+        (``staged``: each committer's): ``('upload' or 'point', name, best)``."""
+        if None in staged or len(set(staged)) > 1 or not self._known:
+            return None
+        name, best = staged[0]
+        if name < max(self._known):
+            return None
+        if name not in self._known:
+            return 'upload', name, best
+        if (self.pointed('latest') != name
+                and transfer.holds(self._store(), name, self.staging.path(name))):
+            return 'point', name, best
+        return None
+
+    def _remove_leftovers(self) -> None:
+        """Remove what killed or failed uploads left in the store, once the
+        cut one is finished and under the lease (no other job writes): the
+        unfinished multipart uploads, the checkpoint folders without a manifest."""
+        transfer.abort_uploads(self._store())
+        transfer.remove_unsealed(self._store(), set(self.committed()))
+
+    def release(self) -> None:
+        """End this job's claim: the upload thread ends once its work is
+        done (:meth:`wait` reports a failure), the staging folder is released."""
+        self._claimed = False
+        try:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+        finally:
+            lease, self._lease = self._lease, None
+            try:
+                if lease is not None:
+                    lease.release()
+            except Exception as exc:
+                # the store out of reach: the error a training raises goes on
+                warnings.warn(f"could not remove the lease of {self.dirname} ({exc!r}): it "
+                              f"expires {lease.ttl_seconds:g} s after its last renewal")
+            finally:
+                self.staging.release()
+
+    # ------------------------------------------------------------ writing
+
+    def start(self, name: str) -> str:
+        return self.staging.start(name)
+
+    def commit(self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
+               started: float | None = None) -> dict[str, Any]:
+        """Commit checkpoint ``name`` into the staging folder and start its
+        upload (:meth:`wait` waits for it); return the manifest written."""
+        if self._pending:
+            raise RuntimeError(f"the upload before {self.url(name)} was not waited for")
+        written = self.staging.commit(name, sealed, durable=durable, best=best,
+                                      started=started)
+        self._submit(self.url(name), self._upload, name, best)
+        # beside the upload: the store has the older ones, and should this
+        # upload fail, the next job uploads this one
+        for other in self.staging.committed():
+            if other != name:
+                self._removals.append(atomic.discard_in_background(self.staging.path(other)))
+        return written
+
+    def _submit(self, upload: str | None, work: Any, *args: Any) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1,
+                                                thread_name_prefix='checkpoint-upload')
+        self._pending.append((self._executor.submit(work, *args), upload))
+
+    def _upload(self, name: str, best: bool) -> float:
+        """Upload checkpoint ``name`` from the staging folder; the seconds it took."""
+        started = time.monotonic()
+        try:
+            if self._nodes is None:
+                transfer.upload(self._store(), self.staging.path(name), name, best,
+                                replace=name in self._known, before_manifest=self._check_lease)
+            else:
+                node_upload.upload_from_nodes(
+                    self._nodes, self._store(), self.staging.path(name), name, best,
+                    replace=name in self._known, before_manifest=self._check_lease)
+        except StoreUnavailableError as exc:
+            raise StoreUnavailableError(
+                f"the upload of {self.url(name)} failed: {exc}; {self._kept(name)}") from exc
+        except (CheckpointError, FolderInUseError):
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"the upload of {self.url(name)} failed ({type(exc).__name__}: {exc}); "
+                f"{self._kept(name)}") from exc
+        self._known.add(name)
+        return time.monotonic() - started
+
+    def _kept(self, name: str) -> str:
+        """What became of checkpoint ``name`` when its upload failed."""
+        return f"the checkpoint stays staged in {self.staging.path(name)}, " + (
+            "which the next job on this machine with this dirname and local_dir uploads "
+            "before it trains: nothing is lost" if self._known else
+            "but the store holds no checkpoint yet: the next job starts afresh")
+
+    def _check_lease(self) -> None:
+        if self._lease is not None:
+            # another job that took over an expired lease owns the store now
+            self._lease.check()
+
+    def retire(self, keep_last: int, keep_best: int | None = None,
+               keep: Iterable[str | None] = ()) -> None:
+        """Remove from the store all but the checkpoints
+        :func:`~skorch_accel_callbacks.storage._local.retained` keeps (the
+        ``keep_last`` newest, the newest taken at an epoch's end, the best one
+        or the ``keep_best`` newest marked best, and those in ``keep``), once
+        the upload before it succeeded: a checkpoint's manifest first, then
+        its files."""
+        if not self._main:
+            return  # the main process's upload commits, and retires, for every node
+        upload = self._pending[-1][0] if self._pending else None
+        self._submit(None, self._retire, upload, keep_last, keep_best, tuple(keep))
+
+    def _retire(self, upload: Future | None, keep_last: int, keep_best: int | None,
+                keep: tuple[str | None, ...]) -> None:
+        if upload is not None and upload.exception() is not None:
+            return  # the newest is not in the store: keep what is there
+        store = self._store()
+
+        def choose(seconds: float) -> tuple[list[str], set[str]]:
+            # listings and reads: the client's read timeout bounds each
+            names = self.committed()
+            best = [self.pointed('best')]
+            if keep_best:
+                best += [name for name in names
+                         if remote_read.marked_best(store, name)][-keep_best:]
+            return names, retained(names, keep_last, best, keep)
+
+        try:
+            names, kept = store.persist(f"listing the checkpoints of {self.dirname} to retire",
+                                        choose)
+        except CheckpointError as exc:
+            # the newest is in the store: an older one too many is no loss
+            warnings.warn(f"could not retire old checkpoints of {self.dirname}: {exc}",
+                          UserWarning)
+            return
+        for name in names:
+            if name in kept:
+                continue
+            try:
+                store.persist(f"removing {self.url(name)}/{_manifest.MANIFEST_NAME}",
+                              lambda seconds, name=name: store.fs.rm_file(
+                                  self._remote(name, _manifest.MANIFEST_NAME),
+                                  **transfer.deadline(store.fs, seconds)))
+                store.persist(f"removing {self.url(name)}",
+                              lambda seconds, name=name: store.fs.rm(
+                                  self._remote(name), recursive=True,
+                                  **transfer.deadline(store.fs, seconds)))
+            except (OSError, CheckpointError) as exc:
+                warnings.warn(f"could not remove old checkpoint {self.url(name)}: {exc}",
+                              UserWarning)
+
+    def wait(self) -> str | None:
+        """Wait for the upload, the retirement and the staging folder's
+        removals; raise the first that failed. Return what to tell the
+        user: how long the upload took, and how long this wait blocked if
+        it was still running (a save due while the previous upload runs
+        waits for it), or None."""
+        pending, self._pending = self._pending, []
+        began, busy = time.monotonic(), not all(future.done() for future, _ in pending)
+        error, said = None, []
+        for future, upload in pending:
+            exc = future.exception()
+            if exc is not None and error is None:
+                error = exc
+            elif exc is None and upload is not None:
+                said.append(f"Uploaded {upload} in {future.result():.2f} s")
+        waited = time.monotonic() - began
+        removals, self._removals = self._removals, []
+        for removal in removals:
+            if removal is not None:
+                removal.join()
+        self.staging.wait()
+        if error is not None:
+            raise error
+        if not said:
+            return None
+        return '; '.join(said) + (f" (training waited {waited:.2f} s for it)" if busy else '')
+
+    # ------------------------------------------------------------ reading
+
+    def pointed(self, which: str) -> str | None:
+        """The name ``latest.json`` or ``best.json`` in the store points at, or None."""
+        return remote_read.pointed(self._store(), which)
+
+    def check(self, name: str) -> tuple[dict[str, Any], str | None]:
+        """The manifest of checkpoint ``name`` in the store and why it is not
+        complete there (:func:`remote_read.check`)."""
+        return remote_read.check(self._store(), name)
+
+    def committed(self) -> list[str]:
+        """Names of the checkpoints in the store with a manifest, oldest first."""
+        return remote_read.committed(self._store())
+
+    def find_checkpoint(self, which: str | os.PathLike[str] = 'latest') -> Found | None:
+        """The checkpoint ``which`` names, downloaded into the staging folder
+        and checked there (:func:`remote_read.find_checkpoint`)."""
+        return remote_read.find_checkpoint(self._store(), self.staging, which)
+
+    def find(self, which: str | os.PathLike[str] = 'latest') -> str | None:
+        found = self.find_checkpoint(which)
+        return None if found is None else found.path
+
+
+def _take_lease(store: transfer.Store, ttl_seconds: float) -> ObjectLease | None:
+    try:
+        return take_lease(store.fs, store.path(_manifest.LEASE_NAME), ttl_seconds)
+    except FolderInUseError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot save into {store.dirname}: writing its lease failed "
+            f"({type(exc).__name__}: {exc}); check that the credentials may write") from exc

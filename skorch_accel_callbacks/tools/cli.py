@@ -1,0 +1,377 @@
+"""The command ``python -m skorch_accel_callbacks`` (``skorch-accel-callbacks``).
+
+``list DIR``, ``verify DIR [NAME]`` and ``export DIR [NAME] OUT``: what is
+in a folder of checkpoints, whether its files are intact, and a checkpoint's
+model(s) as files for inference. Each also takes the URL of checkpoints in
+an object store (``s3://bucket/run1``; ``verify`` and ``export`` download
+into a temporary folder). ``list`` and ``verify`` only read the folder;
+``export`` only writes into ``OUT``.
+
+Exit codes, the same for every command: 0 done (``verify``: intact), 1 a
+checkpoint is damaged or cannot be used (``verify`` names each damaged file;
+``export`` the model file it could not read) or the command failed (``OUT``
+not writable), 2 a usage error: a wrong argument (``OUT`` a file), no such
+folder or checkpoint (``best`` where no checkpoint is the best one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Collection, Sequence
+from typing import Any, TextIO
+
+from skorch_accel_callbacks._core.base import format_bytes
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.format._atomic import discard
+from skorch_accel_callbacks.format._manifest import (
+    MANIFEST_NAME,
+    POINTERS,
+    is_checkpoint_name,
+    pointer_name,
+)
+from skorch_accel_callbacks.storage._local import CheckpointFolder
+from skorch_accel_callbacks.storage._remote import RemoteStorage, is_remote
+from skorch_accel_callbacks.tools import export as exporting, inspection
+
+__all__ = ['main']
+
+OK, DAMAGED, USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A wrong argument, or no such folder or checkpoint (exit code 2)."""
+
+
+def _split(path: str, name: str | None) -> tuple[str, str | None]:
+    """``(folder of checkpoints, name)``: a checkpoint folder given as DIR
+    (``DIR/epoch-0003``, or any folder with a manifest) stands for its
+    parent and its name."""
+    path = os.path.normpath(path)
+    if name is None and (is_checkpoint_name(os.path.basename(path))
+                         or os.path.isfile(os.path.join(path, MANIFEST_NAME))):
+        return os.path.dirname(path) or os.curdir, os.path.basename(path)
+    return path, name
+
+
+def _check_folder(dirname: str) -> None:
+    if not os.path.exists(dirname):
+        raise UsageError(f"no such folder: {dirname}")
+    if not os.path.isdir(dirname):
+        raise UsageError(f"not a folder: {dirname}")
+
+
+# ---------------------------------------------------------------- list
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ['  '.join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+            .rstrip() for row in rows]
+
+
+def _took(row: dict[str, Any]) -> str:
+    if row['save_seconds'] is None:
+        return '-'
+    text = f"{row['save_seconds']:.2f} s"
+    if row['blocked_seconds'] is not None:
+        text += f" (blocked {row['blocked_seconds']:.2f} s)"
+    return text
+
+
+def _list(args: argparse.Namespace, out: TextIO) -> int:
+    if is_remote(args.dir):
+        store = RemoteStorage(args.dir)
+        rows = [inspection.describe_one(name, store.url(name), *store.check(name))
+                for name in store.committed()]
+        _print_rows(store.dirname, rows, out)
+        print('pointers: ' + '; '.join(
+            f"{pointer_name(which)} -> {store.pointed(which) or 'none'}"
+            for which in POINTERS), file=out)
+        return OK
+    dirname = os.path.normpath(args.dir)
+    _check_folder(dirname)
+    if is_checkpoint_name(os.path.basename(dirname)):
+        raise UsageError(f"{dirname} is one checkpoint: list the folder that holds it, "
+                         f"or verify {dirname}")
+    _print_rows(dirname, inspection.describe(dirname), out)
+    pointed = inspection.pointers(dirname)
+    print('pointers: ' + '; '.join(
+        f"{pointer_name(which)} -> {pointed[which] or 'none'}" for which in POINTERS), file=out)
+    left = inspection.leftovers(dirname)
+    print('left over:' + ('' if left else ' nothing'), file=out)
+    for name, what in left:
+        suffix = '/' if os.path.isdir(os.path.join(dirname, name)) else ''
+        print(f"  {name}{suffix}  {what}", file=out)
+    lock = inspection.lock_state(dirname)
+    if not lock['exists']:
+        state = 'none (no job has trained here)'
+    else:
+        holder = lock['holder'] or 'no job named in it'
+        state = {True: f"held by a running job: {holder}",
+                 False: f"free (last taken by {holder})",
+                 None: f"cannot be read (last taken by {holder})"}[lock['held']]
+    print(f"lock: {state}", file=out)
+    return OK
+
+
+def _print_rows(dirname: str, rows: list[dict[str, Any]], out: TextIO) -> None:
+    print(f"{dirname}: {len(rows)} checkpoint(s), in training order", file=out)
+    if rows:
+        table = [('name', 'epoch', 'step', 'best', 'score', 'finished', 'world', 'size',
+                  'saved (UTC)', 'took', 'state')]
+        for row in rows:
+            score = f"{row['score'][0]} {row['score'][1]:.4f}" if row['score'] else '-'
+            finished = ('stopped' if row['stopped_early'] else
+                        'yes' if row['finished'] else 'no')
+            saved_at = (row['saved_at'].strftime('%Y-%m-%d %H:%M:%S')
+                        if row['saved_at'] else '-')
+            table.append((
+                row['name'], str(row['epoch'] if row['epoch'] is not None else '-'),
+                str(row['step'] if row['step'] is not None else '-'),
+                'best' if row['best'] else '-', score, finished,
+                str(row['world_size'] if row['world_size'] is not None else '-'),
+                format_bytes(row['bytes']) if row['bytes'] is not None else '-', saved_at,
+                _took(row),
+                'DAMAGED' if row['problem'] else 'ok'))
+        for line in _table(table):
+            print('  ' + line, file=out)
+        for row in rows:
+            if row['problem']:
+                print(f"  {row['name']} is DAMAGED: {row['problem']}", file=out)
+        print("  (state: the manifest and the size of every file; verify loads every file)",
+              file=out)
+
+
+# ---------------------------------------------------------------- verify
+
+def _pointer_problems(dirname: str, names: Collection[str]) -> tuple[list[str], list[str]]:
+    """(damaged, notes) about latest.json and best.json."""
+    folder = CheckpointFolder(dirname)
+    damaged, notes = [], []
+    for which in POINTERS:
+        file = os.path.join(dirname, pointer_name(which))
+        if not os.path.exists(file):
+            continue
+        name = folder.pointed(which)
+        if name is None:
+            problem = f"{file} cannot be read or names no checkpoint"
+        elif name not in names:
+            problem = f"{file} names {name}, which is not in {dirname}"
+        else:
+            continue
+        if which == 'best':
+            damaged.append(problem + ": resume='best' fails")
+        else:
+            notes.append(problem + ": resuming takes the newest complete checkpoint")
+    return damaged, notes
+
+
+def _print_verdict(where: str, verdict: inspection.Verdict, out: TextIO) -> None:
+    if verdict.intact:
+        print(f"{where}: intact ({verdict.files} files, {format_bytes(verdict.bytes)})",
+              file=out)
+    else:
+        print(f"{where}: DAMAGED", file=out)
+        for line in verdict.damaged:
+            print(f"  {line}", file=out)
+    for line in verdict.notes:
+        print(f"  note: {line}", file=out)
+
+
+def _verify_remote(url: str, name: str | None, out: TextIO) -> int:
+    """Verify the checkpoints in the store at ``url``: each downloaded into
+    a temporary folder, verified there, and removed."""
+    with tempfile.TemporaryDirectory(prefix='skorch-accel-verify-') as staging:
+        store = RemoteStorage(url, local_dir=staging)
+        names = store.committed()
+        if name in POINTERS:
+            names = [store.pointed(name)]
+            if names[0] is None:
+                raise UsageError(f"no {name} checkpoint in {store.dirname}")
+        elif name is not None:
+            if name not in names:
+                raise UsageError(f"no checkpoint {name} in {store.dirname}")
+            names = [name]
+        elif not names:
+            raise UsageError(f"no checkpoints in {store.dirname}")
+        bad = 0
+        for found in names:
+            try:
+                verdict = inspection.verify(store.find_checkpoint(found).path)
+            except CorruptCheckpointError as exc:
+                verdict = inspection.Verdict(store.url(found))
+                verdict.damaged.append(str(exc))
+            bad += not verdict.intact
+            _print_verdict(store.url(found), verdict, out)
+            discard(store.path(found))
+    if len(names) > 1:
+        print(f"{len(names)} checkpoints: {len(names) - bad} intact, {bad} damaged", file=out)
+    return DAMAGED if bad else OK
+
+
+def _verify(args: argparse.Namespace, out: TextIO) -> int:
+    if is_remote(args.dir):
+        return _verify_remote(args.dir, args.name, out)
+    dirname, name = _split(args.dir, args.name)
+    _check_folder(dirname)
+    folder = CheckpointFolder(dirname)
+    names = [row['name'] for row in inspection.describe(dirname)]
+    damaged, notes = [], []
+    if name is None:
+        if not names:
+            raise UsageError(f"no checkpoints in {dirname}")
+        paths = [folder.path(found) for found in names]
+        damaged, notes = _pointer_problems(dirname, names)
+    elif name in POINTERS:
+        paths = [folder.named(name)]
+    elif os.path.isdir(folder.path(name)):
+        # a checkpoint, or a folder given as one (renamed, copied)
+        paths = [folder.path(name)]
+    elif is_checkpoint_name(name):
+        paths = [folder.named(name)]  # FileNotFoundError: there is none of that name
+    else:
+        raise UsageError(f"NAME must be a checkpoint name (epoch-NNNN), 'latest' or "
+                         f"'best', got {name!r}")
+    bad = 0
+    for path in paths:
+        verdict = inspection.verify(path)
+        bad += not verdict.intact
+        _print_verdict(path, verdict, out)
+    for line in damaged:
+        print(f"DAMAGED: {line}", file=out)
+    for line in notes:
+        print(f"note: {line}", file=out)
+    if len(paths) > 1:
+        print(f"{len(paths)} checkpoints: {len(paths) - bad} intact, {bad} damaged", file=out)
+    return DAMAGED if bad or damaged else OK
+
+
+# ---------------------------------------------------------------- export
+
+def _export(args: argparse.Namespace, out: TextIO) -> int:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        try:
+            if is_remote(args.dir):
+                source, files = _export_remote(args.dir, args.name, args.out)
+            else:
+                source, files = _export_local(args.dir, args.name, args.out)
+        finally:
+            # export warns again about the checkpoint it was given
+            for message in dict.fromkeys(str(warning.message) for warning in caught):
+                print(f"warning: {message}", file=sys.stderr)
+    print(f"exported the model(s) of {source} into {args.out}:", file=out)
+    for key, file in files.items():
+        print(f"  {file}  ({key})", file=out)
+    arguments = ', '.join(f"{key}={file!r}" for key, file in files.items())
+    print(f"load them with net.load_params({arguments}, use_safetensors=True)", file=out)
+    return OK
+
+
+def _export_local(dirname: str, name: str | None, out_dir: str) -> tuple[str, dict[str, str]]:
+    dirname, name = _split(dirname, name)
+    _check_folder(dirname)
+    which = name or 'latest'
+    if which == 'best':
+        # a usage error, not the CheckpointError of a folder without a best one
+        CheckpointFolder(dirname).named(which)
+    path = exporting.find_exportable(dirname, which)
+    return path, exporting.export(path, out_dir)
+
+
+def _export_remote(url: str, name: str | None, out_dir: str) -> tuple[str, dict[str, str]]:
+    """Export from the store at ``url``: the checkpoint downloaded into a
+    temporary folder, exported, and removed."""
+    with tempfile.TemporaryDirectory(prefix='skorch-accel-export-') as staging:
+        found = exporting.fetch_checkpoint(url, name or 'latest', staging)
+        files = exporting.export(found.path, out_dir)
+    return f"{url.rstrip('/')}/{os.path.basename(found.path)}", files
+
+
+# ---------------------------------------------------------------- main
+
+def _parser(prog: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="List, verify and export the checkpoints of AccelerateCheckpoint. "
+                    "list and verify only read the folder.",
+        epilog="Exit codes, the same for every command: 0 done (verify: intact); 1 a "
+               "checkpoint is damaged or cannot be used, or the command failed; 2 a "
+               "usage error: a wrong argument (export: OUT is a file), no such folder "
+               "or checkpoint (best where none is the best one).")
+    commands = parser.add_subparsers(dest='command', required=True, metavar='COMMAND')
+    _add_list(commands)
+    _add_verify(commands)
+    _add_export(commands)
+    return parser
+
+
+def _add_list(commands: Any) -> None:
+    listing = commands.add_parser(
+        'list', help="the checkpoints of a folder, what is left over and its lock",
+        description="One line a checkpoint, in training order: name, epochs done, "
+                    "optimizer steps, best, the "
+                    "last epoch's valid_loss (or train_loss), finished, world size, size "
+                    "on disk, when it was saved, how long the save took; then the "
+                    "pointers, what killed jobs left over and the folder's lock.")
+    listing.add_argument('dir', metavar='DIR', help="an AccelerateCheckpoint's dirname")
+    listing.set_defaults(run=_list)
+
+
+def _add_verify(commands: Any) -> None:
+    verifying = commands.add_parser(
+        'verify', help="check that every file of the checkpoints loads",
+        description="Check the manifest, the size of every file and that every file "
+                    "loads without running code (safetensors, JSON, "
+                    "torch.load(weights_only=True)). Exit 0 if intact, 1 if damaged "
+                    "(each damaged file is named), 2 for a usage error (no such "
+                    "folder or checkpoint, no best one).")
+    verifying.add_argument('dir', metavar='DIR',
+                           help="an AccelerateCheckpoint's dirname, or one checkpoint folder")
+    verifying.add_argument('name', metavar='NAME', nargs='?',
+                           help="one checkpoint: epoch-NNNN, or latest / best (what "
+                                "latest.json / best.json name); default: all of them")
+    verifying.set_defaults(run=_verify)
+
+
+def _add_export(commands: Any) -> None:
+    exporting_ = commands.add_parser(
+        'export', help="a checkpoint's model(s) as safetensors files for load_params",
+        description="Write the model(s) of a checkpoint into OUT as "
+                    "params.safetensors (the module), <name>.safetensors (other "
+                    "modules and criteria) and history.json, which skorch's "
+                    "net.load_params(f_params=..., use_safetensors=True) reads. A "
+                    "checkpoint whose model files are intact is exported even if an "
+                    "optimizer or random-state file is missing (a warning names it). "
+                    "Exit 0 if exported, 1 if a model file is damaged, 2 for a usage "
+                    "error (no such folder or checkpoint, no best one, OUT a file).")
+    exporting_.add_argument('dir', metavar='DIR',
+                            help="an AccelerateCheckpoint's dirname, or one checkpoint folder")
+    exporting_.add_argument('name', metavar='NAME', nargs='?',
+                            help="latest (default: the newest complete checkpoint), best, "
+                                 "or epoch-NNNN")
+    exporting_.add_argument('out', metavar='OUT',
+                            help="the folder to write into (created if needed; files of "
+                                 "an earlier export are replaced)")
+    exporting_.set_defaults(run=_export)
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Run the command with ``argv`` (default: ``sys.argv[1:]``); return the
+    exit code."""
+    args = _parser(prog).parse_args(argv)
+    try:
+        return args.run(args, sys.stdout)
+    # CheckpointError is a ValueError, FileNotFoundError an OSError
+    except (UsageError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:
+        print(f"{args.command}: {exc}", file=sys.stderr)
+        return USAGE
+    except (CheckpointError, OSError) as exc:  # and CorruptCheckpointError
+        print(f"{args.command}: {exc}", file=sys.stderr)
+        return DAMAGED
+    except ValueError as exc:
+        print(f"{args.command}: {exc}", file=sys.stderr)
+        return USAGE

@@ -1,0 +1,174 @@
+"""Every Python block of the README and of the docs pages runs, as written.
+
+The blocks of a page (``README.rst``, ``docs/*.rst``) run in order, in one
+namespace, in a fresh process in a temporary folder (a reader pastes them
+one after the other into one session). A page with the comment
+``.. test-setup: quickstart.rst`` starts from the quick start's set-up: the
+first Python block of ``docs/quickstart.rst`` runs before its own, as its
+text says. A block with ``:name: <file>.py`` is a script the page tells to
+save and launch: it is written to that file and run in 2 CPU processes,
+twice, as the resume story does. Shell blocks are not run; the ``make``
+targets and files that any page names must exist.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from launcher import REPO, launch
+
+DOCS = REPO / 'docs'
+PAGES = [REPO / 'README.rst', *sorted(DOCS.glob('*.rst'))]
+TIMEOUT = 300
+
+# Runs in the fresh process: execs each block, with the page's line numbers
+# in tracebacks, and says which blocks finished.
+RUNNER = """
+import json, sys
+blocks = json.load(open(sys.argv[1]))
+namespace = {'__name__': '__docs__'}
+for block in blocks:
+    code = '\\n' * (block['line'] - 1) + block['source']
+    exec(compile(code, block['page'], 'exec'), namespace)
+    print(f"block at {block['page']}:{block['line']}: ran", flush=True)
+"""
+
+
+def code_blocks(text):
+    """``(language, options, first line number, source)`` of every code block."""
+    lines = text.splitlines()
+    blocks = []
+    i = 0
+    while i < len(lines):
+        match = re.match(r'^(\s*)\.\. code-block:: *(\w+)\s*$', lines[i])
+        i += 1
+        if not match:
+            continue
+        indent = len(match.group(1))
+        options = {}
+        while i < len(lines) and re.match(r'^\s+:(\w[\w-]*):(.*)$', lines[i]):
+            key, value = re.match(r'^\s+:(\w[\w-]*):(.*)$', lines[i]).groups()
+            options[key] = value.strip()
+            i += 1
+        body = []
+        start = i + 1
+        while i < len(lines) and (not lines[i].strip()
+                                  or len(lines[i]) - len(lines[i].lstrip()) > indent):
+            body.append(lines[i])
+            i += 1
+        # leading blank lines belong to the directive, not the code
+        while body and not body[0].strip():
+            body.pop(0)
+            start += 1
+        blocks.append((match.group(2), options, start, textwrap.dedent('\n'.join(body))))
+    return blocks
+
+
+def python_blocks(page):
+    """The blocks a fresh process runs for ``page``: the set-up it names
+    (``.. test-setup: <page>``: that page's first Python block), then its own
+    Python blocks but scripts, as ``{'page', 'line', 'source'}``."""
+    text = page.read_text()
+    blocks = []
+    for setup in re.findall(r'^\.\. test-setup: *(\S+)\s*$', text, flags=re.M):
+        _, _, line, source = next(b for b in code_blocks((DOCS / setup).read_text())
+                                  if b[0] == 'python')
+        blocks.append({'page': str(DOCS / setup), 'line': line, 'source': source})
+    return blocks + [{'page': str(page), 'line': line, 'source': source}
+                     for language, options, line, source in code_blocks(text.replace('\t', ' '))
+                     if language == 'python' and 'name' not in options]
+
+
+BLOCKS = {page: code_blocks(page.read_text()) for page in PAGES}
+RUN = {page: python_blocks(page) for page in PAGES if python_blocks(page)}
+SCRIPTS = [(page, options['name'], source) for page, blocks in BLOCKS.items()
+           for language, options, _, source in blocks
+           if language == 'python' and 'name' in options]
+SHELL = [source for blocks in BLOCKS.values() for language, _, _, source in blocks
+         if language == 'bash']
+
+# what the blocks of each page say they leave behind, in its folder
+LEAVES = {
+    'README.rst': ['checkpoints/latest.json', 'checkpoints/epoch-0008'],
+    'quickstart.rst': ['checkpoints/latest.json', 'checkpoints/epoch-0008',
+                       'model/params.safetensors', 'checkpoints-fold1/latest.json'],
+    'mid_epoch.rst': ['checkpoints-steps/epoch-0001-step-00000005', 'checkpoints-steps/epoch-0002'],
+    'params.rst': ['best/params.pt', 'final/train_end_params.pt', 'weights.pt'],
+    'several_machines.rst': ['checkpoints-node0/epoch-0002'],
+}
+
+
+def test_the_pages_have_the_blocks_this_test_expects():
+    languages = {language for blocks in BLOCKS.values() for language, *_ in blocks}
+    assert languages <= {'python', 'bash'}
+    assert len(RUN) >= 8 and SHELL
+    assert [(page.name, name) for page, name, _ in SCRIPTS] == [('resume.rst', 'train.py')]
+    assert set(LEAVES) <= {page.name for page in RUN}
+    # the parser took whole blocks: each compiles on its own
+    for blocks in RUN.values():
+        for block in blocks:
+            compile('\n' * (block['line'] - 1) + block['source'], block['page'], 'exec')
+    for _, name, source in SCRIPTS:
+        compile(source, name, 'exec')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('page', list(RUN), ids=lambda page: page.name)
+def test_python_blocks_of_a_page_run_in_order_in_one_process(tmp_path, page):
+    blocks = tmp_path / 'blocks.json'
+    blocks.write_text(json.dumps(RUN[page]))
+    # Accelerator() of the blocks then runs on CPU on a GPU machine too
+    env = dict(os.environ, ACCELERATE_USE_CPU='true')
+    proc = subprocess.run(
+        [sys.executable, '-c', RUNNER, str(blocks)], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    ran = re.findall(r'block at (.+):(\d+): ran', proc.stdout)
+    assert ran == [(block['page'], str(block['line'])) for block in RUN[page]]
+    missing = [path for path in LEAVES.get(page.name, []) if not (tmp_path / path).exists()]
+    assert not missing, proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('name', [name for _, name, _ in SCRIPTS], ids=str)
+def test_script_blocks_start_and_resume_in_two_processes(tmp_path, monkeypatch, name):
+    source = next(source for _, script, source in SCRIPTS if script == name)
+    script = tmp_path / name
+    script.write_text(source)
+    # what `ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2` gives the script
+    env = {'ACCELERATE_USE_CPU': 'true'}
+    monkeypatch.chdir(tmp_path)  # the ranks start here: 'checkpoints' is relative
+    first = launch(script, nproc=2, timeout=TIMEOUT, env=env).check()
+    assert 'No checkpoint in checkpoints; training from scratch.' in first.outputs[0]
+    manifest = json.loads((tmp_path / 'checkpoints' / 'epoch-0006' / 'manifest.json').read_text())
+    assert manifest['world_size'] == 2  # the script ran in 2 processes, not in 2 alone
+    again = launch(script, nproc=2, timeout=TIMEOUT, env=env).check()
+    assert ('Resumed from checkpoints/epoch-0006 after epoch 6; max_epochs had been reached.'
+            in again.outputs[0])
+
+
+def test_make_targets_and_paths_named_in_the_pages_exist():
+    makefile = (REPO / 'Makefile').read_text()
+    targets = set(re.findall(r'^([\w-]+):', makefile, flags=re.M))
+    text = '\n'.join(page.read_text() for page in PAGES)
+    named = set(re.findall(r'\bmake ([\w-]+)', '\n'.join(SHELL)))
+    named |= set(re.findall(r'``make ([\w-]+)', text))
+    assert named and named <= targets, named - targets
+    paths = set(re.findall(r'\b((?:examples|tests|benchmarks|docs)/[\w./-]*\w)', text))
+    # what a docs build writes
+    paths -= {'docs/_build/html', 'docs/_build/html/index.html', 'docs/_generated'}
+    missing = sorted(p for p in paths if not (REPO / p).exists())
+    assert not missing
+
+
+def test_the_readme_links_to_pages_that_exist():
+    text = (REPO / 'README.rst').read_text()
+    links = set(re.findall(r'<(docs/[\w/.-]+\.rst)>`__', text))
+    # every page but the site's own index is linked, and nothing else under docs/
+    assert links == {f'docs/{page.name}' for page in DOCS.glob('*.rst')} - {'docs/index.rst'}
+    assert len(text.splitlines()) < 300
