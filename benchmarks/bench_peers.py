@@ -310,7 +310,8 @@ def worker(out, sizes, repeats, root):
 
 
 def launched(sizes, repeats, root, nproc, timeout):
-    """The run in ``nproc`` processes: each sample the slowest rank's."""
+    """The run in ``nproc`` processes: the world size the ranks saw, and
+    every size's samples, each the slowest rank's."""
     from launcher import launch
     out = Path(root) / f'peers-{nproc}'
     shutil.rmtree(out, ignore_errors=True)
@@ -327,7 +328,7 @@ def launched(sizes, repeats, root, nproc, timeout):
         for key in list(result['times']):
             result['times'][key] = [max(values) for values in zip(
                 *(r['results'][i]['times'][key] for r in ranks), strict=True)]
-    return merged
+    return ranks[0]['world_size'], merged
 
 
 # ---------------------------------------------------------------- report
@@ -361,9 +362,10 @@ def report(runs, repeats, root):
     out = [f"Machine: {machine()}; disk: {disk_of(root)}; torch {torch.__version__}, "
            f"{torch.get_num_threads()} threads in the one-process run (1 per rank in 2); "
            f"{repeats} repeats; ms. CUDA: {torch.cuda.is_available()}."]
-    for nproc, results in runs:
-        where = ('one process, no process group' if nproc == 1 else
-                 f'{nproc} processes (DDP, gloo), the slower rank')
+    for world_size, results in runs:
+        where = ('one process, no process group' if world_size == 1 else
+                 f'{world_size} processes (DDP, gloo; the world size the ranks saw), '
+                 'the slower rank')
         rows, ratios = [], []
         for result in results:
             size = f"{result['size'] / 1e6:g}M"
@@ -400,8 +402,8 @@ def main():
     root.mkdir(parents=True, exist_ok=True)
     runs = []
     for nproc in (int(n) for n in args.nproc.split(',')):
-        runs.append((nproc, run_sizes(sizes, args.repeats, root) if nproc == 1 else
-                     launched(sizes, args.repeats, root, nproc, args.timeout)))
+        runs.append((1, run_sizes(sizes, args.repeats, root)) if nproc == 1 else
+                    launched(sizes, args.repeats, root, nproc, args.timeout))
     print(report(runs, args.repeats, root))
 
 
