@@ -49,6 +49,7 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py
+	$(PY) benchmarks/bench_peers.py
 	$(PY) benchmarks/bench_mid_epoch.py
 
 bench-s3: $(STAMP)

@@ -1,0 +1,75 @@
+"""The benchmarks run, so that they cannot rot: ``bench_peers.py --quick``
+(its small sizes, 2 repeats) in one process and in 2, as ``make bench`` runs it."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from launcher import REPO
+
+BENCHMARKS = REPO / 'benchmarks'
+# the quick run took 2 min 10 s on 2 loaded cores
+TIMEOUT = 600
+# the variants every size reports in both runs (DCP's BlockingAsyncStager needs CUDA)
+VARIANTS = ('disk: one file written + fsync', 'memory copy into buffers allocated before',
+            'torch.save of the state dicts + fsync',
+            'accelerator.save_state + fsync of its files', 'DCP save',
+            'DCP async_save, blocked', 'DCP async_save, DefaultStager kept, blocked',
+            'DCP async_save, DefaultStager async staging, blocked',
+            'ours durable, keep_last=1', 'ours durable, keep_last=2',
+            'ours durable=False, keep_last=1', 'ours async_save=True, blocked',
+            'ours async_save=True, until committed')
+RATIOS = ('ours durable / DCP save', 'ours durable / disk',
+          'ours async blocked / DCP async blocked', 'ours async blocked / memory copy')
+
+
+def sections(text):
+    """Title -> the rows of the table below it (lists of cells)."""
+    found, title = {}, None
+    for line in text.splitlines():
+        if line.startswith(('One save,', 'Ratios,')):
+            title = line
+            found[title] = []
+        elif title and line and not line.startswith(('=', 'params')):
+            found[title].append(re.split(r'\s{2,}', line.strip()))
+    return found
+
+
+@pytest.fixture(scope='module')
+def quick_peers(tmp_path_factory):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), os.environ.get('PYTHONPATH', '')]))
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / 'bench_peers.py'), '--quick',
+         '--dir', str(tmp_path_factory.mktemp('bench')), '--timeout', str(TIMEOUT)],
+        env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return sections(proc.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('where', ['one process, no process group',
+                                   '2 processes (DDP, gloo; the world size the ranks saw), '
+                                   'the slower rank'])
+def test_bench_peers_quick_reports_every_variant_and_ratio(quick_peers, where):
+    rows = quick_peers[f'One save, {where}']
+    for size in ('1M', '2M'):
+        seen = {row[2]: row[3:] for row in rows if row[0] == size}
+        assert set(VARIANTS) <= set(seen), (size, sorted(seen))
+        for variant, cells in seen.items():
+            low, mid, high = map(float, cells)
+            assert 0 < low <= mid <= high, (size, variant, cells)
+        ratios = [row[1] for row in quick_peers[f'Ratios, {where}'] if row[0] == size]
+        assert all(any(r.startswith(name) for r in ratios) for name in RATIOS), ratios
+
+
+@pytest.mark.slow
+def test_bench_peers_2_process_run_had_2_processes(quick_peers):
+    # the title's count is the world size the launched ranks reported (the
+    # script also refuses a run whose ranks disagree or are not on gloo)
+    launched = [title for title in quick_peers if 'processes' in title]
+    assert launched and all(title.split(', ', 1)[1].startswith('2 processes ')
+                            for title in launched), launched
