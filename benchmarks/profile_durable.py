@@ -28,14 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_checkpoint import REPO, disk_write, folder_bytes, new_epoch, trained_net
 
-from skorch_accel_callbacks import (  # internals
-    AccelerateCheckpoint,
-    accelerate_io,
-    atomic,
-    folder,
-    format,
-    writer,
-)
+from skorch_accel_callbacks import AccelerateCheckpoint
+from skorch_accel_callbacks._core import accelerate_io  # internals: the phases
+from skorch_accel_callbacks.engine import _writer as writer
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest as manifest_format
+from skorch_accel_callbacks.storage import _local as folder
 
 SPANS = []
 # (module or class, function, label)
@@ -44,10 +41,10 @@ PHASES = (
     (writer.SyncWriter, 'stage', 'stage: every file written'),
     (accelerate_io, 'save_state', '  accelerator.save_state'),
     (writer.SyncWriter, 'commit', 'commit'),
-    (format, 'write', '  seal: fsyncs || checksums, manifest'),
+    (manifest_format, 'write', '  seal: fsyncs || checksums, manifest'),
     (atomic, 'fsync_files', '    fsync of the files, in parallel'),
     (atomic, '_fsync_file', '    fsync of one file'),
-    (format, 'checksum_file', '    checksum of one file'),
+    (manifest_format, 'checksum_file', '    checksum of one file'),
     (atomic, 'write_json', '  manifest / pointer (atomic JSON)'),
     (atomic, 'replace_folder', '  rename + fsync of the parent'),
     (folder.CheckpointFolder, 'retire', '  retire: rename aside'),
