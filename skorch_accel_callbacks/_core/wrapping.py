@@ -159,6 +159,11 @@ def unwrapped(net: NeuralNet) -> Iterator[NeuralNet]:
     parameters of the wrapper after it (DDP shares the tensors), so loading the
     same file on every rank keeps the ranks in sync.
 
+    Parameters
+    ----------
+    net : skorch.NeuralNet
+      The net, initialized, with or without ``AccelerateMixin``.
+
     Examples
     --------
     >>> with unwrapped(net):

@@ -6,7 +6,8 @@ import os
 import signal
 import time
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from skorch.callbacks import Callback
 from skorch.utils import noop
@@ -34,6 +35,9 @@ from skorch_accel_callbacks.state import (
 from skorch_accel_callbacks.storage._interface import CheckpointStorage, open_storage
 from skorch_accel_callbacks.tools.export import LoadableCheckpoint
 
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+
 __all__ = ['AccelerateCheckpoint']
 
 
@@ -48,7 +52,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
 
     Parameters
     ----------
-    dirname : str (default='checkpoints')
+    dirname : str or os.PathLike (default='checkpoints')
       Folder of the checkpoints, or a store's URL (``s3://bucket/run1``); one job at a time.
 
     monitor : str, callable or None (default=None)
@@ -97,7 +101,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
       Write checkpoints in a background thread; training waits only while
       the states are copied to host memory. One save is in flight at a time.
 
-    local_dir : str or None (default=None)
+    local_dir : str, os.PathLike or None (default=None)
       With a store's URL: where saves are staged (None: under the system's temp
       folder), uploaded one at a time: a save due meanwhile waits (``sink`` says how long).
 
@@ -107,7 +111,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
       otherwise: a connection within 5 s, an answer within 10 s, one retry
       (``transfer.S3_CLIENT_DEFAULTS``).
 
-    outage_seconds : float (default=30.0)
+    outage_seconds : float (default=60.0)
       With a store's URL: how long each request of an upload (its files, the
       lease, the manifest, the pointers, the removals) is sent again while
       the store fails or does not answer (warning at the first failure);
@@ -181,14 +185,25 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     """
 
     def __init__(
-            self, dirname: str | os.PathLike = 'checkpoints', monitor: Any = None,
-            every_n_epochs: int = 1, keep_last: int = 2, event_name: str | None = 'event_acp',
-            sink: Any = noop, safe_serialization: bool = True, durable: bool = True,
-            async_save: bool = False, every_n_steps: int | None = None,
-            every_n_seconds: float | None = None, save_on_signal: tuple = ('SIGTERM',),
-            keep_best: int | None = None, local_dir: str | os.PathLike | None = None,
-            storage_options: dict | None = None, *, outage_seconds: float = 60.0,
-            lease_seconds: float = 60.0,
+        self,
+        dirname: str | os.PathLike[str] = 'checkpoints',
+        *,
+        monitor: str | Callable[[NeuralNet], bool] | None = None,
+        every_n_epochs: int = 1,
+        keep_last: int = 2,
+        every_n_steps: int | None = None,
+        every_n_seconds: float | None = None,
+        save_on_signal: tuple[str | signal.Signals, ...] = ('SIGTERM',),
+        keep_best: int | None = None,
+        event_name: str | None = 'event_acp',
+        sink: Callable[[str], object] = noop,
+        safe_serialization: bool = True,
+        durable: bool = True,
+        async_save: bool = False,
+        local_dir: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        outage_seconds: float = 60.0,
+        lease_seconds: float = 60.0,
     ) -> None:
         self.dirname = dirname
         self.monitor = monitor

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from skorch.callbacks import Callback
@@ -74,7 +75,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     checkpoint : AccelerateCheckpoint
       The checkpoint callback whose folder to resume from.
 
-    resume : str (default='latest')
+    resume : str or os.PathLike (default='latest')
       ``'latest'`` (the newest complete checkpoint), ``'best'`` (the newest
       the checkpoint's ``monitor`` marked best) or a checkpoint folder's path.
 
@@ -85,7 +86,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
       Refuse a checkpoint trained on other data than this ``fit``'s (e.g.
       another fold in a shared folder); ``False`` resumes anyway.
 
-    on_world_size_change : str (default='raise')
+    on_world_size_change : {'raise', 'reseed'} (default='raise')
       A checkpoint written by another number of processes: ``'raise'`` a
       :class:`CheckpointError`, or ``'reseed'``: resume it with random
       states derived for the new ranks (not bit-exact; a warning says so);
@@ -162,10 +163,16 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     """
 
-    def __init__(self, checkpoint: AccelerateCheckpoint, resume: str = 'latest',
-                 sink: Any = noop, check_data: bool = True,
-                 on_world_size_change: str = 'raise',
-                 check_params: bool | tuple[str, ...] = True) -> None:
+    def __init__(
+        self,
+        checkpoint: AccelerateCheckpoint,
+        *,
+        resume: str | os.PathLike[str] = 'latest',
+        sink: Callable[[str], object] = noop,
+        check_data: bool = True,
+        on_world_size_change: str = 'raise',
+        check_params: bool | tuple[str, ...] = True,
+    ) -> None:
         self.checkpoint = checkpoint
         self.resume = resume
         self.sink = sink

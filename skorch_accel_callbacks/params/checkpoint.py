@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import IO, Any, Self, TypeAlias
 
+from skorch import NeuralNet
 from skorch.callbacks import Checkpoint
 from skorch.exceptions import SkorchException
 from skorch.utils import _check_f_arguments, noop, open_file_like
@@ -181,7 +182,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
 
     def __init__(
             self,
-            monitor: str | Callable[[Any], bool] | None = 'valid_loss_best',
+            monitor: str | Callable[[NeuralNet], bool] | None = 'valid_loss_best',
             f_params: File = 'params.pt',
             f_optimizer: File = 'optimizer.pt',
             f_criterion: File = 'criterion.pt',
@@ -193,6 +194,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             sink: Callable[[str], object] = noop,
             load_best: bool = False,
             use_safetensors: bool = False,
+            *,
             on_error: str = 'warn',
             **kwargs: File
     ) -> None:

@@ -81,6 +81,7 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
             dirname: str = '',
             use_safetensors: bool = False,
             sink: Callable[[str], object] = noop,
+            *,
             on_error: str = 'warn',
             **kwargs: File
     ) -> None:
