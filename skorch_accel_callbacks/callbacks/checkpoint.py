@@ -41,6 +41,27 @@ if TYPE_CHECKING:
 __all__ = ['AccelerateCheckpoint']
 
 
+def _check_checkpointable(net: NeuralNet, what: str, async_save: bool = False) -> None:
+    """Raise naming ``what`` (and ``async_save``) if the accelerator of
+    ``net`` cannot be checkpointed by ``AccelerateCheckpoint``: ``TypeError``
+    without an accelerator, ``ValueError`` with
+    ``automatic_checkpoint_naming`` (the callback names and retires its
+    folders itself) or a back-end it cannot save (``accelerate_io.check_plain_state``)."""
+    if async_save:
+        what += '(async_save=True)'
+    accelerator = getattr(net, 'accelerator', None)
+    if accelerator is None:
+        raise TypeError(
+            f"{what} needs a net with skorch's AccelerateMixin "
+            "(an `accelerator` attribute); for a plain net use ParamsCheckpoint")
+    if accelerate_io.uses_automatic_naming(accelerator):
+        raise ValueError(
+            f"{what} names and retires its checkpoint folders itself; "
+            "create the Accelerator without "
+            "ProjectConfiguration(automatic_checkpoint_naming=True)")
+    accelerate_io.check_plain_state(accelerator, what, async_save)
+
+
 class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     """Checkpoint the whole training state with ``accelerator.save_state``.
 
@@ -457,7 +478,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     def _check_net(self, net: Any) -> None:
         # the back-end before the model layout, which would blame the
         # modules of a back-end that shards or wraps them itself
-        accelerate_io.check_checkpointable(net, type(self).__name__, self.async_save)
+        _check_checkpointable(net, type(self).__name__, self.async_save)
         with own_registries(net):
             compat.model_layout(net)
             if not self._buffers_warned:
