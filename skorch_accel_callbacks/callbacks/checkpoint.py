@@ -188,20 +188,44 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
 
     Examples
     --------
-    >>> from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+    >>> import numpy as np
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from skorch import NeuralNetClassifier
+    >>> from skorch.hf import AccelerateMixin
+    >>> from skorch_accel_callbacks import (
+    ...     AccelerateCheckpoint, AccelerateFixesMixin, AccelerateLoadInitState)
+    >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
+    ...     pass
+    >>> X = np.random.randn(64, 4).astype(np.float32)
+    >>> y = (X[:, 0] > 0).astype(np.int64)
+    >>> def make_net(cp):
+    ...     return AcceleratedNet(
+    ...         torch.nn.Linear, module__in_features=4, module__out_features=2,
+    ...         criterion=torch.nn.CrossEntropyLoss, accelerator=Accelerator(cpu=True),
+    ...         max_epochs=2, callbacks=[cp, AccelerateLoadInitState(cp)])
     >>> cp = AccelerateCheckpoint(dirname='run1')
-    >>> net = AcceleratedNet(MyModule, callbacks=[cp, AccelerateLoadInitState(cp)])
-    >>> net.fit(X, y)  # killed? run the same command again to resume
+    >>> net = make_net(cp).fit(X, y)  # killed? run it again to resume  # doctest: +ELLIPSIS
+      epoch    train_loss...
+    >>> cp.committed()
+    ['epoch-0001', 'epoch-0002']
 
     Lose at most 500 steps to a crash, none to a preemption (SLURM's too):
 
-    >>> cp = AccelerateCheckpoint(dirname='run1', every_n_steps=500,
+    >>> cp = AccelerateCheckpoint(dirname='run2', every_n_steps=500,
     ...                           save_on_signal=('SIGTERM', 'SIGUSR1'))
 
-    Keep the best 2 by validation loss, in a bucket; load the newest into a plain net:
+    Keep the best 2 by validation loss (a store's URL such as
+    ``'s3://bucket/run3'`` works as a folder does); load the newest into a
+    plain net:
 
-    >>> cp = AccelerateCheckpoint('s3://bucket/run1', monitor='valid_loss_best', keep_best=2)
-    >>> NeuralNetClassifier(MyModule).initialize().load_params(checkpoint=cp)
+    >>> cp = AccelerateCheckpoint(dirname='run3', monitor='valid_loss_best', keep_best=2)
+    >>> net = make_net(cp).fit(X, y)  # doctest: +ELLIPSIS
+      epoch    train_loss...
+    >>> plain = NeuralNetClassifier(
+    ...     torch.nn.Linear, module__in_features=4, module__out_features=2,
+    ...     criterion=torch.nn.CrossEntropyLoss).initialize()
+    >>> plain.load_params(checkpoint=cp)
 
     """
 

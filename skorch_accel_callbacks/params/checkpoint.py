@@ -168,15 +168,34 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     --------
     Replace the import of skorch's ``Checkpoint``; nothing else changes:
 
-    >>> from skorch_accel_callbacks import ParamsCheckpoint
+    >>> import os
+    >>> import numpy as np
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from skorch import NeuralNetClassifier
+    >>> from skorch.hf import AccelerateMixin
+    >>> from skorch_accel_callbacks import AccelerateFixesMixin, ParamsCheckpoint
+    >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
+    ...     pass
+    >>> X = np.random.randn(64, 4).astype(np.float32)
+    >>> y = (X[:, 0] > 0).astype(np.int64)
+    >>> def make_net(callbacks):
+    ...     return AcceleratedNet(
+    ...         torch.nn.Linear, module__in_features=4, module__out_features=2,
+    ...         criterion=torch.nn.CrossEntropyLoss, accelerator=Accelerator(cpu=True),
+    ...         max_epochs=2, callbacks=callbacks)
     >>> cp = ParamsCheckpoint(dirname='run1', f_params='params_{last_epoch[epoch]}.pt')
-    >>> net = AcceleratedNet(MyModule, accelerator=accelerator, callbacks=[cp])
-    >>> net.fit(X, y)
+    >>> net = make_net([cp]).fit(X, y)  # doctest: +ELLIPSIS
+      epoch    train_loss...
+    >>> sorted(name for name in os.listdir('run1') if name.startswith('params'))
+    ['params_1.pt', 'params_2.pt']
 
     Raise instead of warning when a save fails, and load the best
     parameters after training:
 
-    >>> cp = ParamsCheckpoint(dirname='run1', on_error='raise', load_best=True)
+    >>> cp = ParamsCheckpoint(dirname='run2', on_error='raise', load_best=True)
+    >>> net = make_net([cp]).fit(X, y)  # doctest: +ELLIPSIS
+      epoch    train_loss...
 
     """
 
