@@ -4,6 +4,9 @@ talks across processes, one uses accelerate's internals, one locks; the
 callbacks hand every byte down)."""
 
 import ast
+import inspect
+import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -30,10 +33,14 @@ def _tree(path):
 
 
 def _code_lines(source_lines, node):
-    """Lines of ``node`` that hold code: not blank, not a comment, not a docstring."""
+    """Lines of ``node`` that hold code: not blank, not a comment, not a
+    docstring; a signature counts as one line however it is laid out (one
+    argument a line, as a formatter writes it, must cost nothing)."""
     lines = set(range(node.lineno, node.end_lineno + 1))
     for inner in ast.walk(node):
         body = getattr(inner, 'body', None)
+        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines -= set(range(inner.lineno + 1, body[0].lineno))
         if (isinstance(inner, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
                 and body and isinstance(body[0], ast.Expr)
                 and isinstance(body[0].value, ast.Constant)
@@ -194,3 +201,104 @@ def test_callbacks_hand_every_byte_down(name):
 def test_the_format_sits_at_the_bottom():
     ours = _package_modules(_tree(PACKAGE / 'format' / '_manifest.py'))
     assert ours <= {'format._atomic', 'errors'}, ours
+
+
+def _public():
+    import skorch_accel_callbacks  # pylint: disable=import-outside-toplevel
+    return {name: getattr(skorch_accel_callbacks, name) for name in skorch_accel_callbacks.__all__}
+
+
+def _documented(obj):
+    """The names of the Parameters section of ``obj``'s docstring, in order
+    (``a, b : int`` documents two), without the stars of ``**kwargs``."""
+    from numpydoc.docscrape import NumpyDocString  # pylint: disable=import-outside-toplevel
+    names = []
+    for parameter in NumpyDocString(inspect.getdoc(obj))['Parameters']:
+        names.extend(name.strip().lstrip('*') for name in parameter.name.split(','))
+    return names
+
+
+# what the package raises is documented by its Attributes: users catch these, never build them
+EXCEPTIONS_OF = 'skorch_accel_callbacks.errors'
+# skorch's callbacks whose drop-ins keep their signature (positional arguments included)
+DROP_INS = {'ParamsCheckpoint': 'Checkpoint', 'LoadInitParams': 'LoadInitState',
+            'TrainEndParamsCheckpoint': 'TrainEndCheckpoint'}
+
+
+@pytest.mark.parametrize('name', sorted(_public()))
+def test_docstring_parameters_follow_the_signature(name):
+    obj = _public()[name]
+    if obj.__module__ == EXCEPTIONS_OF:
+        return
+    signature = inspect.signature(obj)
+    # *args/**kwargs handed on to skorch's net need no entry of their own
+    expected = [p.name for p in signature.parameters.values()
+                if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    documented = [n for n in _documented(obj)
+                  if n in expected or n not in {'args', 'kwargs'}]
+    assert documented == expected, f"{name}: docstring {documented}, signature {expected}"
+
+
+@pytest.mark.parametrize('name', sorted(_public()))
+def test_documented_defaults_are_the_signature_defaults(name):
+    from numpydoc.docscrape import NumpyDocString  # pylint: disable=import-outside-toplevel
+    obj = _public()[name]
+    if obj.__module__ == EXCEPTIONS_OF:
+        return
+    parameters = inspect.signature(obj).parameters
+    for entry in NumpyDocString(inspect.getdoc(obj))['Parameters']:
+        default = re.search(r'\(default=(.*)\)\s*$', entry.type)
+        if default is None or entry.name not in parameters:
+            continue
+        value = parameters[entry.name].default
+        shown = getattr(value, '__name__', None) if callable(value) else repr(value)
+        assert default.group(1).replace('\\', '') == shown, (
+            f"{name}: {entry.name} documented (default={default.group(1)}), is {shown}")
+
+
+def test_the_checks_above_see_every_parameter():
+    """The two tests above compare something: every class of ours documents its arguments."""
+    for name, obj in _public().items():
+        if obj.__module__ != EXCEPTIONS_OF and inspect.signature(obj).parameters:
+            assert _documented(obj), f"{name} has no Parameters section"
+
+
+@pytest.mark.parametrize('name', ['AccelerateCheckpoint', 'AccelerateLoadInitState'])
+def test_arguments_after_the_first_are_keyword_only(name):
+    first, *others = inspect.signature(_public()[name]).parameters.values()
+    assert first.kind == first.POSITIONAL_OR_KEYWORD, first
+    assert others and all(p.kind == p.KEYWORD_ONLY for p in others), [
+        p.name for p in others if p.kind != p.KEYWORD_ONLY]
+
+
+@pytest.mark.parametrize('name', sorted(DROP_INS))
+def test_drop_ins_keep_skorchs_signature(name):
+    """What skorch takes by position, a drop-in takes by position too, with
+    skorch's defaults; what it adds (``on_error``) is keyword-only."""
+    import skorch.callbacks  # pylint: disable=import-outside-toplevel
+    ours = inspect.signature(_public()[name]).parameters
+    theirs = inspect.signature(getattr(skorch.callbacks, DROP_INS[name])).parameters
+    for key, param in theirs.items():
+        assert key in ours, f"{name} lacks skorch's {key}"
+        assert (ours[key].kind, ours[key].default) == (param.kind, param.default), key
+    assert list(ours)[:len(theirs) - ('kwargs' in theirs)] == [
+        k for k in theirs if k != 'kwargs']
+    added = [p for k, p in ours.items() if k not in theirs]
+    assert all(p.kind == p.KEYWORD_ONLY for p in added), added
+
+
+@pytest.mark.parametrize('name', sorted(_public()))
+def test_arguments_are_annotated_precisely(name):
+    """No argument of a public class or function is unannotated or a bare ``Any``
+    (its type is known); ``*args``/``**kwargs`` handed on to skorch are."""
+    obj = _public()[name]
+    # LoadInitParams takes skorch's LoadInitState.__init__ as it is, unannotated
+    if obj.__module__ == EXCEPTIONS_OF or name == 'LoadInitParams':
+        return
+    for param in inspect.signature(obj).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        # a string under ``from __future__ import annotations``
+        annotation = param.annotation
+        assert annotation is not param.empty, f"{name}: {param.name} is not annotated"
+        assert annotation not in (typing.Any, 'Any'), f"{name}: {param.name} is Any"

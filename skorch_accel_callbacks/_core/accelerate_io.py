@@ -319,27 +319,6 @@ def check_plain_state(accelerator: Accelerator, what: str, async_save: bool = Fa
             "FullyShardedDataParallelPlugin(fsdp_version=2)")
 
 
-def check_checkpointable(net: Any, what: str, async_save: bool = False) -> None:
-    """Raise naming ``what`` (and ``async_save``) if the accelerator of
-    ``net`` cannot be checkpointed by ``AccelerateCheckpoint``: ``TypeError``
-    without an accelerator, ``ValueError`` with
-    ``automatic_checkpoint_naming`` (the callback names and retires its
-    folders itself) or a back-end it cannot save (:func:`check_plain_state`)."""
-    if async_save:
-        what += '(async_save=True)'
-    accelerator = getattr(net, 'accelerator', None)
-    if accelerator is None:
-        raise TypeError(
-            f"{what} needs a net with skorch's AccelerateMixin "
-            "(an `accelerator` attribute); for a plain net use ParamsCheckpoint")
-    if uses_automatic_naming(accelerator):
-        raise ValueError(
-            f"{what} names and retires its checkpoint folders itself; "
-            "create the Accelerator without "
-            "ProjectConfiguration(automatic_checkpoint_naming=True)")
-    check_plain_state(accelerator, what, async_save)
-
-
 # ---------------------------------------------------------------- files
 
 def rng_file(rank: int) -> str:

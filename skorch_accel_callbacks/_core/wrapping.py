@@ -159,11 +159,29 @@ def unwrapped(net: NeuralNet) -> Iterator[NeuralNet]:
     parameters of the wrapper after it (DDP shares the tensors), so loading the
     same file on every rank keeps the ranks in sync.
 
+    Parameters
+    ----------
+    net : skorch.NeuralNet
+      The net, initialized, with or without ``AccelerateMixin``.
+
     Examples
     --------
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from skorch import NeuralNetClassifier
+    >>> from skorch.hf import AccelerateMixin
+    >>> from skorch_accel_callbacks import AccelerateFixesMixin, unwrapped
+    >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
+    ...     pass
+    >>> net = AcceleratedNet(torch.nn.Linear, module__in_features=4, module__out_features=2,
+    ...                      accelerator=Accelerator(cpu=True)).initialize()
+    >>> wrapper = net.module_  # DistributedDataParallel in several processes
     >>> with unwrapped(net):
     ...     state = net.module_.state_dict()  # no 'module.' prefix
-    >>> net.module_  # the same DistributedDataParallel object as before
+    >>> sorted(state)
+    ['bias', 'weight']
+    >>> net.module_ is wrapper  # the same object as before
+    True
 
     """
     if not is_wrapped(net):

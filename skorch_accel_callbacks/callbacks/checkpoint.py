@@ -6,7 +6,8 @@ import os
 import signal
 import time
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from skorch.callbacks import Callback
 from skorch.utils import noop
@@ -34,7 +35,31 @@ from skorch_accel_callbacks.state import (
 from skorch_accel_callbacks.storage._interface import CheckpointStorage, open_storage
 from skorch_accel_callbacks.tools.export import LoadableCheckpoint
 
+if TYPE_CHECKING:
+    from skorch import NeuralNet
+
 __all__ = ['AccelerateCheckpoint']
+
+
+def _check_checkpointable(net: NeuralNet, what: str, async_save: bool = False) -> None:
+    """Raise naming ``what`` (and ``async_save``) if the accelerator of
+    ``net`` cannot be checkpointed by ``AccelerateCheckpoint``: ``TypeError``
+    without an accelerator, ``ValueError`` with
+    ``automatic_checkpoint_naming`` (the callback names and retires its
+    folders itself) or a back-end it cannot save (``accelerate_io.check_plain_state``)."""
+    if async_save:
+        what += '(async_save=True)'
+    accelerator = getattr(net, 'accelerator', None)
+    if accelerator is None:
+        raise TypeError(
+            f"{what} needs a net with skorch's AccelerateMixin "
+            "(an `accelerator` attribute); for a plain net use ParamsCheckpoint")
+    if accelerate_io.uses_automatic_naming(accelerator):
+        raise ValueError(
+            f"{what} names and retires its checkpoint folders itself; "
+            "create the Accelerator without "
+            "ProjectConfiguration(automatic_checkpoint_naming=True)")
+    accelerate_io.check_plain_state(accelerator, what, async_save)
 
 
 class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
@@ -48,7 +73,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
 
     Parameters
     ----------
-    dirname : str (default='checkpoints')
+    dirname : str or os.PathLike (default='checkpoints')
       Folder of the checkpoints, or a store's URL (``s3://bucket/run1``); one job at a time.
 
     monitor : str, callable or None (default=None)
@@ -97,7 +122,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
       Write checkpoints in a background thread; training waits only while
       the states are copied to host memory. One save is in flight at a time.
 
-    local_dir : str or None (default=None)
+    local_dir : str, os.PathLike or None (default=None)
       With a store's URL: where saves are staged (None: under the system's temp
       folder), uploaded one at a time: a save due meanwhile waits (``sink`` says how long).
 
@@ -107,7 +132,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
       otherwise: a connection within 5 s, an answer within 10 s, one retry
       (``transfer.S3_CLIENT_DEFAULTS``).
 
-    outage_seconds : float (default=30.0)
+    outage_seconds : float (default=60.0)
       With a store's URL: how long each request of an upload (its files, the
       lease, the manifest, the pointers, the removals) is sent again while
       the store fails or does not answer (warning at the first failure);
@@ -163,32 +188,67 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
 
     Examples
     --------
-    >>> from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+    >>> import numpy as np
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from skorch import NeuralNetClassifier
+    >>> from skorch.hf import AccelerateMixin
+    >>> from skorch_accel_callbacks import (
+    ...     AccelerateCheckpoint, AccelerateFixesMixin, AccelerateLoadInitState)
+    >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
+    ...     pass
+    >>> X = np.random.randn(64, 4).astype(np.float32)
+    >>> y = (X[:, 0] > 0).astype(np.int64)
+    >>> def make_net(cp):
+    ...     return AcceleratedNet(
+    ...         torch.nn.Linear, module__in_features=4, module__out_features=2,
+    ...         criterion=torch.nn.CrossEntropyLoss, accelerator=Accelerator(cpu=True),
+    ...         max_epochs=2, callbacks=[cp, AccelerateLoadInitState(cp)])
     >>> cp = AccelerateCheckpoint(dirname='run1')
-    >>> net = AcceleratedNet(MyModule, callbacks=[cp, AccelerateLoadInitState(cp)])
-    >>> net.fit(X, y)  # killed? run the same command again to resume
+    >>> net = make_net(cp).fit(X, y)  # killed? run it again to resume  # doctest: +ELLIPSIS
+      epoch    train_loss...
+    >>> cp.committed()
+    ['epoch-0001', 'epoch-0002']
 
     Lose at most 500 steps to a crash, none to a preemption (SLURM's too):
 
-    >>> cp = AccelerateCheckpoint(dirname='run1', every_n_steps=500,
+    >>> cp = AccelerateCheckpoint(dirname='run2', every_n_steps=500,
     ...                           save_on_signal=('SIGTERM', 'SIGUSR1'))
 
-    Keep the best 2 by validation loss, in a bucket; load the newest into a plain net:
+    Keep the best 2 by validation loss (a store's URL such as
+    ``'s3://bucket/run3'`` works as a folder does); load the newest into a
+    plain net:
 
-    >>> cp = AccelerateCheckpoint('s3://bucket/run1', monitor='valid_loss_best', keep_best=2)
-    >>> NeuralNetClassifier(MyModule).initialize().load_params(checkpoint=cp)
+    >>> cp = AccelerateCheckpoint(dirname='run3', monitor='valid_loss_best', keep_best=2)
+    >>> net = make_net(cp).fit(X, y)  # doctest: +ELLIPSIS
+      epoch    train_loss...
+    >>> plain = NeuralNetClassifier(
+    ...     torch.nn.Linear, module__in_features=4, module__out_features=2,
+    ...     criterion=torch.nn.CrossEntropyLoss).initialize()
+    >>> plain.load_params(checkpoint=cp)
 
     """
 
     def __init__(
-            self, dirname: str | os.PathLike = 'checkpoints', monitor: Any = None,
-            every_n_epochs: int = 1, keep_last: int = 2, event_name: str | None = 'event_acp',
-            sink: Any = noop, safe_serialization: bool = True, durable: bool = True,
-            async_save: bool = False, every_n_steps: int | None = None,
-            every_n_seconds: float | None = None, save_on_signal: tuple = ('SIGTERM',),
-            keep_best: int | None = None, local_dir: str | os.PathLike | None = None,
-            storage_options: dict | None = None, *, outage_seconds: float = 60.0,
-            lease_seconds: float = 60.0,
+        self,
+        dirname: str | os.PathLike[str] = 'checkpoints',
+        *,
+        monitor: str | Callable[[NeuralNet], bool] | None = None,
+        every_n_epochs: int = 1,
+        keep_last: int = 2,
+        every_n_steps: int | None = None,
+        every_n_seconds: float | None = None,
+        save_on_signal: tuple[str | signal.Signals, ...] = ('SIGTERM',),
+        keep_best: int | None = None,
+        event_name: str | None = 'event_acp',
+        sink: Callable[[str], object] = noop,
+        safe_serialization: bool = True,
+        durable: bool = True,
+        async_save: bool = False,
+        local_dir: str | os.PathLike[str] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        outage_seconds: float = 60.0,
+        lease_seconds: float = 60.0,
     ) -> None:
         self.dirname = dirname
         self.monitor = monitor
@@ -442,7 +502,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     def _check_net(self, net: Any) -> None:
         # the back-end before the model layout, which would blame the
         # modules of a back-end that shards or wraps them itself
-        accelerate_io.check_checkpointable(net, type(self).__name__, self.async_save)
+        _check_checkpointable(net, type(self).__name__, self.async_save)
         with own_registries(net):
             compat.model_layout(net)
             if not self._buffers_warned:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from skorch.callbacks import Callback
@@ -74,7 +75,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     checkpoint : AccelerateCheckpoint
       The checkpoint callback whose folder to resume from.
 
-    resume : str (default='latest')
+    resume : str or os.PathLike (default='latest')
       ``'latest'`` (the newest complete checkpoint), ``'best'`` (the newest
       the checkpoint's ``monitor`` marked best) or a checkpoint folder's path.
 
@@ -85,7 +86,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
       Refuse a checkpoint trained on other data than this ``fit``'s (e.g.
       another fold in a shared folder); ``False`` resumes anyway.
 
-    on_world_size_change : str (default='raise')
+    on_world_size_change : {'raise', 'reseed'} (default='raise')
       A checkpoint written by another number of processes: ``'raise'`` a
       :class:`CheckpointError`, or ``'reseed'``: resume it with random
       states derived for the new ranks (not bit-exact; a warning says so);
@@ -143,15 +144,40 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     Examples
     --------
-    >>> cp = AccelerateCheckpoint(dirname='run1')
-    >>> net = AcceleratedNet(
-    ...     MyModule, accelerator=Accelerator(), max_epochs=20,
-    ...     callbacks=[cp, AccelerateLoadInitState(cp)],
-    ... )
-    >>> net.fit(X, y)  # after a crash: trains only the epochs not yet done
+    >>> import numpy as np
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from skorch import NeuralNetClassifier
+    >>> from skorch.hf import AccelerateMixin
+    >>> from skorch_accel_callbacks import (
+    ...     AccelerateCheckpoint, AccelerateFixesMixin, AccelerateLoadInitState)
+    >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
+    ...     pass
+    >>> X = np.random.randn(64, 4).astype(np.float32)
+    >>> y = (X[:, 0] > 0).astype(np.int64)
+    >>> def fit(max_epochs):
+    ...     cp = AccelerateCheckpoint(dirname='run1')
+    ...     net = AcceleratedNet(
+    ...         torch.nn.Linear, module__in_features=4, module__out_features=2,
+    ...         criterion=torch.nn.CrossEntropyLoss, accelerator=Accelerator(cpu=True),
+    ...         max_epochs=max_epochs, callbacks=[cp, AccelerateLoadInitState(cp)])
+    ...     return net.fit(X, y)
+    >>> net = fit(max_epochs=1)  # doctest: +ELLIPSIS
+      epoch    train_loss...
+          1 ...
+
+    After a crash, or to train for longer, the same fit again trains only
+    the epochs not yet done:
+
+    >>> net = fit(max_epochs=2)  # doctest: +ELLIPSIS
+      epoch    train_loss...
+          2 ...
+    >>> len(net.history)
+    2
 
     A job that may come back on another number of GPUs:
 
+    >>> cp = AccelerateCheckpoint(dirname='run1')
     >>> load = AccelerateLoadInitState(cp, on_world_size_change='reseed')
 
     Going on with a larger learning rate on purpose, or with another decay
@@ -162,10 +188,16 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     """
 
-    def __init__(self, checkpoint: AccelerateCheckpoint, resume: str = 'latest',
-                 sink: Any = noop, check_data: bool = True,
-                 on_world_size_change: str = 'raise',
-                 check_params: bool | tuple[str, ...] = True) -> None:
+    def __init__(
+        self,
+        checkpoint: AccelerateCheckpoint,
+        *,
+        resume: str | os.PathLike[str] = 'latest',
+        sink: Callable[[str], object] = noop,
+        check_data: bool = True,
+        on_world_size_change: str = 'raise',
+        check_params: bool | tuple[str, ...] = True,
+    ) -> None:
         self.checkpoint = checkpoint
         self.resume = resume
         self.sink = sink

@@ -180,8 +180,14 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
 
     Examples
     --------
-    >>> with atomic_path('run/params.pt') as tmp:
+    >>> import os
+    >>> import torch
+    >>> from skorch_accel_callbacks.format._atomic import atomic_path
+    >>> module = torch.nn.Linear(4, 2)
+    >>> with atomic_path('params.pt') as tmp:
     ...     torch.save(module.state_dict(), tmp)
+    >>> os.listdir('.')  # no temporary file is left
+    ['params.pt']
 
     """
     path = os.fspath(path)

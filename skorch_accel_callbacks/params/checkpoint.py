@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import IO, Any, Self, TypeAlias
 
+from skorch import NeuralNet
 from skorch.callbacks import Checkpoint
 from skorch.exceptions import SkorchException
 from skorch.utils import _check_f_arguments, noop, open_file_like
@@ -167,21 +168,40 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
     --------
     Replace the import of skorch's ``Checkpoint``; nothing else changes:
 
-    >>> from skorch_accel_callbacks import ParamsCheckpoint
+    >>> import os
+    >>> import numpy as np
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from skorch import NeuralNetClassifier
+    >>> from skorch.hf import AccelerateMixin
+    >>> from skorch_accel_callbacks import AccelerateFixesMixin, ParamsCheckpoint
+    >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
+    ...     pass
+    >>> X = np.random.randn(64, 4).astype(np.float32)
+    >>> y = (X[:, 0] > 0).astype(np.int64)
+    >>> def make_net(callbacks):
+    ...     return AcceleratedNet(
+    ...         torch.nn.Linear, module__in_features=4, module__out_features=2,
+    ...         criterion=torch.nn.CrossEntropyLoss, accelerator=Accelerator(cpu=True),
+    ...         max_epochs=2, callbacks=callbacks)
     >>> cp = ParamsCheckpoint(dirname='run1', f_params='params_{last_epoch[epoch]}.pt')
-    >>> net = AcceleratedNet(MyModule, accelerator=accelerator, callbacks=[cp])
-    >>> net.fit(X, y)
+    >>> net = make_net([cp]).fit(X, y)  # doctest: +ELLIPSIS
+      epoch    train_loss...
+    >>> sorted(name for name in os.listdir('run1') if name.startswith('params'))
+    ['params_1.pt', 'params_2.pt']
 
     Raise instead of warning when a save fails, and load the best
     parameters after training:
 
-    >>> cp = ParamsCheckpoint(dirname='run1', on_error='raise', load_best=True)
+    >>> cp = ParamsCheckpoint(dirname='run2', on_error='raise', load_best=True)
+    >>> net = make_net([cp]).fit(X, y)  # doctest: +ELLIPSIS
+      epoch    train_loss...
 
     """
 
     def __init__(
             self,
-            monitor: str | Callable[[Any], bool] | None = 'valid_loss_best',
+            monitor: str | Callable[[NeuralNet], bool] | None = 'valid_loss_best',
             f_params: File = 'params.pt',
             f_optimizer: File = 'optimizer.pt',
             f_criterion: File = 'criterion.pt',
@@ -193,6 +213,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
             sink: Callable[[str], object] = noop,
             load_best: bool = False,
             use_safetensors: bool = False,
+            *,
             on_error: str = 'warn',
             **kwargs: File
     ) -> None:

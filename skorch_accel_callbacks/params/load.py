@@ -64,9 +64,25 @@ class LoadInitParams(InitParamsOnly, LoadInitState):
     Run this several times; each run continues from the best checkpoint of
     the previous one:
 
-    >>> cp = ParamsCheckpoint(monitor='valid_loss_best', dirname='exp1')
-    >>> net = AcceleratedNet(..., callbacks=[cp, LoadInitParams(cp)])
-    >>> net.fit(X, y)
+    >>> import numpy as np
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from skorch import NeuralNetClassifier
+    >>> from skorch.hf import AccelerateMixin
+    >>> from skorch_accel_callbacks import AccelerateFixesMixin, LoadInitParams, ParamsCheckpoint
+    >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
+    ...     pass
+    >>> X = np.random.randn(64, 4).astype(np.float32)
+    >>> y = (X[:, 0] > 0).astype(np.int64)
+    >>> def make_net(callbacks):
+    ...     return AcceleratedNet(
+    ...         torch.nn.Linear, module__in_features=4, module__out_features=2,
+    ...         criterion=torch.nn.CrossEntropyLoss, accelerator=Accelerator(cpu=True),
+    ...         max_epochs=2, callbacks=callbacks)
+    >>> for run in range(2):
+    ...     cp = ParamsCheckpoint(monitor='valid_loss_best', dirname='exp1')
+    ...     net = make_net([cp, LoadInitParams(cp)]).fit(X, y)  # doctest: +ELLIPSIS
+      epoch    train_loss...
 
     """
 

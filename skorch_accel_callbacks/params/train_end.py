@@ -63,10 +63,30 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
     --------
     Save at the end of each run and continue from there on the next one:
 
+    >>> import os
+    >>> import numpy as np
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from skorch import NeuralNetClassifier
+    >>> from skorch.hf import AccelerateMixin
+    >>> from skorch_accel_callbacks import (
+    ...     AccelerateFixesMixin, LoadInitParams, TrainEndParamsCheckpoint)
+    >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
+    ...     pass
+    >>> X = np.random.randn(64, 4).astype(np.float32)
+    >>> y = (X[:, 0] > 0).astype(np.int64)
+    >>> def make_net(callbacks):
+    ...     return AcceleratedNet(
+    ...         torch.nn.Linear, module__in_features=4, module__out_features=2,
+    ...         criterion=torch.nn.CrossEntropyLoss, accelerator=Accelerator(cpu=True),
+    ...         max_epochs=2, callbacks=callbacks)
     >>> train_end_cp = TrainEndParamsCheckpoint(dirname='exp1')
     >>> load_state = LoadInitParams(train_end_cp)
-    >>> net = AcceleratedNet(..., callbacks=[train_end_cp, load_state])
-    >>> net.fit(X, y)
+    >>> net = make_net([train_end_cp, load_state]).fit(X, y)  # doctest: +ELLIPSIS
+      epoch    train_loss...
+    >>> sorted(os.listdir('exp1'))  # doctest: +NORMALIZE_WHITESPACE
+    ['train_end_criterion.pt', 'train_end_history.json',
+     'train_end_optimizer.pt', 'train_end_params.pt']
 
     """
 
@@ -81,6 +101,7 @@ class TrainEndParamsCheckpoint(InitParamsOnly, TrainEndCheckpoint):
             dirname: str = '',
             use_safetensors: bool = False,
             sink: Callable[[str], object] = noop,
+            *,
             on_error: str = 'warn',
             **kwargs: File
     ) -> None:

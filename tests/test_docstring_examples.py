@@ -1,0 +1,49 @@
+"""Every example in the package's docstrings runs (``make test`` runs them here,
+as ``pytest --doctest-modules`` would), each in a temporary folder of its own:
+the folders an example names (``'run1'``) are made there."""
+
+import doctest
+import importlib
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / 'skorch_accel_callbacks'
+MODULES = sorted(
+    '.'.join(('skorch_accel_callbacks', *path.relative_to(PACKAGE).with_suffix('').parts))
+    .removesuffix('.__init__') for path in PACKAGE.rglob('*.py'))
+# examples still written as code to read, not to run, in the modules another
+# change of issue 29 rewrites (the storage policy, the tools); remove each
+# once its examples run
+NOT_YET = {
+    'skorch_accel_callbacks.storage._lease': 'its example needs an S3 store',
+    'skorch_accel_callbacks.storage._lock': 'rewritten with the storage policy',
+    'skorch_accel_callbacks.tools.export': 'rewritten with the storage policy',
+}
+FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+
+def _examples(name):
+    return [test for test in doctest.DocTestFinder().find(importlib.import_module(name))
+            if test.examples]
+
+
+@pytest.mark.parametrize('name', MODULES)
+def test_docstring_examples_run(name, tmp_path, monkeypatch):
+    if name in NOT_YET:
+        pytest.skip(NOT_YET[name])
+    monkeypatch.chdir(tmp_path)
+    runner = doctest.DocTestRunner(optionflags=FLAGS)
+    for test in _examples(name):
+        runner.run(test)
+    failed, tried = runner.summarize(verbose=False)
+    assert not failed, f"{name}: {failed} of {tried} example(s) failed (doctest's report above)"
+
+
+def test_every_examples_section_holds_examples_to_run():
+    """A section of examples written as plain code would pass the test above unrun."""
+    for name in MODULES:
+        module = importlib.import_module(name)
+        source = Path(module.__file__).read_text()
+        if 'Examples\n    --------' in source or 'Examples\n        --------' in source:
+            assert _examples(name), f"{name} has an Examples section with no >>> example"

@@ -1,0 +1,71 @@
+"""Checkpoints written before the package was split into subpackages (commit
+f5cb08a, format 4) resume with the code of now, bit for bit, and the command
+line lists and verifies them.
+
+tests/data/f5cb08a-1proc/ holds them (1 process), written by
+tests/old_format_run.py run against that commit's package (its README says
+how): ``epoch-end`` at the end of epoch 2, ``in-epoch`` at step 6, inside
+epoch 2. Each is resumed from a copy and trained to the end of epoch 3, and
+compared with an uninterrupted fit of 3 epochs made now.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import old_format_run
+from checkpointed import state
+from testutil import assert_identical
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / 'tests' / 'data' / 'f5cb08a-1proc'
+CLI_TIMEOUT = 120
+MAX_EPOCHS = 3
+# the case, the AccelerateCheckpoint arguments it was written with, the checkpoint resumed
+CASES = [
+    ('epoch-end', {}, 'epoch-0002'),
+    ('in-epoch', {'every_n_steps': old_format_run.EVERY_N_STEPS}, 'epoch-0001-step-00000006'),
+]
+
+
+def cli(*args):
+    """``python -m skorch_accel_callbacks ARGS`` as a user runs it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), os.environ.get('PYTHONPATH', '')]))
+    return subprocess.run(
+        [sys.executable, '-m', 'skorch_accel_callbacks', *map(str, args)], env=env,
+        capture_output=True, text=True, timeout=CLI_TIMEOUT)
+
+
+# StopAt, which acts on every batch, has no state_dict: the warning says so
+@pytest.mark.filterwarnings('ignore:.*was taken inside an epoch:UserWarning')
+@pytest.mark.parametrize('case, cp_kwargs, resumed_from', CASES, ids=[c[0] for c in CASES])
+def test_an_old_checkpoint_resumes_bit_for_bit(tmp_path, case, cp_kwargs, resumed_from):
+    copy = tmp_path / case
+    shutil.copytree(DATA / case, copy)
+    resumed = old_format_run.fit(str(copy), MAX_EPOCHS, **cp_kwargs)
+    load = dict(resumed.callbacks_)['AccelerateLoadInitState']
+    # a fit that found nothing to load would train from scratch to the same numbers
+    assert load.loaded_from_ is not None and Path(load.loaded_from_).name == resumed_from
+    assert resumed.accelerator.num_processes == 1
+    straight = old_format_run.fit(str(tmp_path / 'straight'), MAX_EPOCHS, **cp_kwargs)
+    assert len(resumed.history) == len(straight.history) == MAX_EPOCHS
+    assert_identical(state(resumed), state(straight))
+
+
+@pytest.mark.parametrize('case', [c[0] for c in CASES])
+def test_the_command_line_lists_and_verifies_an_old_checkpoint(case):
+    listed = cli('list', DATA / case)
+    assert listed.returncode == 0, listed.stderr
+    for name in os.listdir(DATA / case):
+        if name.startswith('epoch-'):
+            assert name in listed.stdout, listed.stdout
+    verified = cli('verify', DATA / case)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    for name in os.listdir(DATA / case):
+        if name.startswith('epoch-'):
+            assert f'{name}: intact' in verified.stdout, verified.stdout
