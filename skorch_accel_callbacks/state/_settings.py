@@ -31,10 +31,10 @@ from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.state._fingerprint import describe
 
-__all__ = ['CALLBACKS_KEY', 'UNRECORDED_ATTRIBUTE', 'allowed', 'callback_params',
-           'changed_callback_settings', 'check_epoch_settings', 'check_same_params',
-           'check_train_rows', 'epoch_end_advice', 'epoch_settings', 'train_batch_size',
-           'training_params']
+__all__ = [
+    'CALLBACKS_KEY', 'UNRECORDED_ATTRIBUTE', 'USERS_CALLBACKS_KEY', 'allowed', 'callback_params',
+    'changed_callback_settings', 'check_epoch_settings', 'check_same_params', 'check_train_rows',
+    'epoch_end_advice', 'epoch_settings', 'train_batch_size', 'training_params']
 
 
 # Net parameters that change nothing of what a resumed run trains: they
@@ -112,7 +112,11 @@ _UNRECORDED_ANYWHERE = frozenset({'sink', 'verbose', '_*'})
 #: the key of a manifest's ``params`` that lists the callbacks whose settings
 #: it records (absent before callbacks were recorded: they are not checked)
 CALLBACKS_KEY = 'callbacks'
+#: the key of a manifest's ``params`` that says the user's own callbacks are
+#: recorded too (absent before they were: only skorch's and this package's)
+USERS_CALLBACKS_KEY = 'callbacks_of_users'
 _CALLBACK_PREFIX = 'callbacks__'
+_NOT_COMPARED = frozenset({CALLBACKS_KEY, USERS_CALLBACKS_KEY})
 
 
 def _declared(callback: Any) -> frozenset[str] | None:
@@ -162,6 +166,7 @@ def callback_params(net: Any) -> dict[str, Any]:
             if not any(fnmatch.fnmatchcase(param, pattern) for pattern in unrecorded):
                 params[f"{_CALLBACK_PREFIX}{name}__{param}"] = describe(value)
     params[CALLBACKS_KEY] = names
+    params[USERS_CALLBACKS_KEY] = True
     return params
 
 
@@ -331,11 +336,17 @@ def _of_users(changes: list[tuple[str, Any, Any]], saved: dict[str, Any],
         of = _callback_of(name)
         kinds = [params.get(_CALLBACK_PREFIX + of[0]) for params in (current, saved)] \
             if of is not None else []
-        kind = next((k for k in kinds if isinstance(k, dict)), {})
-        if 'callable' in kind and not kind['callable'].startswith(_LIBRARIES) \
-                and of[0] not in names:
+        kind = next((k for k in kinds if isinstance(k, dict)), None)
+        if kind is not None and not _of_library(kind) and of[0] not in names:
             names.append(of[0])
     return names
+
+
+def _of_library(kind: Any) -> bool:
+    """Whether a callback's recorded class (:func:`describe`) is skorch's or
+    this package's (a class it cannot tell counts as one: not the user's)."""
+    return not (isinstance(kind, dict) and 'callable' in kind) \
+        or kind['callable'].startswith(_LIBRARIES)
 
 
 def _show_class(description: Any) -> str:
@@ -379,6 +390,21 @@ def _with_introduced(saved: dict[str, Any], manifest: dict[str, Any],
     return dict(saved, reduce_metrics=current['reduce_metrics'] if one_process else False)
 
 
+def _as_recorded_then(saved: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
+    """``current`` as a checkpoint written before the user's own callbacks
+    were recorded (:data:`USERS_CALLBACKS_KEY`) recorded it: without them,
+    so that upgrading the package does not refuse every checkpoint of a
+    net with a callback of its own."""
+    if CALLBACKS_KEY not in saved or USERS_CALLBACKS_KEY in saved:
+        return current
+    users = {name for name in current.get(CALLBACKS_KEY, ())
+             if not _of_library(current.get(_CALLBACK_PREFIX + name))}
+    then = {key: value for key, value in current.items()
+            if (_callback_of(key) or (None,))[0] not in users}
+    then[CALLBACKS_KEY] = [name for name in current[CALLBACKS_KEY] if name not in users]
+    return then
+
+
 def check_same_params(net: Any, manifest: dict[str, Any], path: str,
                       check: bool | Collection[str] = True) -> list[str]:
     """Raise :class:`CheckpointError` naming each parameter of ``net`` that
@@ -396,8 +422,9 @@ def check_same_params(net: Any, manifest: dict[str, Any], path: str,
         return []
     current = training_params(net)
     saved = _with_introduced(saved, manifest, current)
+    current = _as_recorded_then(saved, current)
     recorded = CALLBACKS_KEY in saved
-    names = sorted(name for name in set(saved) | set(current) if name != CALLBACKS_KEY and (
+    names = sorted(name for name in set(saved) | set(current) if name not in _NOT_COMPARED and (
         _checked(name) or (recorded and name.startswith(_CALLBACK_PREFIX))))
     changes = _changes(saved, current, names)
     refused = [change for change in changes if not allowed(change[0], check)]
