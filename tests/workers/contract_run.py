@@ -229,9 +229,9 @@ def callback_specs(config, relaunch):
         return specs
     if change['kind'] == 'callback':
         target = specs[change['index']]
-        params = dict(target['params'])
-        params.update(change['params'])
-        specs[change['index']] = dict(target, params=params)
+        # all of the callback's params, drawn anew (contract_fuzz's
+        # changed_callback_params): a swapped policy has none of the old's
+        specs[change['index']] = dict(target, params=dict(change['params']))
     if change['kind'] == 'reorder':
         specs = [specs[i] for i in change['order']]
     return specs
