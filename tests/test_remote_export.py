@@ -129,3 +129,31 @@ def test_a_closed_endpoint_is_one_line(tmp_path, monkeypatch, capsys):
     assert cli.main(['list', 's3://bucket/run']) == cli.DAMAGED
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and 's3://bucket/run' in err and 'Traceback' not in err, err
+
+
+def test_the_staging_lock_refusal_names_the_url(s3_bucket):
+    """A job of this machine holds the default staging folder (named after
+    a hash of the URL): the refusal names the URL the user gave."""
+    import os
+    import subprocess
+    import sys
+
+    from skorch_accel_callbacks.errors import FolderInUseError
+    from skorch_accel_callbacks.storage._open import open_storage
+    url = f's3://{s3_bucket}/run'
+    staging = default_staging(url)
+    os.makedirs(staging, exist_ok=True)
+    holder = subprocess.Popen(
+        [sys.executable, '-c', 'import sys; from skorch_accel_callbacks.storage._lock import '
+         'FolderLock; lock = FolderLock(sys.argv[1]).acquire(); print("held", flush=True); '
+         'sys.stdin.read()', staging],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, 'PYTHONPATH': os.getcwd()})
+    try:
+        assert holder.stdout.readline() == 'held\n'
+        net = make_net(make_accelerator(), max_epochs=1).initialize()
+        with pytest.raises(FolderInUseError, match=f"^{url} is in use by another running "
+                                                   "job on this machine"):
+            open_storage(url).claim(net)
+    finally:
+        holder.communicate('', timeout=30)

@@ -50,7 +50,7 @@ def test_the_folder_resolves_every_kind_of_which(tmp_path):
     assert folder.find_checkpoint(folder.path('epoch-0001')).manifest['epoch'] == 1
     with pytest.raises(FileNotFoundError, match="no checkpoint epoch-0009 in .*; it has"):
         folder.find_checkpoint('epoch-0009')
-    with pytest.raises(FileNotFoundError, match="no best checkpoint in .*best.json is missing"):
+    with pytest.raises(FileNotFoundError, match="no best checkpoint in .*there is no"):
         folder.named('best')  # names, not reads
     assert folder.find('latest') == export.find_checkpoint(tmp_path / 'ck')
     assert CheckpointFolder(tmp_path / 'empty').find_checkpoint() is None

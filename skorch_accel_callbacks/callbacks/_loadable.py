@@ -58,7 +58,7 @@ class LoadableCheckpoint:
 
     def find(self, which: str = 'latest') -> str | None:
         """Path of the checkpoint to resume from, or None; see
-        :meth:`~skorch_accel_callbacks.storage._interface.CheckpointStorage.find`."""
+        ``CheckpointStorage.find``."""
         return self._reader().find(which)
 
     @property

@@ -208,13 +208,19 @@ class CheckpointStorage(abc.ABC):
         which = os.fspath(which)
         names = self.committed() if names is None else names
         if which in _manifest.POINTERS:
-            name = self.pointed(which)
-            if name is None:
+            file = self.url(_manifest.pointer_name(which))
+            try:
+                name = _manifest.pointed_name(self.read_json(_manifest.pointer_name(which)))
+            except FileNotFoundError:
                 why = (": only checkpoints saved because of `monitor` are best ones"
                        if which == 'best' else '')
                 raise FileNotFoundError(
-                    f"no {which} checkpoint in {self.dirname}: "
-                    f"{_manifest.pointer_name(which)} is missing or names none{why}")
+                    f"no {which} checkpoint in {self.dirname}: there is no {file}{why}") from None
+            except (OSError, ValueError):
+                name = None
+            if name is None:
+                raise FileNotFoundError(
+                    f"no {which} checkpoint in {self.dirname}: {file} names no checkpoint")
             return name
         if not _manifest.is_checkpoint_name(which):
             raise ValueError(f"{which!r} is not 'latest', 'best' or a checkpoint name "

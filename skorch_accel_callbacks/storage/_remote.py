@@ -162,7 +162,13 @@ class RemoteStorage(CheckpointStorage):
             self._check_reachable()
         # the staging folder's lock keeps a second job of this machine out;
         # with save_on_each_node it refuses nodes that share the folder
-        self.staging.claim(net)
+        try:
+            self.staging.claim(net)
+        except FolderInUseError as exc:
+            # the user named the URL; the default staging folder is a hash
+            raise FolderInUseError(
+                f"{self.dirname} is in use by another running job on this machine, which "
+                f"stages it in the same folder: {exc}") from exc
         if not (accelerate_io.save_on_each_node(net.accelerator) and sync.is_distributed(net)):
             self._nodes = None
             self.staging.check_shared(
