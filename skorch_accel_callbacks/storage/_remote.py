@@ -166,9 +166,8 @@ class RemoteStorage(CheckpointStorage):
             self.staging.claim(net)
         except FolderInUseError as exc:
             # the user named the URL; the default staging folder is a hash
-            raise FolderInUseError(
-                f"{self.dirname} is in use by another running job on this machine, which "
-                f"stages it in the same folder: {exc}") from exc
+            raise FolderInUseError(f"{self.dirname} is in use by another running job on this "
+                                   f"machine, which stages it in the same folder: {exc}") from exc
         if not (accelerate_io.save_on_each_node(net.accelerator) and sync.is_distributed(net)):
             self._nodes = None
             self.staging.check_shared(
