@@ -173,7 +173,7 @@ def bench_size(size, repeats, root, fs):
     """The figures of each repeat for one net size (seconds)."""
     from skorch_accel_callbacks import AccelerateCheckpoint
     from skorch_accel_callbacks.format import _manifest
-    from skorch_accel_callbacks.storage._interface import open_storage
+    from skorch_accel_callbacks.storage._open import open_storage
 
     net = trained_net(size)
     root = Path(root) / f'size-{size:g}'

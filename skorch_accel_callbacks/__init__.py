@@ -4,20 +4,19 @@ Hugging Face accelerate, in one process or many.
 The public API is what this module exports; every public exception is in
 :mod:`skorch_accel_callbacks.errors`. The subpackages, from the top down
 (a module imports only from its own subpackage and those below it;
-tests/test_structure.py checks it): ``params`` (the skorch drop-ins),
-``callbacks`` (the checkpoint and resume callbacks, the net mixin, triggers,
-preemption), ``tools`` (the command line, inspection, export), ``engine``
-(writing and restoring a checkpoint), ``state`` (what a checkpoint holds and
-who may resume it), ``storage`` (where checkpoints live: a local folder, an
-object store), ``format`` (the on-disk format) and ``_core`` (process sync,
-accelerate's internals, unwrapping). Modules whose names start with ``_``
-are not supported API.
+tests/test_structure.py checks it): ``tools`` (the command line,
+inspection, export), ``params`` (the skorch drop-ins), ``callbacks`` (the
+checkpoint and resume callbacks, what they read, the net mixin, triggers,
+preemption), ``engine`` (writing and restoring a checkpoint, merging FSDP
+shards), ``state`` (what a checkpoint holds and who may resume it),
+``storage`` (where checkpoints live: the interface and its policy, a local
+folder, an fsspec store), ``format`` (the on-disk format) and ``_core``
+(process sync, accelerate's internals, unwrapping). Modules whose names
+start with ``_`` are not supported API.
 
-Three places differ from the plain "callbacks on top" reading, because of
+Two places differ from the plain "callbacks on top" reading, because of
 what imports what: ``params`` sits above ``callbacks`` (its callbacks reuse
-the triggers and the mixin's net pickling); ``tools`` sits below
-``callbacks`` (``AccelerateCheckpoint`` finds its files for skorch's
-``load_params`` through ``tools.export``); the mixin is in ``callbacks``,
+the triggers and the mixin's net pickling); the mixin is in ``callbacks``,
 not ``_core`` (it installs the preemption signal watch), and ``base`` (what
 the callbacks and the engine share) is in ``_core``.
 """

@@ -1,5 +1,5 @@
 """FSDP2 and a net's parameters: a sharded model read in one process
-(:mod:`skorch_accel_callbacks.tools._consolidate`), and, in a 2-process FSDP2
+(:mod:`skorch_accel_callbacks.engine._consolidate`), and, in a 2-process FSDP2
 job, ``ParamsCheckpoint``/``save_params`` writing the full parameters,
 ``load_params(checkpoint=...)`` and ``export`` of its sharded checkpoint
 into plain nets, and the clear errors where a plain module is needed.
@@ -30,7 +30,7 @@ from skorch import NeuralNetClassifier
 from common import MLP, make_data
 from launcher import REPO
 from skorch_accel_callbacks import AccelerateCheckpoint, CorruptCheckpointError
-from skorch_accel_callbacks.tools._consolidate import (
+from skorch_accel_callbacks.engine._consolidate import (
     check_sharded_model,
     loadable,
     model_files,

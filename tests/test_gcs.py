@@ -22,7 +22,7 @@ from skorch.callbacks import Callback
 from checkpointed import fit, state
 from skorch_accel_callbacks import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.storage._interface import open_storage
+from skorch_accel_callbacks.storage._open import open_storage
 from testutil import assert_identical
 
 

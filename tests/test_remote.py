@@ -36,8 +36,9 @@ from skorch_accel_callbacks import (
 from skorch_accel_callbacks.errors import FolderInUseError
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.storage import _transfer as transfer
-from skorch_accel_callbacks.storage._interface import CheckpointStorage, open_storage
+from skorch_accel_callbacks.storage._interface import CheckpointStorage
 from skorch_accel_callbacks.storage._local import CheckpointFolder
+from skorch_accel_callbacks.storage._open import open_storage
 from skorch_accel_callbacks.storage._remote import RemoteStorage, default_staging
 from testutil import assert_identical, final_state, read_results
 

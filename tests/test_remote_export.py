@@ -88,3 +88,72 @@ def test_the_export_command_on_a_url(trained, tmp_path, capsys):
     assert cli.main(['export', url, 'epoch-0009', str(out)]) == cli.USAGE
     assert f'no checkpoint epoch-0009 in {url}' in capsys.readouterr().err
     assert leftovers() == []
+
+
+def test_the_command_on_a_url_behaves_as_on_a_folder(trained, tmp_path, capsys):
+    """issue 30 item 6: one policy, so one behaviour."""
+    url, _ = trained
+    bucket = url.split('/')[2]
+    assert cli.main(['list', f's3://{bucket}-missing/run']) == cli.USAGE
+    assert capsys.readouterr().err == f"list: no such folder: s3://{bucket}-missing/run\n"
+    # no checkpoint was saved because of `monitor`
+    assert cli.main(['export', url, 'best', str(tmp_path / 'out')]) == cli.USAGE
+    assert f"no best checkpoint in {url}" in capsys.readouterr().err
+    assert cli.main(['verify', f'{url}/epoch-0002']) == cli.OK
+    assert capsys.readouterr().out.startswith(f"{url}/epoch-0002: intact (")
+    assert cli.main(['list', url]) == cli.OK
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:5]]
+    assert [row[0] for row in rows] == ['epoch-0001', 'epoch-0002', 'epoch-0003']
+    # the score column reads each checkpoint's history in the store
+    assert all(row[4] == 'valid_loss' and float(row[5]) > 0 for row in rows), rows
+    assert leftovers() == []
+
+
+def test_a_mistyped_url_is_refused_not_made_a_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(['list', 's3:/bucket/run1']) == cli.USAGE
+    assert "'s3:/bucket/run1' looks like a mistyped URL" in capsys.readouterr().err
+    cp = AccelerateCheckpoint(dirname='s3:/bucket/run1')
+    net = make_net(make_accelerator(), callbacks=[cp], max_epochs=1)
+    with pytest.raises(ValueError, match="looks like a mistyped URL"):
+        net.fit(X, y)
+    assert not (tmp_path / 's3:').exists()
+
+
+def test_a_closed_endpoint_is_one_line(tmp_path, monkeypatch, capsys):
+    import socket
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        port = sock.getsockname()[1]  # closed once the with ends: nothing listens
+    monkeypatch.setenv('AWS_ENDPOINT_URL', f'http://127.0.0.1:{port}')
+    assert cli.main(['list', 's3://bucket/run']) == cli.DAMAGED
+    err = capsys.readouterr().err
+    assert err.count('\n') == 1 and 's3://bucket/run' in err and 'Traceback' not in err, err
+
+
+def test_the_staging_lock_refusal_names_the_url(s3_bucket):
+    """A job of this machine holds the default staging folder (named after
+    a hash of the URL): the refusal names the URL the user gave."""
+    import os
+    import subprocess
+    import sys
+
+    from skorch_accel_callbacks.errors import FolderInUseError
+    from skorch_accel_callbacks.storage._open import open_storage
+    url = f's3://{s3_bucket}/run'
+    staging = default_staging(url)
+    os.makedirs(staging, exist_ok=True)
+    holder = subprocess.Popen(
+        [sys.executable, '-c', 'import sys; from skorch_accel_callbacks.storage._lock import '
+         'FolderLock; lock = FolderLock(sys.argv[1]).acquire(); print("held", flush=True); '
+         'sys.stdin.read()', staging],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, 'PYTHONPATH': os.getcwd()})
+    try:
+        assert holder.stdout.readline() == 'held\n'
+        net = make_net(make_accelerator(), max_epochs=1).initialize()
+        with pytest.raises(FolderInUseError, match=f"^{url} is in use by another running "
+                                                   "job on this machine"):
+            open_storage(url).claim(net)
+    finally:
+        holder.communicate('', timeout=30)

@@ -7,8 +7,9 @@ import pytest
 from common import make_accelerator, make_data, make_net
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.storage._interface import open_storage
-from skorch_accel_callbacks.storage._local import CheckpointFolder, Found
+from skorch_accel_callbacks.storage._interface import Found
+from skorch_accel_callbacks.storage._local import CheckpointFolder
+from skorch_accel_callbacks.storage._open import open_storage
 from skorch_accel_callbacks.tools import export
 
 
@@ -50,7 +51,7 @@ def test_the_folder_resolves_every_kind_of_which(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint epoch-0009 in .*; it has"):
         folder.find_checkpoint('epoch-0009')
     with pytest.raises(FileNotFoundError, match="no best checkpoint in .*there is no"):
-        folder.named('best')
+        folder.named('best')  # names, not reads
     assert folder.find('latest') == export.find_checkpoint(tmp_path / 'ck')
     assert CheckpointFolder(tmp_path / 'empty').find_checkpoint() is None
 

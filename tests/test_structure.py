@@ -19,7 +19,7 @@ CALLBACK_MODULES = ('callbacks/checkpoint.py', 'callbacks/load_state.py',
 # and those after it, never from one before it (nor from the package root,
 # whose __init__ and __main__ sit above all of them); errors.py, at the root,
 # imports nothing of the package and is below all of them
-LAYERS = ('params', 'callbacks', 'tools', 'engine', 'state', 'storage', 'format', '_core')
+LAYERS = ('tools', 'params', 'callbacks', 'engine', 'state', 'storage', 'format', '_core')
 ROOT_MODULES = {'__init__.py', '__main__.py', 'errors.py'}
 
 # sizes are review thresholds, not walls: a module is one concept however long
@@ -183,6 +183,26 @@ def test_one_module_for_each_kind_of_outside_contact(path):
         assert not internals, f"{path.name} uses accelerate's internals {internals}"
     if _name(path) != 'storage/_lock.py':
         assert 'fcntl' not in imported, f"{path.name} locks outside storage/_lock.py"
+
+
+@pytest.mark.parametrize('path', MODULES, ids=_name)
+def test_only_storage_knows_the_kind_of_storage(path):
+    """Callers open a storage and use its interface: no branch on whether it
+    is a local folder or a store outside storage/, and the interface imports
+    none of its implementations (storage/_open.py chooses one)."""
+    name = _name(path)
+    tree = _tree(path)
+    if not name.startswith('storage/'):
+        used = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        used |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        used |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 for alias in node.names}
+        assert 'is_remote' not in used, f"{name} branches on the kind of storage"
+        kinds = {'storage._local', 'storage._remote'} & _package_modules(tree)
+        assert not kinds, f"{name} uses {kinds}, not the interface"
+    if name == 'storage/_interface.py':
+        assert _package_modules(tree) <= {'errors', 'format._manifest', '_core.accelerate_io',
+                                          '_core.sync'}, _package_modules(tree)
 
 
 @pytest.mark.parametrize('name', CALLBACK_MODULES)

@@ -22,8 +22,9 @@ from skorch_accel_callbacks.engine._writer import (
 )
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.state import _training_state as training_state
-from skorch_accel_callbacks.storage._interface import CheckpointStorage, open_storage
+from skorch_accel_callbacks.storage._interface import CheckpointStorage
 from skorch_accel_callbacks.storage._local import CheckpointFolder
+from skorch_accel_callbacks.storage._open import open_storage
 from testutil import read_json
 
 

@@ -16,6 +16,7 @@ from skorch_accel_callbacks._core import accelerate_io, base, sync
 from skorch_accel_callbacks._core.base import FolderStateCallback
 from skorch_accel_callbacks._core.wrapping import bare_modules, own_registries
 from skorch_accel_callbacks.callbacks import _triggers as triggers
+from skorch_accel_callbacks.callbacks._loadable import LoadableCheckpoint
 from skorch_accel_callbacks.callbacks._preemption import StepPoll, check_signals
 from skorch_accel_callbacks.engine._writer import (
     BackgroundWriter,
@@ -32,8 +33,8 @@ from skorch_accel_callbacks.state import (
     _fsdp_layout as fsdp_layout,
     _training_state as training_state,
 )
-from skorch_accel_callbacks.storage._interface import CheckpointStorage, open_storage
-from skorch_accel_callbacks.tools.export import LoadableCheckpoint
+from skorch_accel_callbacks.storage._interface import CheckpointStorage
+from skorch_accel_callbacks.storage._open import open_storage
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
@@ -335,6 +336,11 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         return open_storage(self.dirname, self.local_dir, self.storage_options,
                             outage_seconds=self.outage_seconds,
                             lease_seconds=self.lease_seconds)
+
+    def _reader(self) -> CheckpointStorage:
+        # reading needs no initialize(): a script that only loads creates the callback
+        storage = getattr(self, 'folder_', None)
+        return storage if storage is not None else self.open_storage()
 
     @property
     def resumed_from_(self) -> str | None:

@@ -31,7 +31,6 @@ from skorch_accel_callbacks.state import (
     _training_state as training_state,
 )
 from skorch_accel_callbacks.storage._interface import CheckpointStorage
-from skorch_accel_callbacks.storage._local import CheckpointFolder
 
 __all__ = ['AccelerateLoadInitState']
 
@@ -331,7 +330,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self._last_epoch = last
         self.resumed_ = Resumed(
             dirname=os.path.realpath(self.checkpoint.dirname), path=restored.path,
-            name=CheckpointFolder.name_of(restored.path), step=restored.step,
+            name=CheckpointStorage.name_of(restored.path), step=restored.step,
             # on another number of processes, the batches this run skips
             batches=restored.inside.batches if restored.inside else 0,
             last_epoch=last, fit_calls=tuple(calls))
@@ -339,7 +338,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     def _named(self, path: str) -> str:
         """How the checkpoint read at ``path`` is named: its URL if it is
         a store's staged copy, else its path."""
-        name = CheckpointFolder.name_of(path)
+        name = CheckpointStorage.name_of(path)
         return self._storage.url(name) if self._storage.path(name) == path else path
 
     def _resumed_message(self, restored: restore.Restored) -> str:

@@ -35,8 +35,7 @@ from skorch_accel_callbacks.state import (
     _settings as settings,
     _training_state as training_state,
 )
-from skorch_accel_callbacks.storage._interface import CheckpointStorage
-from skorch_accel_callbacks.storage._local import CheckpointFolder, is_committer
+from skorch_accel_callbacks.storage._interface import CheckpointStorage, is_committer
 
 __all__ = ['Chosen', 'InsideEpoch', 'ResumeChecks', 'Restored', 'choose_checkpoint',
            'read_checkpoint']
@@ -138,7 +137,7 @@ def choose_checkpoint(net: Any, storage: CheckpointStorage,
     with sync.agree(net, f"finding a checkpoint in {storage.dirname}"):
         if committer:
             found = storage.find_checkpoint(which)
-    name = None if found is None else CheckpointFolder.name_of(found.path)
+    name = None if found is None else CheckpointStorage.name_of(found.path)
     chosen = sync.broadcast(net, name)
     with sync.agree(net, "choosing the checkpoint to resume from"):
         if committer and name != chosen:

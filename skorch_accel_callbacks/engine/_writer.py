@@ -34,8 +34,7 @@ from skorch_accel_callbacks.state import (
     _epoch_position as epoch_position,
     _training_state as training_state,
 )
-from skorch_accel_callbacks.storage._interface import CheckpointStorage
-from skorch_accel_callbacks.storage._local import is_committer
+from skorch_accel_callbacks.storage._interface import CheckpointStorage, is_committer
 
 __all__ = ['BackgroundWriter', 'CheckpointWriter', 'Retention', 'SaveReport', 'SaveRequest',
            'StagedSave', 'SyncWriter']

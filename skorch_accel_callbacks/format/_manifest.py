@@ -96,6 +96,7 @@ __all__ = [
     'rank_state_name',
     'read',
     'stopped_early',
+    'training_order',
     'with_per_rank',
     'write',
 ]
@@ -150,6 +151,17 @@ def newest_at_epoch_end(names: list[str], epochs: int | None = None) -> str | No
         if match and match.group(2) is None and (epochs is None or int(match.group(1)) <= epochs):
             return name
     return None
+
+
+def training_order(name: str) -> tuple[int, int]:
+    """The sort key of the checkpoint ``name`` in training order: the
+    complete epochs it follows, then the step inside the next epoch
+    (an epoch's end, ``epoch-NNNN``, before the steps of the next)."""
+    match = _CHECKPOINT_NAME_RE.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a checkpoint name (epoch-NNNN)")
+    step = match.group(2)
+    return int(match.group(1)), -1 if step is None else int(step[len('-step-'):])
 
 
 def pointer_name(which: str) -> str:

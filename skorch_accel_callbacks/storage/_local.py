@@ -12,48 +12,18 @@ half removed) is removed by the next job that locks the folder.
 from __future__ import annotations
 
 import os
-import warnings
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
-from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.format import _atomic as atomic, _manifest
+from skorch_accel_callbacks.storage._interface import CheckpointStorage, Found, is_committer
 from skorch_accel_callbacks.storage._lock import FolderLock
 
-__all__ = ['CheckpointFolder', 'Found', 'is_committer', 'retained']
+__all__ = ['CheckpointFolder']
 
 
-@dataclass(frozen=True)
-class Found:
-    """A complete checkpoint as found: its folder and the manifest read
-    (and verified) there, so that a resume does not read it again."""
-
-    path: str
-    manifest: dict[str, Any]
-
-
-def is_committer(net: Any) -> bool:
-    """Whether this process commits checkpoint folders: the main process,
-    or with ``save_on_each_node`` the main process of each node."""
-    if accelerate_io.save_on_each_node(net.accelerator):
-        return sync.is_local_main_process(net)
-    return sync.is_main_process(net)
-
-
-def retained(names: list[str], keep_last: int, best: Iterable[str | None],
-             keep: Iterable[str | None]) -> set[str | None]:
-    """The committed checkpoints ``names`` (oldest first) that retention
-    keeps, in a folder and in a store alike: the ``keep_last`` newest, the
-    newest taken at an epoch's end (the one a refusal to continue inside an
-    epoch advises, while checkpoints inside epochs rotate), the ``best``
-    ones and those in ``keep`` (the one the fit under way resumed from)."""
-    return (set(names[-keep_last:]) | {_manifest.newest_at_epoch_end(names)}
-            | set(best) | set(keep))
-
-
-class CheckpointFolder:
+class CheckpointFolder(CheckpointStorage):
     """The checkpoints in ``dirname``: read them, commit new ones, retire old ones.
 
     Only the committing process of a job changes the folder, and only while
@@ -93,11 +63,6 @@ class CheckpointFolder:
 
     def partial_path(self, name: str) -> str:
         return self.path(name) + _manifest.PARTIAL_SUFFIX
-
-    @staticmethod
-    def name_of(path: str | os.PathLike[str]) -> str:
-        """The checkpoint name of a checkpoint folder's path."""
-        return os.path.basename(os.path.normpath(path))
 
     def _pointer(self, which: str) -> str:
         return self.path(_manifest.pointer_name(which))
@@ -196,116 +161,35 @@ class CheckpointFolder:
                 atomic.discard(probe)
         return {rank_: ranks for rank_, ranks in enumerate(seen) if ranks is not None}
 
-    # ------------------------------------------------------------ reading
+    # ------------------------------------------------------------ backend reads
 
-    def committed(self) -> list[str]:
-        """Names of the committed checkpoint folders, oldest commit first."""
+    def exists(self) -> bool:
+        return os.path.isdir(self.dirname)
+
+    def list_names(self) -> list[str]:
+        """The checkpoint folders: committed by their rename, so that one
+        without a manifest is a damaged checkpoint, not a partial one."""
         if not os.path.isdir(self.dirname):
             return []
-        found = []
-        for name in os.listdir(self.dirname):
-            path = self.path(name)
-            if _manifest.is_checkpoint_name(name) and os.path.isdir(path):
-                sealed = os.path.join(path, _manifest.MANIFEST_NAME)
-                stamp = os.path.getmtime(sealed) if os.path.exists(sealed) else 0.0
-                found.append((stamp, name))
-        return [name for _, name in sorted(found)]
+        return [name for name in os.listdir(self.dirname)
+                if _manifest.is_checkpoint_name(name) and os.path.isdir(self.path(name))]
 
-    def pointed(self, which: str) -> str | None:
-        """The name ``latest.json`` or ``best.json`` points at, or None."""
+    def read_json(self, *parts: str) -> Any:
+        return atomic.read_json(os.path.join(self.dirname, *parts))
+
+    def check(self, name: str) -> tuple[dict[str, Any], str | None]:
         try:
-            return _manifest.pointed_name(atomic.read_json(self._pointer(which)))
-        except (OSError, ValueError):
-            return None
-
-    def newest_first(self) -> list[str]:
-        """The names of the committed checkpoints, the one ``latest.json``
-        names first, then the others newest first."""
-        latest = self.pointed('latest')
-        return ([latest] if latest else []) + [
-            name for name in reversed(self.committed()) if name != latest]
-
-    def named(self, which: str | os.PathLike[str]) -> str:
-        """The folder ``which`` names, not read: for ``'latest'`` and
-        ``'best'`` the checkpoint the pointer names, for a checkpoint name
-        (``'epoch-0003'``) that one of this folder, else the path ``which``.
-
-        Raises
-        ------
-        FileNotFoundError
-          The pointer is missing or names no checkpoint; there is no
-          checkpoint of that name.
-        """
-        which = os.fspath(which)
-        if which in _manifest.POINTERS:
-            name = self.pointed(which)
-            if name is not None:
-                return self.path(name)
-            file = self._pointer(which)
-            if os.path.exists(file):
-                raise FileNotFoundError(
-                    f"no {which} checkpoint in {self.dirname}: {file} names no checkpoint")
-            why = (": only checkpoints saved because of `monitor` are best ones"
-                   if which == 'best' else '')
-            raise FileNotFoundError(
-                f"no {which} checkpoint in {self.dirname}: there is no {file}{why}")
-        if _manifest.is_checkpoint_name(which):
-            path = self.path(which)
-            if not os.path.isdir(path):
-                raise FileNotFoundError(
-                    f"no checkpoint {which} in {self.dirname}; it has "
-                    f"{self.committed() or 'none'}")
-            return path
-        return which
-
-    def find_checkpoint(self, which: str | os.PathLike[str] = 'latest') -> Found | None:
-        """The checkpoint to resume from and its manifest, or None if there is none.
-
-        ``which`` is ``'latest'``, ``'best'``, the name of a checkpoint of
-        this folder (``'epoch-0003'``) or the path of a checkpoint folder.
-        For ``'latest'``, a folder that is not a complete checkpoint (a
-        missing or damaged file) is skipped with a warning naming it, and
-        the newest complete one is used.
-
-        Raises
-        ------
-        FileNotFoundError
-          There is no checkpoint of the name ``which``.
-        CorruptCheckpointError
-          A named folder (a path, a name, or ``'best'``) is not a complete
-          checkpoint.
-        CheckpointError
-          A checkpoint is of a newer format; there is no best checkpoint
-          although there are checkpoints; none of the checkpoints is complete.
-        """
-        if which == 'best':
-            if self.pointed('best') is None:
-                if self.committed():
-                    raise CheckpointError(
-                        f"no best checkpoint in {self.dirname}: only checkpoints saved "
-                        "because of `monitor` are best ones")
-                return None
-        if which != 'latest':
-            path = self.named(which)
-            return Found(path, _manifest.read(path))
-        problems = []
-        for name in self.newest_first():
+            return _manifest.read(self.path(name)), None
+        except CheckpointError as exc:  # and CorruptCheckpointError
             try:
-                return Found(self.path(name), _manifest.read(self.path(name)))
-            except CorruptCheckpointError as exc:
-                warnings.warn(f"skipping checkpoint {self.path(name)}: {exc}", UserWarning)
-                problems.append(str(exc))
-        if problems:
-            raise CheckpointError(
-                f"{self.dirname} holds checkpoints but none is complete: "
-                + '; '.join(problems))
-        return None
+                saved = self.read_json(name, _manifest.MANIFEST_NAME)
+            except (OSError, ValueError):
+                saved = {}
+            return (saved if isinstance(saved, dict) else {}), str(exc)
 
-    def find(self, which: str | os.PathLike[str] = 'latest') -> str | None:
-        """Path of the checkpoint to resume from, or None if there is none:
-        that of :meth:`find_checkpoint`."""
-        found = self.find_checkpoint(which)
-        return None if found is None else found.path
+    def fetch(self, name: str) -> Found:
+        """Checkpoint ``name`` read where it is, its manifest verified."""
+        return Found(self.path(name), _manifest.read(self.path(name)))
 
     # ------------------------------------------------------------ writing
 
@@ -342,36 +226,12 @@ class CheckpointFolder:
             atomic.write_json(self._pointer('best'), {'name': name})
         return written
 
-    def retire(self, keep_last: int, keep_best: int | None = None,
-               keep: Iterable[str | None] = ()) -> None:
-        """Remove all but the checkpoints :func:`retained` keeps: the
-        ``keep_last`` newest, the newest taken at an epoch's end, the best
-        one (or the ``keep_best`` newest of those marked best) and those named
-        in ``keep`` (the one the fit under way resumed from); the files go in
-        the background."""
-        names = self.committed()
-        best = [self.pointed('best')]
-        if keep_best:
-            best += [name for name in names if self._marked_best(name)][-keep_best:]
-        keep = retained(names, keep_last, best, keep)
-        for name in names:
-            if name in keep:
-                continue
-            try:
-                thread = atomic.discard_in_background(self.path(name))
-            except OSError as exc:
-                warnings.warn(f"could not remove old checkpoint {self.path(name)}: {exc}",
-                              UserWarning)
-            else:
-                if thread is not None:
-                    self._removals.append(thread)
-
-    def _marked_best(self, name: str) -> bool:
-        try:
-            return bool(atomic.read_json(
-                os.path.join(self.path(name), _manifest.MANIFEST_NAME)).get('best'))
-        except (OSError, ValueError, AttributeError):
-            return False  # not a complete checkpoint: nothing to keep
+    def remove(self, name: str) -> None:
+        """Remove checkpoint ``name``: renamed aside at once, its files
+        removed in the background (:meth:`wait`)."""
+        thread = atomic.discard_in_background(self.path(name))
+        if thread is not None:
+            self._removals.append(thread)
 
     def wait(self) -> None:
         """Wait until the retired and replaced checkpoints' files are removed."""

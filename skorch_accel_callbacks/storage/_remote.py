@@ -40,17 +40,11 @@ from skorch_accel_callbacks.storage import (
     _remote_read as remote_read,
     _transfer as transfer,
 )
+from skorch_accel_callbacks.storage._interface import CheckpointStorage, Found, is_committer
 from skorch_accel_callbacks.storage._lease import ObjectLease, take_lease
-from skorch_accel_callbacks.storage._local import CheckpointFolder, Found, is_committer, retained
+from skorch_accel_callbacks.storage._local import CheckpointFolder
 
-__all__ = ['RemoteStorage', 'default_staging', 'is_remote']
-
-
-def is_remote(dirname: str | os.PathLike[str]) -> bool:
-    """Whether ``dirname`` is a URL of a store other than the local
-    filesystem (``s3://...``; not a path, not ``file://...``)."""
-    protocol, separator, _ = os.fspath(dirname).partition('://')
-    return bool(separator) and protocol.isalnum() and protocol.lower() != 'file'
+__all__ = ['RemoteStorage', 'default_staging']
 
 
 def default_staging(url: str) -> str:
@@ -60,7 +54,7 @@ def default_staging(url: str) -> str:
     return os.path.join(tempfile.gettempdir(), 'skorch-accel-staging', digest)
 
 
-class RemoteStorage:
+class RemoteStorage(CheckpointStorage):
     """The checkpoints under the URL ``dirname``, staged in a local folder.
 
     Implements :class:`~skorch_accel_callbacks.storage._interface.CheckpointStorage`.
@@ -146,9 +140,6 @@ class RemoteStorage:
     def _store(self) -> transfer.Store:
         return transfer.Store(*self._filesystem(), self.dirname, self.outage_seconds)
 
-    def _remote(self, *parts: str) -> str:
-        return self._store().path(*parts)
-
     # ------------------------------------------------------------ claiming
 
     def claim(self, net: Any) -> None:
@@ -171,7 +162,12 @@ class RemoteStorage:
             self._check_reachable()
         # the staging folder's lock keeps a second job of this machine out;
         # with save_on_each_node it refuses nodes that share the folder
-        self.staging.claim(net)
+        try:
+            self.staging.claim(net)
+        except FolderInUseError as exc:
+            # the user named the URL; the default staging folder is a hash
+            raise FolderInUseError(f"{self.dirname} is in use by another running job on this "
+                                   f"machine, which stages it in the same folder: {exc}") from exc
         if not (accelerate_io.save_on_each_node(net.accelerator) and sync.is_distributed(net)):
             self._nodes = None
             self.staging.check_shared(
@@ -345,12 +341,9 @@ class RemoteStorage:
 
     def retire(self, keep_last: int, keep_best: int | None = None,
                keep: Iterable[str | None] = ()) -> None:
-        """Remove from the store all but the checkpoints
-        :func:`~skorch_accel_callbacks.storage._local.retained` keeps (the
-        ``keep_last`` newest, the newest taken at an epoch's end, the best one
-        or the ``keep_best`` newest marked best, and those in ``keep``), once
-        the upload before it succeeded: a checkpoint's manifest first, then
-        its files."""
+        """Remove from the store, in the background, all but the checkpoints
+        :meth:`~CheckpointStorage.kept` keeps, once the upload before it
+        succeeded (:meth:`remove`)."""
         if not self._main:
             return  # the main process's upload commits, and retires, for every node
         upload = self._pending[-1][0] if self._pending else None
@@ -360,20 +353,11 @@ class RemoteStorage:
                 keep: tuple[str | None, ...]) -> None:
         if upload is not None and upload.exception() is not None:
             return  # the newest is not in the store: keep what is there
-        store = self._store()
-
-        def choose(seconds: float) -> tuple[list[str], set[str]]:
-            # listings and reads: the client's read timeout bounds each
-            names = self.committed()
-            best = [self.pointed('best')]
-            if keep_best:
-                best += [name for name in names
-                         if remote_read.marked_best(store, name)][-keep_best:]
-            return names, retained(names, keep_last, best, keep)
-
         try:
-            names, kept = store.persist(f"listing the checkpoints of {self.dirname} to retire",
-                                        choose)
+            # listings and reads: the client's read timeout bounds each
+            names, kept = self._store().persist(
+                f"listing the checkpoints of {self.dirname} to retire",
+                lambda seconds: self.kept(keep_last, keep_best, keep))
         except CheckpointError as exc:
             # the newest is in the store: an older one too many is no loss
             warnings.warn(f"could not retire old checkpoints of {self.dirname}: {exc}",
@@ -383,17 +367,23 @@ class RemoteStorage:
             if name in kept:
                 continue
             try:
-                store.persist(f"removing {self.url(name)}/{_manifest.MANIFEST_NAME}",
-                              lambda seconds, name=name: store.fs.rm_file(
-                                  self._remote(name, _manifest.MANIFEST_NAME),
-                                  **transfer.deadline(store.fs, seconds)))
-                store.persist(f"removing {self.url(name)}",
-                              lambda seconds, name=name: store.fs.rm(
-                                  self._remote(name), recursive=True,
-                                  **transfer.deadline(store.fs, seconds)))
+                self.remove(name)
             except (OSError, CheckpointError) as exc:
                 warnings.warn(f"could not remove old checkpoint {self.url(name)}: {exc}",
                               UserWarning)
+
+    def remove(self, name: str) -> None:
+        """Remove checkpoint ``name`` from the store: its manifest first,
+        then its files, each request sent again through an outage."""
+        store = self._store()
+        store.persist(f"removing {self.url(name)}/{_manifest.MANIFEST_NAME}",
+                      lambda seconds: store.fs.rm_file(
+                          store.path(name, _manifest.MANIFEST_NAME),
+                          **transfer.deadline(store.fs, seconds)))
+        store.persist(f"removing {self.url(name)}",
+                      lambda seconds: store.fs.rm(
+                          store.path(name), recursive=True,
+                          **transfer.deadline(store.fs, seconds)))
 
     def wait(self) -> str | None:
         """Wait for the upload, the retirement and the staging folder's
@@ -424,27 +414,32 @@ class RemoteStorage:
 
     # ------------------------------------------------------------ reading
 
-    def pointed(self, which: str) -> str | None:
-        """The name ``latest.json`` or ``best.json`` in the store points at, or None."""
-        return remote_read.pointed(self._store(), which)
+    def exists(self) -> bool:
+        """Whether the bucket exists: a folder in a store is only a prefix."""
+        try:
+            transfer.check_reachable(self._store())
+        except CheckpointError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                return False
+            raise
+        return True
+
+    def list_names(self) -> set[str]:
+        """The checkpoints in the store with a manifest."""
+        return remote_read.names(self._store())
+
+    def read_json(self, *parts: str) -> Any:
+        return remote_read.read_json(self._store(), *parts)
+
+    def fetch(self, name: str) -> Found:
+        """Checkpoint ``name`` checked in the store, downloaded into the
+        staging folder and checked there (:func:`remote_read.fetch`)."""
+        return remote_read.fetch(self._store(), self.staging, name)
 
     def check(self, name: str) -> tuple[dict[str, Any], str | None]:
         """The manifest of checkpoint ``name`` in the store and why it is not
         complete there (:func:`remote_read.check`)."""
         return remote_read.check(self._store(), name)
-
-    def committed(self) -> list[str]:
-        """Names of the checkpoints in the store with a manifest, oldest first."""
-        return remote_read.committed(self._store())
-
-    def find_checkpoint(self, which: str | os.PathLike[str] = 'latest') -> Found | None:
-        """The checkpoint ``which`` names, downloaded into the staging folder
-        and checked there (:func:`remote_read.find_checkpoint`)."""
-        return remote_read.find_checkpoint(self._store(), self.staging, which)
-
-    def find(self, which: str | os.PathLike[str] = 'latest') -> str | None:
-        found = self.find_checkpoint(which)
-        return None if found is None else found.path
 
 
 def _take_lease(store: transfer.Store, ttl_seconds: float) -> ObjectLease | None:

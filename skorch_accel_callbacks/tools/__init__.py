@@ -1,4 +1,4 @@
-"""Reading a folder of checkpoints after training: the command line (python -m
-skorch_accel_callbacks), inspection, export of a checkpoint's models as
-skorch files, and the consolidation of FSDP shards.
+"""Reading checkpoints after training, from a folder or a store alike: the
+command line (python -m skorch_accel_callbacks), inspection, and export of a
+checkpoint's models as skorch files.
 """

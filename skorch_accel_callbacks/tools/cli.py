@@ -26,15 +26,14 @@ from typing import Any, TextIO
 
 from skorch_accel_callbacks._core.base import format_bytes
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format._atomic import discard
 from skorch_accel_callbacks.format._manifest import (
-    MANIFEST_NAME,
     POINTERS,
     is_checkpoint_name,
+    pointed_name,
     pointer_name,
 )
-from skorch_accel_callbacks.storage._local import CheckpointFolder
-from skorch_accel_callbacks.storage._remote import RemoteStorage, is_remote
+from skorch_accel_callbacks.storage._interface import CheckpointStorage
+from skorch_accel_callbacks.storage._open import open_storage
 from skorch_accel_callbacks.tools import export as exporting, inspection
 
 __all__ = ['main']
@@ -46,22 +45,13 @@ class UsageError(Exception):
     """A wrong argument, or no such folder or checkpoint (exit code 2)."""
 
 
-def _split(path: str, name: str | None) -> tuple[str, str | None]:
-    """``(folder of checkpoints, name)``: a checkpoint folder given as DIR
-    (``DIR/epoch-0003``, or any folder with a manifest) stands for its
-    parent and its name."""
-    path = os.path.normpath(path)
-    if name is None and (is_checkpoint_name(os.path.basename(path))
-                         or os.path.isfile(os.path.join(path, MANIFEST_NAME))):
-        return os.path.dirname(path) or os.curdir, os.path.basename(path)
-    return path, name
-
-
-def _check_folder(dirname: str) -> None:
-    if not os.path.exists(dirname):
-        raise UsageError(f"no such folder: {dirname}")
-    if not os.path.isdir(dirname):
-        raise UsageError(f"not a folder: {dirname}")
+def _open(source: str, name: str | None, local_dir: str) -> tuple[CheckpointStorage, str | None]:
+    """``(storage of checkpoints, name)``: a checkpoint given as DIR
+    (``DIR/epoch-0003``, a URL of one, or any folder with a manifest)
+    stands for its folder and its name (its path, for a folder of another
+    name); a checkpoint of a store is downloaded into ``local_dir``."""
+    storage, which = exporting.open_source(source, name or 'latest', local_dir)
+    return storage, (None if name is None and which == 'latest' else which)
 
 
 # ---------------------------------------------------------------- list
@@ -82,24 +72,23 @@ def _took(row: dict[str, Any]) -> str:
 
 
 def _list(args: argparse.Namespace, out: TextIO) -> int:
-    if is_remote(args.dir):
-        store = RemoteStorage(args.dir)
-        rows = [inspection.describe_one(name, store.url(name), *store.check(name))
-                for name in store.committed()]
-        _print_rows(store.dirname, rows, out)
-        print('pointers: ' + '; '.join(
-            f"{pointer_name(which)} -> {store.pointed(which) or 'none'}"
-            for which in POINTERS), file=out)
-        return OK
-    dirname = os.path.normpath(args.dir)
-    _check_folder(dirname)
-    if is_checkpoint_name(os.path.basename(dirname)):
-        raise UsageError(f"{dirname} is one checkpoint: list the folder that holds it, "
-                         f"or verify {dirname}")
-    _print_rows(dirname, inspection.describe(dirname), out)
-    pointed = inspection.pointers(dirname)
+    storage = open_storage(args.dir)
+    if is_checkpoint_name(storage.dirname.rstrip('/').rpartition('/')[2]):
+        raise UsageError(f"{storage.dirname} is one checkpoint: list the folder that holds "
+                         f"it, or verify {storage.dirname}")
+    if not storage.exists():
+        raise UsageError(f"no such folder: {storage.dirname}")
+    _print_rows(storage.dirname, inspection.describe(storage), out)
     print('pointers: ' + '; '.join(
-        f"{pointer_name(which)} -> {pointed[which] or 'none'}" for which in POINTERS), file=out)
+        f"{pointer_name(which)} -> {storage.pointed(which) or 'none'}"
+        for which in POINTERS), file=out)
+    if os.path.isdir(storage.dirname):
+        # what a job leaves beside its checkpoints: a local folder's own
+        _print_leftovers_and_lock(storage.dirname, out)
+    return OK
+
+
+def _print_leftovers_and_lock(dirname: str, out: TextIO) -> None:
     left = inspection.leftovers(dirname)
     print('left over:' + ('' if left else ' nothing'), file=out)
     for name, what in left:
@@ -114,7 +103,6 @@ def _list(args: argparse.Namespace, out: TextIO) -> int:
                  False: f"free (last taken by {holder})",
                  None: f"cannot be read (last taken by {holder})"}[lock['held']]
     print(f"lock: {state}", file=out)
-    return OK
 
 
 def _print_rows(dirname: str, rows: list[dict[str, Any]], out: TextIO) -> None:
@@ -147,19 +135,22 @@ def _print_rows(dirname: str, rows: list[dict[str, Any]], out: TextIO) -> None:
 
 # ---------------------------------------------------------------- verify
 
-def _pointer_problems(dirname: str, names: Collection[str]) -> tuple[list[str], list[str]]:
+def _pointer_problems(storage: CheckpointStorage,
+                      names: Collection[str]) -> tuple[list[str], list[str]]:
     """(damaged, notes) about latest.json and best.json."""
-    folder = CheckpointFolder(dirname)
     damaged, notes = [], []
     for which in POINTERS:
-        file = os.path.join(dirname, pointer_name(which))
-        if not os.path.exists(file):
+        file = storage.url(pointer_name(which))
+        try:
+            name = pointed_name(storage.read_json(pointer_name(which)))
+        except FileNotFoundError:
             continue
-        name = folder.pointed(which)
+        except (OSError, ValueError):
+            name = None
         if name is None:
             problem = f"{file} cannot be read or names no checkpoint"
         elif name not in names:
-            problem = f"{file} names {name}, which is not in {dirname}"
+            problem = f"{file} names {name}, which is not in {storage.dirname}"
         else:
             continue
         if which == 'best':
@@ -181,72 +172,54 @@ def _print_verdict(where: str, verdict: inspection.Verdict, out: TextIO) -> None
         print(f"  note: {line}", file=out)
 
 
-def _verify_remote(url: str, name: str | None, out: TextIO) -> int:
-    """Verify the checkpoints in the store at ``url``: each downloaded into
-    a temporary folder, verified there, and removed."""
-    with tempfile.TemporaryDirectory(prefix='skorch-accel-verify-') as staging:
-        store = RemoteStorage(url, local_dir=staging)
-        names = store.committed()
-        if name in POINTERS:
-            names = [store.pointed(name)]
-            if names[0] is None:
-                raise UsageError(f"no {name} checkpoint in {store.dirname}")
-        elif name is not None:
-            if name not in names:
-                raise UsageError(f"no checkpoint {name} in {store.dirname}")
-            names = [name]
-        elif not names:
-            raise UsageError(f"no checkpoints in {store.dirname}")
-        bad = 0
-        for found in names:
-            try:
-                verdict = inspection.verify(store.find_checkpoint(found).path)
-            except CorruptCheckpointError as exc:
-                verdict = inspection.Verdict(store.url(found))
-                verdict.damaged.append(str(exc))
-            bad += not verdict.intact
-            _print_verdict(store.url(found), verdict, out)
-            discard(store.path(found))
-    if len(names) > 1:
-        print(f"{len(names)} checkpoints: {len(names) - bad} intact, {bad} damaged", file=out)
-    return DAMAGED if bad else OK
-
-
 def _verify(args: argparse.Namespace, out: TextIO) -> int:
-    if is_remote(args.dir):
-        return _verify_remote(args.dir, args.name, out)
-    dirname, name = _split(args.dir, args.name)
-    _check_folder(dirname)
-    folder = CheckpointFolder(dirname)
-    names = [row['name'] for row in inspection.describe(dirname)]
-    damaged, notes = [], []
-    if name is None:
-        if not names:
-            raise UsageError(f"no checkpoints in {dirname}")
-        paths = [folder.path(found) for found in names]
-        damaged, notes = _pointer_problems(dirname, names)
-    elif name in POINTERS:
-        paths = [folder.named(name)]
-    elif os.path.isdir(folder.path(name)):
-        # a checkpoint, or a folder given as one (renamed, copied)
-        paths = [folder.path(name)]
-    elif is_checkpoint_name(name):
-        paths = [folder.named(name)]  # FileNotFoundError: there is none of that name
-    else:
-        raise UsageError(f"NAME must be a checkpoint name (epoch-NNNN), 'latest' or "
-                         f"'best', got {name!r}")
-    bad = 0
-    for path in paths:
-        verdict = inspection.verify(path)
-        bad += not verdict.intact
-        _print_verdict(path, verdict, out)
+    # a checkpoint of a store is downloaded into a temporary folder
+    with tempfile.TemporaryDirectory(prefix='skorch-accel-verify-') as staging:
+        storage, name = _open(args.dir, args.name, staging)
+        names = storage.committed()
+        damaged, notes = [], []
+        if name is None:
+            if not names:
+                raise UsageError(f"no checkpoints in {storage.dirname}")
+            targets = names
+            damaged, notes = _pointer_problems(storage, names)
+        elif name in POINTERS or is_checkpoint_name(name):
+            targets = [storage.named(name, names)]  # FileNotFoundError: there is none
+        elif os.path.isdir(name):
+            targets = [name]  # a folder given as a checkpoint (renamed, copied)
+        else:
+            raise UsageError(f"NAME must be a checkpoint name (epoch-NNNN), 'latest' or "
+                             f"'best', got {name!r}")
+        bad = 0
+        for target in targets:
+            where, verdict = _verify_one(storage, target)
+            bad += not verdict.intact
+            _print_verdict(where, verdict, out)
     for line in damaged:
         print(f"DAMAGED: {line}", file=out)
     for line in notes:
         print(f"note: {line}", file=out)
-    if len(paths) > 1:
-        print(f"{len(paths)} checkpoints: {len(paths) - bad} intact, {bad} damaged", file=out)
+    if len(targets) > 1:
+        print(f"{len(targets)} checkpoints: {len(targets) - bad} intact, {bad} damaged",
+              file=out)
     return DAMAGED if bad or damaged else OK
+
+
+def _verify_one(storage: CheckpointStorage, target: str) -> tuple[str, inspection.Verdict]:
+    """Where checkpoint ``target`` (a name of ``storage``, or a folder) is,
+    and what :func:`inspection.verify` says of its local copy; one of a
+    store that is not downloaded whole is damaged by what stopped it."""
+    if not is_checkpoint_name(target):
+        return target, inspection.verify(target)
+    where = storage.url(target)
+    if not os.path.isdir(storage.path(target)):
+        try:
+            storage.fetch(target)
+        except CorruptCheckpointError as exc:
+            verdict = inspection.Verdict(where)
+            verdict.damaged.append(str(exc))
+            return where, verdict
+    return where, inspection.verify(storage.path(target))
 
 
 # ---------------------------------------------------------------- export
@@ -255,10 +228,7 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         try:
-            if is_remote(args.dir):
-                source, files = _export_remote(args.dir, args.name, args.out)
-            else:
-                source, files = _export_local(args.dir, args.name, args.out)
+            source, files = _export_from(args.dir, args.name, args.out)
         finally:
             # export warns again about the checkpoint it was given
             for message in dict.fromkeys(str(warning.message) for warning in caught):
@@ -271,24 +241,19 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     return OK
 
 
-def _export_local(dirname: str, name: str | None, out_dir: str) -> tuple[str, dict[str, str]]:
-    dirname, name = _split(dirname, name)
-    _check_folder(dirname)
-    which = name or 'latest'
-    if which == 'best':
-        # a usage error, not the CheckpointError of a folder without a best one
-        CheckpointFolder(dirname).named(which)
-    path = exporting.find_exportable(dirname, which)
-    return path, exporting.export(path, out_dir)
-
-
-def _export_remote(url: str, name: str | None, out_dir: str) -> tuple[str, dict[str, str]]:
-    """Export from the store at ``url``: the checkpoint downloaded into a
-    temporary folder, exported, and removed."""
+def _export_from(source: str, name: str | None, out_dir: str) -> tuple[str, dict[str, str]]:
+    """Export checkpoint ``name`` of ``source`` (one of a store downloaded
+    into a temporary folder, exported, and removed); where it was and the
+    files written."""
     with tempfile.TemporaryDirectory(prefix='skorch-accel-export-') as staging:
-        found = exporting.fetch_checkpoint(url, name or 'latest', staging)
-        files = exporting.export(found.path, out_dir)
-    return f"{url.rstrip('/')}/{os.path.basename(found.path)}", files
+        storage, which = _open(source, name, staging)
+        which = which or 'latest'
+        if which == 'best':
+            # a usage error, not the CheckpointError of a folder without a best one
+            storage.named(which)
+        path = exporting.find_exportable(storage.dirname, which, staging)
+        files = exporting.export(path, out_dir)
+    return storage.url(os.path.basename(path)), files
 
 
 # ---------------------------------------------------------------- main

@@ -11,7 +11,7 @@ as the arguments of skorch's ``net.load_params``. Nothing here runs code
 from a file: safetensors files are read as such, other tensor files with
 ``torch.load(weights_only=True)``. A checkpoint saved under FSDP2 holds
 accelerate's ``pytorch_model_fsdp_0/`` (a sharded model, merged in this
-process by :mod:`~skorch_accel_callbacks.tools._consolidate`) or
+process by :mod:`~skorch_accel_callbacks.engine._consolidate`) or
 ``pytorch_model_fsdp.bin`` (a full state dict) instead.
 """
 
@@ -26,24 +26,18 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from skorch_accel_callbacks.callbacks._loadable import checkpoint_files, f_argument
+from skorch_accel_callbacks.engine import _consolidate as consolidate
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.format._atomic import atomic_path, read_json
 from skorch_accel_callbacks.format._manifest import POINTERS, is_checkpoint_name
 from skorch_accel_callbacks.format._readers import load_without_code, read_naming_fault
-from skorch_accel_callbacks.storage._interface import CheckpointStorage, open_storage
-from skorch_accel_callbacks.storage._local import CheckpointFolder, Found
-from skorch_accel_callbacks.storage._remote import RemoteStorage, is_remote
-from skorch_accel_callbacks.tools import _consolidate as consolidate
+from skorch_accel_callbacks.storage._interface import CheckpointStorage, Found
+from skorch_accel_callbacks.storage._open import open_storage
 
-__all__ = ['LoadableCheckpoint', 'checkpoint_files', 'export', 'exported_name', 'f_argument',
-           'fetch_checkpoint', 'find_checkpoint', 'find_exportable']
-
-
-def f_argument(module_name: str) -> str:
-    """The argument of skorch's ``load_params`` for a module: ``f_params``
-    for ``module``, ``f_<name>`` for the others (``f_criterion``)."""
-    return 'f_params' if module_name == 'module' else f'f_{module_name}'
+__all__ = ['checkpoint_files', 'export', 'exported_name', 'f_argument', 'find_checkpoint',
+           'find_exportable', 'open_source']
 
 
 def exported_name(module_name: str) -> str:
@@ -52,87 +46,94 @@ def exported_name(module_name: str) -> str:
     return ('params' if module_name == 'module' else module_name) + '.safetensors'
 
 
-def find_checkpoint(source: str | os.PathLike, which: str | os.PathLike = 'latest') -> str:
-    """The path of one complete checkpoint.
+def find_checkpoint(source: str | os.PathLike, which: str | os.PathLike = 'latest',
+                    local_dir: str | os.PathLike | None = None,
+                    storage_options: dict[str, Any] | None = None) -> str:
+    """The path of one complete checkpoint, in a local folder.
 
     Parameters
     ----------
     source : str or path-like
       A folder of checkpoints (an ``AccelerateCheckpoint``'s ``dirname``),
-      or one checkpoint folder (``<dirname>/epoch-NNNN``).
+      one checkpoint folder (``<dirname>/epoch-NNNN``), or the URL of either
+      in a store (``s3://bucket/run1``, ``s3://bucket/run1/epoch-0003``).
 
     which : str (default='latest')
       For a folder of checkpoints: ``'latest'`` (the newest complete one),
       ``'best'``, the name of one of its checkpoints (``'epoch-0003'``) or
       the path of a checkpoint folder.
 
+    local_dir : str, path-like or None (default=None)
+      With a URL, the folder the checkpoint is downloaded into (None: as
+      ``AccelerateCheckpoint``'s default staging folder).
+
+    storage_options : dict or None (default=None)
+      With a URL, the arguments of its fsspec filesystem.
+
     Raises
     ------
     FileNotFoundError
-      No such folder, no checkpoint in it, or no checkpoint of that name.
+      No such folder (or bucket), no checkpoint in it, or no checkpoint of
+      that name.
     ValueError
-      ``source`` is one checkpoint and ``which`` asks to choose.
+      ``source`` is one checkpoint and ``which`` asks to choose; ``source``
+      is a mistyped URL.
     CorruptCheckpointError, CheckpointError
       The checkpoint chosen is not complete (the message names the file), or
       of a newer format.
     """
-    return _found(source, which).path
+    storage, which = open_source(source, which, local_dir, storage_options)
+    return _found(storage, which).path
 
 
-def _found(source: str | os.PathLike, which: str | os.PathLike) -> Found:
-    """The checkpoint :func:`find_checkpoint` finds, with its manifest."""
-    source = os.fspath(source)
-    if not os.path.isdir(source):
-        raise FileNotFoundError(f"no such folder: {source}")
-    if _is_one_checkpoint(source):
+def open_source(source: str | os.PathLike, which: str | os.PathLike = 'latest',
+                local_dir: str | os.PathLike | None = None,
+                storage_options: dict[str, Any] | None = None,
+                ) -> tuple[CheckpointStorage, str]:
+    """The storage of ``source`` and which of its checkpoints ``which``
+    names: a checkpoint given as ``source`` (``DIR/epoch-0003``, a URL of
+    one, a local folder with a manifest) stands for its folder's checkpoint
+    of that name (its path, for a folder of another name).
+
+    Raises :class:`FileNotFoundError` if there is no such folder (or
+    bucket), :class:`ValueError` if ``source`` is one checkpoint and
+    ``which`` asks to choose.
+    """
+    source, which = os.fspath(source), os.fspath(which)
+    storage = open_storage(source, local_dir, storage_options)
+    given = storage.dirname
+    one = _one_checkpoint(given)
+    if one is not None:
         if which != 'latest':
             raise ValueError(
                 f"{source} is one checkpoint; which={which!r} chooses among the "
                 "checkpoints of a folder: pass that folder")
-        return Found(source, _manifest.read(source))
-    which = os.fspath(which)
+        parent, _, name = given.rstrip('/').rpartition('/')
+        storage = open_storage(parent or os.curdir, local_dir, storage_options)
+        which = name if one else given
+    if not storage.exists():
+        raise FileNotFoundError(f"no such folder: {storage.dirname}")
+    return storage, which
+
+
+def _one_checkpoint(dirname: str) -> bool | None:
+    """True if ``dirname`` is a checkpoint by its name, False if a local
+    folder of another name holding a manifest, else None."""
+    if is_checkpoint_name(dirname.rstrip('/').rpartition('/')[2]):
+        return True
+    return False if os.path.isfile(os.path.join(dirname, _manifest.MANIFEST_NAME)) else None
+
+
+def _found(storage: CheckpointStorage, which: str) -> Found:
+    """The checkpoint ``which`` of ``storage`` names, in a local folder."""
     if not (which in POINTERS or is_checkpoint_name(which) or os.path.isdir(which)):
         raise FileNotFoundError(
             f"no checkpoint {which!r}: not 'latest', 'best', a checkpoint name "
-            f"(epoch-NNNN) in {source} or a checkpoint folder")
-    found = CheckpointFolder(source).find_checkpoint(which)
+            f"(epoch-NNNN) in {storage.dirname} or a checkpoint folder")
+    found = storage.find_checkpoint(which)
     if found is None:
-        raise FileNotFoundError(f"no checkpoint in {source}")
+        raise FileNotFoundError(f"no checkpoint in {storage.dirname}")
     return found
-
-
-def fetch_checkpoint(url: str, which: str | os.PathLike, local_dir: str | os.PathLike,
-                     storage_options: dict[str, Any] | None = None) -> Found:
-    """Checkpoint ``which`` (``'latest'``, ``'best'`` or a name) of the
-    store at ``url``, downloaded into ``local_dir`` and checked there.
-
-    Raises
-    ------
-    FileNotFoundError
-      The store holds no checkpoint (of that name).
-    CheckpointError, CorruptCheckpointError
-      As :meth:`RemoteStorage.find_checkpoint`: the URL cannot be opened, no
-      checkpoint is the best one, the checkpoint named is damaged.
-    """
-    found = RemoteStorage(url, local_dir, storage_options).find_checkpoint(which)
-    if found is None:
-        raise FileNotFoundError(f"no checkpoint in {url}")
-    return found
-
-
-def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
-    """The files of checkpoint ``path`` as arguments of skorch's
-    ``load_params``: ``{'f_params': <path>/model.safetensors, ...,
-    'f_history': <path>/history.json}``.
-
-    Raises :class:`CorruptCheckpointError` naming the file if the checkpoint
-    is not complete.
-    """
-    saved = _manifest.read(path)
-    files = {f_argument(name): os.path.join(path, file)
-             for name, file in consolidate.model_files(saved, path)}
-    files['f_history'] = os.path.join(path, _manifest.plain_history_name(saved))
-    return files
 
 
 def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
@@ -169,47 +170,51 @@ def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return saved
 
 
-def find_exportable(source: str | os.PathLike, which: str | os.PathLike = 'latest') -> str:
+def find_exportable(source: str | os.PathLike, which: str | os.PathLike = 'latest',
+                    local_dir: str | os.PathLike | None = None,
+                    storage_options: dict[str, Any] | None = None) -> str:
     """The path of the checkpoint :func:`export` exports: the one
     :func:`find_checkpoint` finds, except that a checkpoint whose model
     files and history are intact qualifies even if another of its files (an
     optimizer or random state) is missing or damaged, with a warning naming
-    it; for ``'latest'``, the newest such checkpoint.
+    it; for ``'latest'``, the newest such checkpoint. A checkpoint in a
+    store must be intact to be downloaded.
 
     Raises as :func:`find_checkpoint` does; :class:`CorruptCheckpointError`
     names the model file or history at fault.
     """
-    return _exported_checkpoint(source, which)[0]
+    storage, which = open_source(source, which, local_dir, storage_options)
+    return _exported_checkpoint(storage, which)[0]
 
 
-def _exported_checkpoint(
-        source: str | os.PathLike, which: str | os.PathLike,
-) -> tuple[str, dict[str, Any]]:
+def _exported_checkpoint(storage: CheckpointStorage, which: str) -> tuple[str, dict[str, Any]]:
     """``(path, manifest)`` of :func:`find_exportable`."""
-    source = os.fspath(source)
-    one = _is_one_checkpoint(source)
-    if which == 'latest' and not one and os.path.isdir(source):
-        folder = CheckpointFolder(source)
-        newest = next(iter(folder.newest_first()), None)
+    if which == 'latest':
+        newest = next(iter(storage.newest_first()), None)
         if newest is not None:
             try:
-                return folder.path(newest), _exportable_manifest(folder.path(newest))
+                return _exportable(storage, newest)
             except CheckpointError:
                 pass  # find_checkpoint warns that it skips it, and finds an older one
-    try:
-        found = _found(source, which)
-    except CorruptCheckpointError:
-        if which == 'latest' and not one:
-            raise
-        # the checkpoint named (one, best.json's, by name or path) is incomplete
-        path = source if one else CheckpointFolder(source).named(which)
-        return path, _exportable_manifest(path)
+    elif which in POINTERS or is_checkpoint_name(which):
+        if which != 'best' or storage.pointed('best') is not None:
+            return _exportable(storage, storage.named(which))
+    elif os.path.isdir(which):
+        return which, _exportable_manifest(which)
+    found = _found(storage, which)
     return found.path, found.manifest
 
 
-def _is_one_checkpoint(source: str | os.PathLike) -> bool:
-    return (is_checkpoint_name(os.path.basename(os.path.normpath(source)))
-            or os.path.isfile(os.path.join(source, _manifest.MANIFEST_NAME)))
+def _exportable(storage: CheckpointStorage, name: str) -> tuple[str, dict[str, Any]]:
+    """``(path, manifest)`` of checkpoint ``name``: complete, or where its
+    local folder is at hand, with intact model files and history."""
+    try:
+        found = storage.fetch(name)
+    except CorruptCheckpointError:
+        if not os.path.isdir(storage.path(name)):
+            raise  # in a store, and not downloaded: nothing to look into
+        return storage.path(name), _exportable_manifest(storage.path(name))
+    return found.path, found.manifest
 
 
 def _load_tensors(file: str) -> dict[str, torch.Tensor]:
@@ -322,11 +327,15 @@ def export(
     if os.path.lexists(out) and not os.path.isdir(out):
         raise FileExistsError(f"{out} exists and is not a folder: export into a new "
                               "folder, or one an earlier export wrote")
-    if is_remote(source):
-        with tempfile.TemporaryDirectory(prefix='skorch-accel-export-') as staging:
-            found = fetch_checkpoint(os.fspath(source), which, staging, storage_options)
-            return export(found.path, out)
-    path, saved = _exported_checkpoint(source, which)
+    # a checkpoint of a store is downloaded here, exported and removed
+    with tempfile.TemporaryDirectory(prefix='skorch-accel-export-') as staging:
+        storage, which = open_source(source, which, staging, storage_options)
+        return _export(*_exported_checkpoint(storage, which), out)
+
+
+def _export(path: str, saved: dict[str, Any], out: str) -> dict[str, str]:
+    """Write the models and history of checkpoint ``path`` (of manifest
+    ``saved``) into ``out``; see :func:`export`."""
     inside = os.path.relpath(os.path.realpath(out), os.path.realpath(path))
     if not (inside == os.pardir or inside.startswith(os.pardir + os.sep)):
         raise ValueError(f"{out} is inside the checkpoint {path}: export into another folder")
@@ -354,110 +363,3 @@ def export(
         shutil.copyfile(history, tmp)
     written['f_history'] = target
     return written
-
-
-class LoadableCheckpoint:
-    """Mixin of a checkpoint callback with a ``dirname``: its checkpoints
-    read as skorch's ``load_params(checkpoint=...)`` reads a ``Checkpoint``'s.
-
-    Reading needs no lock, nor ``initialize()``: a script that only loads a
-    checkpoint creates the callback and reads.
-    """
-
-    def _reader(self) -> CheckpointStorage:
-        storage = getattr(self, 'folder_', None)
-        return storage if storage is not None else self.open_storage()
-
-    def open_storage(self) -> CheckpointStorage:
-        """A new storage object of ``dirname`` (with a store's URL, staged in
-        ``local_dir`` and opened with ``storage_options``)."""
-        return open_storage(self.dirname, getattr(self, 'local_dir', None),
-                            getattr(self, 'storage_options', None))
-
-    def committed(self) -> list[str]:
-        """Names of the committed checkpoint folders, oldest commit first."""
-        return self._reader().committed()
-
-    def find(self, which: str = 'latest') -> str | None:
-        """Path of the checkpoint to resume from, or None; see
-        ``CheckpointFolder.find``."""
-        return self._reader().find(which)
-
-    @property
-    def f_history(self) -> None:
-        """None: skorch's ``load_params`` then takes the history's file from
-        :meth:`get_formatted_files`, with the models', so that the
-        checkpoint is found (and a damaged newer one skipped, with a
-        warning) once, and both come from the same one."""
-        return None
-
-    @property
-    def f_history_(self) -> str:
-        """Path of the history of the newest complete checkpoint."""
-        return self._checkpoint_files('latest')['f_history']
-
-    def _checkpoint_files(self, which: str) -> dict[str, str]:
-        """:func:`checkpoint_files` of checkpoint ``which`` of ``dirname``,
-        downloaded first from a store."""
-        if is_remote(self.dirname):
-            found = self._reader().find_checkpoint(which)
-            if found is None:
-                raise FileNotFoundError(f"no checkpoint in {self.dirname}")
-            return checkpoint_files(found.path)
-        return checkpoint_files(find_checkpoint(self.dirname, which))
-
-    def get_formatted_files(self, net: Any, which: str = 'latest') -> dict[str, str]:
-        """The files of a checkpoint as arguments of skorch's ``load_params``.
-
-        ``net.load_params(checkpoint=cp)`` calls it: it loads the model(s)
-        and the history of the newest complete checkpoint into any net,
-        with or without accelerate, in one process or many (not the
-        optimizer nor the rest of the training state: resuming is
-        :class:`AccelerateLoadInitState`'s). Where the checkpoint holds
-        every rank's own history, rank 0's is loaded; the module buffers
-        are those of accelerate's model files (for every rank's own under
-        FSDP2, rank 0's, ``export()`` the checkpoint). With a torch older than 2.13,
-        pass ``use_safetensors=True`` to ``load_params``.
-
-        A model that FSDP2 saved sharded is merged in this process
-        (as ``export()`` merges it) and comes as an
-        in-memory file of torch's format: load it without
-        ``use_safetensors=True``, in one process (in a job of several,
-        ``export()`` it first and load the exported files).
-
-        Parameters
-        ----------
-        net : skorch.NeuralNet or None
-          Unused; skorch passes the net.
-
-        which : str (default='latest')
-          ``'latest'``, ``'best'``, the name of a checkpoint
-          (``'epoch-0003'``) or the path of a checkpoint folder.
-
-        Returns
-        -------
-        files : dict
-          ``f_params`` (the module ``module``), ``f_<name>`` for every other
-          module or criterion with trainable parameters, ``f_history``.
-
-        Raises
-        ------
-        FileNotFoundError
-          There is no checkpoint (of that name) in ``dirname``.
-        CheckpointError
-          ``which='best'`` and no checkpoint is marked best; or the
-          checkpoint is of a newer format.
-        CorruptCheckpointError
-          The checkpoint chosen is damaged (the message names the file).
-        RuntimeError
-          A model is sharded and this process is one of a job of several.
-
-        Examples
-        --------
-        >>> net = NeuralNetClassifier(MyModule).initialize()
-        >>> net.load_params(checkpoint=AccelerateCheckpoint(dirname='run1'))
-        >>> net.load_params(**cp.get_formatted_files(net, which='best'))
-
-        """
-        return {key: consolidate.loadable(file)
-                for key, file in self._checkpoint_files(which).items()}

@@ -9,11 +9,11 @@ a file: safetensors files are read as such, other tensor files with
 
 from __future__ import annotations
 
-import json
 import os
 from datetime import UTC, datetime
 from typing import Any
 
+from skorch_accel_callbacks.engine import _consolidate as consolidate
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.format import _atomic as atomic, _manifest
 from skorch_accel_callbacks.format._manifest import (
@@ -24,8 +24,8 @@ from skorch_accel_callbacks.format._manifest import (
 )
 from skorch_accel_callbacks.format._readers import kind_of, load_without_code
 from skorch_accel_callbacks.storage import _lock as lock
-from skorch_accel_callbacks.storage._local import CheckpointFolder
-from skorch_accel_callbacks.tools import _consolidate as consolidate
+from skorch_accel_callbacks.storage._interface import CheckpointStorage
+from skorch_accel_callbacks.storage._open import open_storage
 
 __all__ = ['Verdict', 'checkpoint_bytes', 'describe', 'describe_one', 'leftovers',
            'lock_state', 'pointers', 'verify']
@@ -43,14 +43,13 @@ def checkpoint_bytes(saved: dict[str, Any]) -> int | None:
     return sum(files.values())
 
 
-def _score(path: str | os.PathLike, saved: dict[str, Any]) -> tuple[str, float] | None:
+def _score(storage: CheckpointStorage, name: str,
+           saved: dict[str, Any]) -> tuple[str, float] | None:
     """``(column, value)`` of the last complete epoch in a checkpoint's history
     (rank 0's, where the ranks' differed): ``valid_loss``, else
     ``train_loss``; None if neither can be read."""
     try:
-        history = _manifest.plain_history_name(saved)
-        with open(os.path.join(path, history), encoding='utf-8') as f:
-            rows = json.load(f)
+        rows = storage.read_json(name, _manifest.plain_history_name(saved))
         # inside an epoch, the last row has no scores yet
         last = next(row for row in reversed(rows)
                     if isinstance(row, dict) and 'train_loss' in row)
@@ -80,14 +79,14 @@ def _saved_at(path: str | os.PathLike, saved: Any) -> datetime | None:
     return datetime.fromtimestamp(mtime, UTC)
 
 
-def describe(dirname: str | os.PathLike) -> list[dict[str, Any]]:
-    """One dict per checkpoint of ``dirname``, in the order they were
-    committed (training order: by the manifest's ``saved_at``, else by its
-    file's time, which a copy of the folder may change).
+def describe(storage: CheckpointStorage | str | os.PathLike) -> list[dict[str, Any]]:
+    """One dict per checkpoint of ``storage`` (or of the folder or URL
+    ``storage``), in training order
+    (:meth:`~skorch_accel_callbacks.storage._interface.CheckpointStorage.committed`).
 
-    Keys: ``name``, ``path``, ``epoch`` (complete epochs), ``step`` (optimizer
-    steps; None before format 3), ``batches_into_epoch`` (0 at an epoch's
-    end), ``best``, ``finished``,
+    Keys: ``name``, ``path`` (its URL in a store), ``epoch`` (complete
+    epochs), ``step`` (optimizer steps; None before format 3),
+    ``batches_into_epoch`` (0 at an epoch's end), ``best``, ``finished``,
     ``stopped_early``, ``world_size``, ``bytes`` (:func:`checkpoint_bytes`;
     None if the manifest cannot be read), ``saved_at``
     (a UTC datetime), ``save_seconds`` and ``blocked_seconds`` (None if not
@@ -95,31 +94,18 @@ def describe(dirname: str | os.PathLike) -> list[dict[str, Any]]:
     ``problem`` (None, or why it is not a complete checkpoint: the quick
     check of resuming, manifest and sizes; :func:`verify` loads the files).
     """
-    folder = CheckpointFolder(dirname)
-    rows = []
-    for name in folder.committed():
-        path = folder.path(name)
-        problem = None
-        try:
-            saved = _manifest.read(path)
-        except CheckpointError as exc:  # and CorruptCheckpointError
-            problem = str(exc)
-            try:
-                saved = atomic.read_json(os.path.join(path, _manifest.MANIFEST_NAME))
-            except (OSError, ValueError):
-                saved = {}
-        rows.append(describe_one(name, path, saved, problem))
-    never = datetime.min.replace(tzinfo=UTC)
-    return sorted(rows, key=lambda row: (row['saved_at'] or never, row['name']))
+    if not isinstance(storage, CheckpointStorage):
+        storage = open_storage(storage)
+    return [describe_one(storage, name, *storage.check(name)) for name in storage.committed()]
 
 
-def describe_one(name: str, path: str, saved: Any, problem: str | None) -> dict[str, Any]:
-    """The row of :func:`describe` of checkpoint ``name`` at ``path`` (a
-    folder, or the URL of one in an object store: no score, and no time
-    but the manifest's), of manifest ``saved`` (``{}`` if none can be read)
-    and ``problem``."""
+def describe_one(storage: CheckpointStorage, name: str, saved: Any,
+                 problem: str | None) -> dict[str, Any]:
+    """The row of :func:`describe` of checkpoint ``name`` of ``storage``, of
+    manifest ``saved`` (``{}`` if none can be read) and ``problem``."""
     if not isinstance(saved, dict):
         saved = {}
+    path = storage.url(name)
     return {
         'name': name,
         'path': path,
@@ -134,7 +120,7 @@ def describe_one(name: str, path: str, saved: Any, problem: str | None) -> dict[
         'saved_at': _saved_at(path, saved),
         'save_seconds': saved.get('save_seconds'),
         'blocked_seconds': saved.get('blocked_seconds'),
-        'score': _score(path, saved),
+        'score': _score(storage, name, saved),
         'problem': problem,
     }
 
@@ -142,8 +128,8 @@ def describe_one(name: str, path: str, saved: Any, problem: str | None) -> dict[
 def pointers(dirname: str | os.PathLike) -> dict[str, str | None]:
     """``{'latest': name or None, 'best': name or None}``: what the pointer
     files name (whether or not that checkpoint is there)."""
-    folder = CheckpointFolder(dirname)
-    return {which: folder.pointed(which) for which in POINTERS}
+    storage = open_storage(dirname)
+    return {which: storage.pointed(which) for which in POINTERS}
 
 
 def leftovers(dirname: str | os.PathLike) -> list[tuple[str, str]]:
