@@ -12,14 +12,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / 'skorch_accel_callbacks'
 MODULES = sorted(
     '.'.join(('skorch_accel_callbacks', *path.relative_to(PACKAGE).with_suffix('').parts))
     .removesuffix('.__init__') for path in PACKAGE.rglob('*.py'))
-# examples still written as code to read, not to run, in the modules another
-# change of issue 29 rewrites (the storage policy, the tools); remove each
-# once its examples run
-NOT_YET = {
-    'skorch_accel_callbacks.storage._lease': 'its example needs an S3 store',
-    'skorch_accel_callbacks.storage._lock': 'rewritten with the storage policy',
-    'skorch_accel_callbacks.tools.export': 'rewritten with the storage policy',
-}
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
@@ -30,8 +22,6 @@ def _examples(name):
 
 @pytest.mark.parametrize('name', MODULES)
 def test_docstring_examples_run(name, tmp_path, monkeypatch):
-    if name in NOT_YET:
-        pytest.skip(NOT_YET[name])
     monkeypatch.chdir(tmp_path)
     runner = doctest.DocTestRunner(optionflags=FLAGS)
     for test in _examples(name):

@@ -130,8 +130,29 @@ class LoadableCheckpoint:
 
         Examples
         --------
-        >>> net = NeuralNetClassifier(MyModule).initialize()
-        >>> net.load_params(checkpoint=AccelerateCheckpoint(dirname='run1'))
+        >>> import numpy as np
+        >>> import torch
+        >>> from accelerate import Accelerator
+        >>> from skorch import NeuralNetClassifier
+        >>> from skorch.hf import AccelerateMixin
+        >>> from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateFixesMixin
+        >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
+        ...     pass
+        >>> X = np.random.randn(64, 4).astype(np.float32)
+        >>> y = (X[:, 0] > 0).astype(np.int64)
+        >>> model = dict(module=torch.nn.Linear, module__in_features=4,
+        ...              module__out_features=2, criterion=torch.nn.CrossEntropyLoss)
+        >>> cp = AccelerateCheckpoint(dirname='run1', monitor='valid_loss_best', keep_best=1)
+        >>> _ = AcceleratedNet(**model, accelerator=Accelerator(cpu=True), max_epochs=2,
+        ...                    callbacks=[cp]).fit(X, y)  # doctest: +ELLIPSIS
+          epoch    train_loss...
+        >>> sorted(cp.get_formatted_files(None, which='best'))
+        ['f_history', 'f_params']
+
+        Load the best checkpoint's model and history into a plain net (the
+        newest: ``load_params(checkpoint=cp)``):
+
+        >>> net = NeuralNetClassifier(**model).initialize()
         >>> net.load_params(**cp.get_formatted_files(net, which='best'))
 
         """

@@ -87,10 +87,25 @@ class ObjectLease:
 
     Examples
     --------
+    Against a local S3 server (moto's, as the tests use):
+
     >>> import s3fs
-    >>> lease = ObjectLease(s3fs.S3FileSystem(), 'bucket/run1/.lease.json').acquire()
+    >>> from moto.server import ThreadedMotoServer
+    >>> server = ThreadedMotoServer(ip_address='127.0.0.1', port=0, verbose=False)
+    >>> server.start()
+    >>> host, port = server.get_host_and_port()
+    >>> fs = s3fs.S3FileSystem(key='testing', secret='testing', skip_instance_cache=True,
+    ...                        client_kwargs={'endpoint_url': f'http://{host}:{port}'})
+    >>> fs.mkdir('bucket')
+    >>> lease = ObjectLease(fs, 'bucket/run1/.lease.json').acquire()
+    >>> other = ObjectLease(fs, 'bucket/run1/.lease.json')
+    >>> other.acquire()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    skorch_accel_callbacks.errors.FolderInUseError: ...
     >>> lease.check()  # before each commit: LeaseLostError if taken over
     >>> lease.release()
+    >>> server.stop()
 
     """
 

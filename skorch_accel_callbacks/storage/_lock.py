@@ -74,6 +74,8 @@ class FolderLock:
 
     Examples
     --------
+    >>> import os
+    >>> os.makedirs('run1')
     >>> lock = FolderLock('run1').acquire()  # FolderInUseError if held elsewhere
     >>> lock.release()
 
@@ -206,8 +208,14 @@ class PrefixLock(FolderLock):
 
     Examples
     --------
-    >>> lock = PrefixLock('run1', 'train_end_').acquire()  # run1/.train_end_lock
-    >>> lock.release()  # and run1/.train_end_lock is gone
+    >>> import os
+    >>> os.makedirs('run1', exist_ok=True)
+    >>> lock = PrefixLock('run1', 'train_end_').acquire()
+    >>> os.path.exists('run1/.train_end_lock')
+    True
+    >>> lock.release()
+    >>> os.path.exists('run1/.train_end_lock')
+    False
 
     """
 

@@ -314,13 +314,32 @@ def export(
 
     Examples
     --------
+    A checkpoint of two epochs, exported and loaded into a plain net (a
+    store's URL, ``export('s3://bucket/run1', 'model', which='best')``,
+    works as a folder does):
+
+    >>> import numpy as np
+    >>> import torch
+    >>> from accelerate import Accelerator
+    >>> from skorch import NeuralNetClassifier
+    >>> from skorch.hf import AccelerateMixin
+    >>> from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateFixesMixin
     >>> from skorch_accel_callbacks.tools.export import export
+    >>> class AcceleratedNet(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
+    ...     pass
+    >>> X = np.random.randn(64, 4).astype(np.float32)
+    >>> y = (X[:, 0] > 0).astype(np.int64)
+    >>> model = dict(module=torch.nn.Linear, module__in_features=4,
+    ...              module__out_features=2, criterion=torch.nn.CrossEntropyLoss)
+    >>> _ = AcceleratedNet(**model, accelerator=Accelerator(cpu=True), max_epochs=2,
+    ...                    callbacks=[AccelerateCheckpoint(dirname='checkpoints')],
+    ...                    ).fit(X, y)  # doctest: +ELLIPSIS
+      epoch    train_loss...
     >>> files = export('checkpoints', 'model')  # the newest checkpoint
     >>> files
     {'f_params': 'model/params.safetensors', 'f_history': 'model/history.json'}
-    >>> net = NeuralNetClassifier(MyModule).initialize()
+    >>> net = NeuralNetClassifier(**model).initialize()
     >>> net.load_params(**files, use_safetensors=True)
-    >>> export('s3://bucket/run1', 'model', which='best')
 
     """
     out = os.fspath(out)
