@@ -36,7 +36,7 @@ from __future__ import annotations
 import abc
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,7 +297,12 @@ class CheckpointStorage(abc.ABC):
                keep: Iterable[str | None] = ()) -> None:
         """Remove all but the checkpoints :meth:`kept` keeps; one that
         cannot be removed is left with a warning naming it."""
-        names, kept = self.kept(keep_last, keep_best, keep)
+        self.remove_unkept(*self.kept(keep_last, keep_best, keep))
+
+    def remove_unkept(self, names: Iterable[str], kept: Collection[str]) -> None:
+        """Remove each of ``names`` not in ``kept`` (:meth:`kept`'s answer);
+        one that cannot be removed is left with a warning naming it: an old
+        checkpoint too many is no loss."""
         for name in names:
             if name in kept:
                 continue

@@ -363,14 +363,7 @@ class RemoteStorage(CheckpointStorage):
             warnings.warn(f"could not retire old checkpoints of {self.dirname}: {exc}",
                           UserWarning)
             return
-        for name in names:
-            if name in kept:
-                continue
-            try:
-                self.remove(name)
-            except (OSError, CheckpointError) as exc:
-                warnings.warn(f"could not remove old checkpoint {self.url(name)}: {exc}",
-                              UserWarning)
+        self.remove_unkept(names, kept)
 
     def remove(self, name: str) -> None:
         """Remove checkpoint ``name`` from the store: its manifest first,
