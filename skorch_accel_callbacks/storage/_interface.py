@@ -263,7 +263,11 @@ class CheckpointStorage(abc.ABC):
             name = self.pointed('best') if which == 'best' else self.named(which, names)
             return self.fetch(name)
         problems = []
-        for name in self.newest_first(names):
+        latest = self.pointed('latest')
+        # a pointer naming what is not a checkpoint (a file in its place, a
+        # folder removed by hand) is damage to report, not a fresh start
+        dangling = [latest] if latest is not None and latest not in names else []
+        for name in dangling + self.newest_first(names):
             try:
                 return self.fetch(name)
             except CorruptCheckpointError as exc:
