@@ -6,7 +6,9 @@ tests/data/f5cb08a-1proc/ holds them (1 process), written by
 tests/old_format_run.py run against that commit's package (its README says
 how): ``epoch-end`` at the end of epoch 2, ``in-epoch`` at step 6, inside
 epoch 2. Each is resumed from a copy and trained to the end of epoch 3, and
-compared with an uninterrupted fit of 3 epochs made now.
+compared with an uninterrupted fit of 3 epochs made now. Those of 2
+processes (tests/data/f5cb08a-2proc/, each rank's state its own) resume in
+the launch of tests/test_per_rank.py.
 """
 
 import os

@@ -7,12 +7,14 @@ histories and the states of callbacks that read them (EarlyStopping) differ;
 FSDP2 keeps BatchNorm's running statistics per rank. One launch of 2 real
 processes (gloo) trains uninterrupted and resumes its checkpoints of an
 epoch's end and of inside an epoch, under DDP and forced FSDP2, and trains a
-run whose ranks agree; one launch of 1 process resumes the 2-process
+run whose ranks agree, and resumes 2-process checkpoints written before the
+package's restructure; one launch of 1 process resumes the 2-process
 checkpoint with on_world_size_change='reseed'.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -38,6 +40,8 @@ from testutil import assert_nested_equal, edit_manifest, read_json, read_results
 EPOCH_END = 'epoch-0002'
 MID_EPOCH = 'epoch-0002-step-00000009'
 RESUMED = {'epoch': EPOCH_END, 'mid': MID_EPOCH}
+# written by the 'ddp-full' training at commit f5cb08a (tests/data/README.rst)
+OLD_CHECKPOINTS = REPO / 'tests' / 'data' / 'f5cb08a-2proc'
 ONE_PROCESS = {'WORLD_SIZE': '1', 'RANK': '0', 'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '1',
                'MASTER_ADDR': '127.0.0.1'}
 
@@ -68,6 +72,11 @@ def runs(tmp_path_factory):
                       'every_n_steps': 3, 'resume': os.path.join(root / 'ddp' / 'full', EPOCH_END)})
     trainings.append({'dirname': str(root / 'agree'), 'tag': 'agree', 'agree': True,
                       'max_epochs': 2})
+    # checkpoints of these trainings that the package wrote before its restructure
+    old = shutil.copytree(OLD_CHECKPOINTS, root / 'old-checkpoints')
+    for kind, name in RESUMED.items():
+        trainings.append({'dirname': str(root / 'old' / kind), 'tag': f'old-{kind}',
+                          'every_n_steps': 3, 'resume': str(old / name)})
     launch_runs(results, trainings)
     launch_runs(results, [{'dirname': str(root / 'reseed'), 'tag': 'reseed', 'reseed': True,
                            'resume': str(root / 'ddp' / 'full' / EPOCH_END)}], nproc=1)
@@ -116,6 +125,24 @@ def test_each_rank_resumes_its_own_history_and_callbacks(runs, backend):
         assert saved['format_version'] == _manifest.FORMAT_VERSION > _manifest.SHARED_STATES_FORMAT
         assert {'history_0.json', 'history_1.json', 'callbacks_1.json'} <= set(saved['files'])
         assert _manifest.HISTORY_NAME not in saved['files']
+
+
+@pytest.mark.slow
+def test_each_rank_resumes_its_own_state_from_checkpoints_of_before_the_restructure(runs):
+    """2-process checkpoints of format 4, written by the package before it
+    was split into subpackages, resume on each rank bit for bit as the
+    uninterrupted training of now ends."""
+    _, results = runs
+    full = read_results(results, 'ddp-full', 2)
+    for kind, name in RESUMED.items():
+        resumed = read_results(results, f'old-{kind}', 2)
+        assert [r['num_processes'] for r in resumed] == [2, 2]
+        assert [r['loaded_from'] for r in resumed] == [name, name]
+        for rank in (0, 1):
+            for key in ('history', 'early', 'rank_losses'):
+                assert resumed[rank][key] == full[rank][key], (kind, rank, key)
+            assert_nested_equal(rank_state(results, f'old-{kind}', rank),
+                                 rank_state(results, 'ddp-full', rank), f"old {kind} rank {rank}")
 
 
 @pytest.mark.slow
