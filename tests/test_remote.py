@@ -289,6 +289,14 @@ def test_list_and_verify_a_url(s3_bucket):
     damaged = command('verify', url, 'epoch-0001')
     assert damaged.returncode == 1, damaged.stdout + damaged.stderr
     assert f'{url}/epoch-0001: DAMAGED' in damaged.stdout
+    # same-size garbage: its checksum, as a local folder's list says (issue 30 item 6)
+    listed = command('list', url)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    rows = {line.split()[0]: line.split()[-1] for line in listed.stdout.splitlines()
+            if line.split()[:1] in (['epoch-0001'], ['epoch-0002']) and ' is ' not in line}
+    assert rows == {'epoch-0001': 'DAMAGED', 'epoch-0002': 'ok'}, listed.stdout
+    assert (f'{url}/epoch-0001/model.safetensors has checksum xxh3_64:' in listed.stdout
+            and 'the file is damaged' in listed.stdout), listed.stdout
 
 
 # ---------------------------------------------------------------- 2 processes

@@ -32,16 +32,39 @@ def read_json(store: transfer.Store, *parts: str) -> Any:
 def check(store: transfer.Store, name: str) -> tuple[dict[str, Any], str | None]:
     """The manifest of checkpoint ``name`` in the store (``{}`` if it
     cannot be read) and why the checkpoint is not complete there (None if
-    it is), without downloading it."""
+    it is): as :func:`~skorch_accel_callbacks.format._manifest.check` of a
+    local folder, each listed file's size and checksum, its bytes read from
+    the store as they stream in, not staged."""
     try:
-        sealed, _ = transfer.check_remote(store, name)
-        return json.loads(sealed), None
+        sealed, files = transfer.check_remote(store, name)
+        manifest = json.loads(sealed)
+        _check_checksums(store, name, files, manifest.get('checksums') or {})
+        return manifest, None
     except CorruptCheckpointError as exc:
         try:
             saved = read_json(store, name, _manifest.MANIFEST_NAME)
         except (OSError, ValueError):
             saved = {}
         return (saved if isinstance(saved, dict) else {}), str(exc)
+
+
+def _check_checksums(store: transfer.Store, name: str, files: list[str],
+                     checksums: dict[str, str]) -> None:
+    """:class:`CorruptCheckpointError` naming the first file of ``files``
+    whose bytes in the store have another checksum than the manifest's."""
+    for rel in files:
+        expected = checksums.get(rel)
+        # a checksum of another algorithm cannot be checked, as locally
+        if not (isinstance(expected, str)
+                and expected.startswith(f'{_manifest.CHECKSUM_ALGORITHM}:')):
+            continue
+        with store.fs.open(store.path(name, rel.replace(os.sep, '/')), 'rb') as stream:
+            actual = _manifest.checksum_stream(stream)
+        if actual != expected:
+            raise CorruptCheckpointError(
+                f"{store.url(name)}/{rel} has checksum {actual}, "
+                f"{store.url(name)}/{_manifest.MANIFEST_NAME} says {expected}: "
+                "the file is damaged")
 
 
 def names(store: transfer.Store) -> set[str]:

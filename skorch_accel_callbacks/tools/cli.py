@@ -129,7 +129,8 @@ def _print_rows(dirname: str, rows: list[dict[str, Any]], out: TextIO) -> None:
         for row in rows:
             if row['problem']:
                 print(f"  {row['name']} is DAMAGED: {row['problem']}", file=out)
-        print("  (state: the manifest and the size of every file; verify loads every file)",
+        print("  (state: the manifest, and the size and checksum of every file; verify "
+              "loads every file)",
               file=out)
 
 
