@@ -528,7 +528,10 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         states are copied.
         """
         requested_at = time.monotonic()
-        self.wait_for_saves(net)
+        # the save before, and of a store's uploads only those that fill its queue
+        report = self.writer_.wait(net, before_save=True)
+        if report is not None:
+            base.say(net, self.sink, report.message())
         name = self.checkpoint_name(net)
         inside_epoch = not training_state.epoch_completed(net)
         report = self.writer_.save(net, SaveRequest(
