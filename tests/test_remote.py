@@ -24,7 +24,7 @@ from sklearn.base import clone
 from skorch.callbacks import Callback
 
 from checkpointed import fit, state
-from common import make_accelerator, make_data, make_net
+from common import UploadsEnded, make_accelerator, make_data, make_net
 from launcher import launch
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
@@ -524,8 +524,9 @@ def test_an_upload_the_network_cuts_fails_naming_the_staged_checkpoint(s3_bucket
         return (f'the upload of {url}/{name} failed' in str(error)
                 and f'stays staged in {os.path.join(staged, name)}' in str(error))
 
+    # the next save raises the failure once the upload ended
     cp, _, said, error = cut_fit(network, url, rb'PUT /[^ ]*/run/epoch-0002/manifest\.json',
-                                 None, 3)
+                                 None, 3, UploadsEnded(3))
     assert failed(error, 'epoch-0002'), error
     assert [line for line in said if line.startswith(f'Uploaded {url}/epoch-0001 in ')]
     assert open_storage(url).committed() == ['epoch-0001']
