@@ -44,7 +44,13 @@ from skorch_accel_callbacks.storage import (
 from skorch_accel_callbacks.storage._interface import CheckpointStorage, Found, is_committer
 from skorch_accel_callbacks.storage._lease import ObjectLease, take_lease
 from skorch_accel_callbacks.storage._local import CheckpointFolder
-from skorch_accel_callbacks.storage._upload_queue import UploadQueue
+from skorch_accel_callbacks.storage._upload_queue import (
+    UploadQueue,
+    newest_complete,
+    told,
+    upload_next,
+    wait_for,
+)
 
 __all__ = ['RemoteStorage', 'default_staging']
 
@@ -220,7 +226,7 @@ class RemoteStorage(CheckpointStorage):
         newest = None
         with sync.agree(net, f"reading the staging folder {self.local_dir}"):
             if is_committer(net):
-                newest = self._newest_staged()
+                newest = newest_complete(self.staging)
         staged = sync.gather(net, newest)
         committers = [0] if self._nodes is None else self._nodes.ranks
         todo = None
@@ -236,16 +242,6 @@ class RemoteStorage(CheckpointStorage):
                 self._upload(name, best)
             elif what == 'point' and self._main:
                 transfer.point(self._store(), name, best)
-
-    def _newest_staged(self) -> tuple[str, bool] | None:
-        """The newest complete checkpoint of the staging folder and whether
-        it is a best one. Those older were superseded in the upload queue
-        (or are in the store): they are not uploaded."""
-        for name in reversed(self.staging.committed()):
-            manifest, problems = _manifest.check(self.staging.path(name))
-            if not problems:
-                return name, bool(manifest.get('best'))
-        return None
 
     def _unfinished(self, staged: list[tuple[str, bool] | None]) -> tuple[str, str, bool] | None:
         """What is left to do of the upload of the newest staged checkpoint
@@ -326,22 +322,14 @@ class RemoteStorage(CheckpointStorage):
     def _upload_next(self) -> tuple[str, float] | None:
         """Upload the oldest waiting checkpoint; its URL and the seconds it
         took, or None if none waits (superseded ones were dropped)."""
-        with self._lock:
-            taken = self._queue.take()
-        if taken is None:
+        uploaded = upload_next(self._lock, self._queue, self._upload)
+        if uploaded is None:
             return None
-        failed = True
-        try:
-            seconds = self._upload(*taken)
-            failed = False
-        finally:
-            with self._lock:
-                self._queue.done(failed)
-                superseded = taken[0] != self._queue.newest
+        name, seconds, superseded = uploaded
         if superseded:
             # in the store, and a newer one is staged
-            self._discard_staged([taken[0]])
-        return self.url(taken[0]), seconds
+            self._discard_staged([name])
+        return self.url(name), seconds
 
     def _upload(self, name: str, best: bool) -> float:
         """Upload checkpoint ``name`` from the staging folder; the seconds it took."""
@@ -414,25 +402,18 @@ class RemoteStorage(CheckpointStorage):
     def remove(self, name: str) -> None:
         """Remove checkpoint ``name`` from the store: its manifest first,
         then its files, each request sent again through an outage."""
-        store = self._store()
-        store.persist(f"removing {self.url(name)}/{_manifest.MANIFEST_NAME}",
-                      lambda seconds: store.fs.rm_file(
-                          store.path(name, _manifest.MANIFEST_NAME),
-                          **transfer.deadline(store.fs, seconds)))
-        store.persist(f"removing {self.url(name)}",
-                      lambda seconds: store.fs.rm(
-                          store.path(name), recursive=True,
-                          **transfer.deadline(store.fs, seconds)))
+        transfer.remove_checkpoint(self._store(), name)
 
     def wait(self) -> str | None:
         """Wait for every upload queued, the retirements and the staging
         folder's removals; raise the first that failed. Return what to tell
-        the user (:meth:`_said`): how long each upload took, and how long
-        this wait blocked if one was still running."""
+        the user (:func:`~skorch_accel_callbacks.storage._upload_queue.told`):
+        how long each upload took, and how long this wait blocked if one was
+        still running."""
         began, busy = time.monotonic(), not all(future.done() for future in self._pending)
         futures.wait(self._pending)
         waited = time.monotonic() - began
-        error, said = self._collect()
+        error, said, _ = wait_for(self._pending, lambda: False)
         with self._lock:
             removals, self._removals = self._removals, []
         for removal in removals:
@@ -452,14 +433,9 @@ class RemoteStorage(CheckpointStorage):
         checkpoint each uploads must not depend on timing."""
         if self._nodes is not None:
             return self.wait()
-        began, waited, error, said = time.monotonic(), None, None, []
-        while True:
-            failed, ended = self._collect()
-            error, said = error or failed, said + ended
-            if error is not None or not self._pending or self._has_room():
-                break
-            futures.wait(self._pending, return_when=futures.FIRST_COMPLETED)
-            waited = time.monotonic() - began
+        # one read of the queue's length, without the lock: a stale one
+        # waits for one upload more or less
+        error, said, waited = wait_for(self._pending, self._queue.has_room)
         with self._lock:
             self._removals = [removal for removal in self._removals
                               if removal is not None and removal.is_alive()]
@@ -467,36 +443,10 @@ class RemoteStorage(CheckpointStorage):
             raise error
         return self._said(said, waited)
 
-    def _has_room(self) -> bool:
-        with self._lock:
-            return self._queue.has_room()
-
-    def _collect(self) -> tuple[BaseException | None, list[str]]:
-        """Take the ended work from the front of the pending work; the first
-        failure, and what each upload that ended says."""
-        error, said = None, []
-        while self._pending and self._pending[0].done():
-            future = self._pending.pop(0)
-            exc = future.exception()
-            if exc is not None and error is None:
-                error = exc
-            elif exc is None and future.result() is not None:
-                url, seconds = future.result()
-                said.append(f"Uploaded {url} in {seconds:.2f} s")
-        return error, said
-
     def _said(self, said: list[str], waited: float | None) -> str | None:
-        """What to tell the user: the uploads, the checkpoints dropped
-        unuploaded, how long training waited for the uploads."""
         with self._lock:
             dropped, self._queue.dropped = self._queue.dropped, []
-        if dropped:
-            said.append(f"Not uploaded, superseded while waiting: "
-                        f"{', '.join(self.url(name) for name in dropped)}")
-        if not said:
-            return None
-        return '; '.join(said) + (f" (training waited {waited:.2f} s for it)"
-                                  if waited is not None else '')
+        return told(said, [self.url(name) for name in dropped], waited)
 
     # ------------------------------------------------------------ reading
 

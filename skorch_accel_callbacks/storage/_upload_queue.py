@@ -19,13 +19,16 @@ its lock.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
+from concurrent import futures
 from dataclasses import dataclass, field
+from typing import Any
 
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.storage._interface import retained
 
-__all__ = ['UploadQueue']
+__all__ = ['UploadQueue', 'newest_complete', 'told', 'upload_next', 'wait_for']
 
 
 @dataclass
@@ -109,3 +112,66 @@ class UploadQueue:
     def has_room(self) -> bool:
         """Whether a save may go on without waiting for an upload."""
         return len(self.waiting) <= self.room
+
+
+def upload_next(lock: Any, queue: UploadQueue, upload: Callable[[str, bool], float]
+                ) -> tuple[str, float, bool] | None:
+    """Take the oldest waiting checkpoint of ``queue`` (under ``lock``) and
+    ``upload(name, best)`` it: its name, the seconds it took, and whether a
+    newer one was committed meanwhile (its staged copy is not needed any
+    more); None if none waits. A failure halts the queue and is raised."""
+    with lock:
+        taken = queue.take()
+    if taken is None:
+        return None
+    failed = True
+    try:
+        seconds = upload(*taken)
+        failed = False
+    finally:
+        with lock:
+            queue.done(failed)
+            superseded = taken[0] != queue.newest
+    return taken[0], seconds, superseded
+
+
+def wait_for(pending: list[futures.Future], enough: Callable[[], bool]
+             ) -> tuple[BaseException | None, list[str], float | None]:
+    """Take the ended work from the front of ``pending`` (in place), waiting
+    for more until a failure ended, none is pending or ``enough()``; the
+    first failure, what each upload that ended says (its future's result:
+    its URL and seconds, or None), and how long it waited (None: not)."""
+    began, waited, error, said = time.monotonic(), None, None, []
+    while True:
+        while pending and pending[0].done():
+            future = pending.pop(0)
+            if future.exception() is not None:
+                error = error or future.exception()
+            elif future.result() is not None:
+                said.append("Uploaded {} in {:.2f} s".format(*future.result()))
+        if error is not None or not pending or enough():
+            return error, said, waited
+        futures.wait(pending, return_when=futures.FIRST_COMPLETED)
+        waited = time.monotonic() - began
+
+
+def told(said: list[str], dropped: list[str], waited: float | None) -> str | None:
+    """What to tell the user: the uploads ``said``, the URLs ``dropped``
+    unuploaded, how long training waited for the uploads; None if nothing."""
+    if dropped:
+        said = [*said, f"Not uploaded, superseded while waiting: {', '.join(dropped)}"]
+    if not said:
+        return None
+    return '; '.join(said) + (f" (training waited {waited:.2f} s for it)"
+                              if waited is not None else '')
+
+
+def newest_complete(staging: Any) -> tuple[str, bool] | None:
+    """The newest complete checkpoint of the folder ``staging`` (a
+    ``CheckpointFolder``) and whether it is a best one. Those older were
+    superseded in the queue, or are in the store."""
+    for name in reversed(staging.committed()):
+        manifest, problems = _manifest.check(staging.path(name))
+        if not problems:
+            return name, bool(manifest.get('best'))
+    return None
