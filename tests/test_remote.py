@@ -524,9 +524,10 @@ def test_an_upload_the_network_cuts_fails_naming_the_staged_checkpoint(s3_bucket
         return (f'the upload of {url}/{name} failed' in str(error)
                 and f'stays staged in {os.path.join(staged, name)}' in str(error))
 
-    # the next save raises the failure once the upload ended
+    # each save tells an upload that ended, or raises its failure: the
+    # uploads end before the saves of epochs 2 and 3
     cp, _, said, error = cut_fit(network, url, rb'PUT /[^ ]*/run/epoch-0002/manifest\.json',
-                                 None, 3, UploadsEnded(3))
+                                 None, 3, UploadsEnded(epochs=(2, 3)))
     assert failed(error, 'epoch-0002'), error
     assert [line for line in said if line.startswith(f'Uploaded {url}/epoch-0001 in ')]
     assert open_storage(url).committed() == ['epoch-0001']

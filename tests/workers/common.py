@@ -114,7 +114,7 @@ class NotTrainingState:
 
 
 class UploadsEnded(Callback):
-    """At the beginning of epoch ``epoch``, on the process that uploads,
+    """At the beginning of each epoch of ``epochs``, on the process that uploads,
     wait (up to ``timeout`` s) until the uploads to the store queued so far
     ended: a save does not wait for a running upload, so a failure among
     them is raised by the next save only once it ended; this makes it so.
@@ -123,13 +123,13 @@ class UploadsEnded(Callback):
     # observes, trains nothing: not recorded, may come and go
     unrecorded_params = True
 
-    def __init__(self, epoch, timeout=30):
-        self.epoch = epoch
+    def __init__(self, epochs, timeout=30):
+        self.epochs = epochs
         self.timeout = timeout
 
     def on_epoch_begin(self, net, **kwargs):
         from concurrent import futures
-        if len(net.history) != self.epoch:
+        if len(net.history) not in self.epochs:
             return
         storage = dict(net.callbacks_)['AccelerateCheckpoint'].folder_
         pending = list(getattr(storage, '_pending', []))

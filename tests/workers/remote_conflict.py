@@ -38,7 +38,7 @@ def main():
     cp = AccelerateCheckpoint(dirname=url)
     net = make_net(accelerator, max_epochs=3, callbacks=[
         cp, AccelerateLoadInitState(cp),
-        AnotherJob(url[len('s3://'):] + '/epoch-0001/manifest.json'), UploadsEnded(2)])
+        AnotherJob(url[len('s3://'):] + '/epoch-0001/manifest.json'), UploadsEnded(epochs=(2,))])
     error = None
     try:
         net.fit(*make_data())
