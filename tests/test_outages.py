@@ -111,7 +111,7 @@ def test_a_store_that_never_answers_fails_the_save_within_a_bounded_time(
     assert 'the checkpoint stays staged in' in message
     # outage_seconds, then the end of training releases the lease: the
     # renewal under way (a third of its 60 s) and its removal (a DELETE,
-    # which the client's read timeout bounds: 2 x 10 s)
+    # given up after _lease.RELEASE_SECONDS: the lease expires by itself)
     assert failed_after < 5 + 20 + 20 + 10, (failed_after, time.monotonic() - began)
 
 
