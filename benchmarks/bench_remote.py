@@ -1,7 +1,7 @@
 """Checkpoints in an object store: what training waits, the upload, the download.
 
 usage: python benchmarks/bench_remote.py [--sizes 25e6] [--repeats 5]
-       [--quick] [--dir runs/bench-remote]
+       [--quick] [--back-to-back 6] [--back-to-back-only] [--dir runs/bench-remote]
 
 ``make bench-s3`` runs it as it is: 2.5-3 minutes on 2 shared cores, where
 the local server moves 15-75 MB/s; ``--sizes 100e6 --repeats 5`` (1.1 GiB a
@@ -45,6 +45,15 @@ layers after one Adam step), one process. In each repeat, in turn:
   parallel ranged GETs. moto reads a whole object for every ranged GET of
   it, so against moto the parallel download of a file of n parts costs the
   server n+1 reads of the file, where a real store reads each byte once.
+
+Then, per size, *saves back to back* (``--back-to-back``, the saves of
+each series): a series of saves each right after the one before, with
+nothing waited for between them (``every_n_steps`` faster than the store),
+into a local ``dirname``, then into ``s3://`` (``keep_last=2`` for both),
+each save's blocked time (the os.sync before each is not timed), and the
+end of fit's ``wait_for_saves`` after each series: for s3 the uploads
+still queued. ``--sizes 25e6,100e6 --back-to-back-only`` gives the row for
+both sizes in one run.
 
 The local save comes right before the remote one; our upload and s3fs's
 ``put`` (and the downloads) alternate which goes first from one repeat to
@@ -279,6 +288,66 @@ def bench_size(size, repeats, root, fs):
                 times=times, cpu=dict(CPU))
 
 
+def bench_back_to_back(size, saves, root):
+    """Saves back to back (none waits for anything before it): the seconds
+    each of ``saves`` saves blocks training, into a local ``dirname`` then
+    into ``s3://``, and how long the end of fit's ``wait_for_saves`` takes
+    after each series (for s3, the uploads still queued)."""
+    from skorch_accel_callbacks import AccelerateCheckpoint
+
+    net = trained_net(size)
+    root = Path(root) / f'back-to-back-{size:g}'
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    url = f's3://{BUCKET}/back-to-back-{size:g}'
+    times, said = {}, []
+    for key, cp in (('local', AccelerateCheckpoint(dirname=str(root / 'local'))),
+                    ('remote', AccelerateCheckpoint(dirname=url, local_dir=str(root / 'staging'),
+                                                    storage_options=S3_OPTIONS,
+                                                    sink=said.append))):
+        cp.initialize().on_train_begin(net)
+        new_epoch(net)
+        cp.save_model(net)  # not timed: a process's first save of each kind
+        cp.wait_for_saves(net)
+        blocked = []
+        for _ in range(saves):
+            new_epoch(net)
+            os.sync()  # neither series pays for the writeback of the other's
+            blocked.append(timed(lambda cp=cp: cp.save_model(net), quiet=False)[0])
+        times[key] = blocked
+        times[f'{key}_end'] = [timed(lambda cp=cp: cp.wait_for_saves(net), quiet=False)[0]]
+        cp.close()
+    shutil.rmtree(root)
+    return dict(size=sum(p.numel() for p in net.module_.parameters()), times=times,
+                said=[line for line in said if not line.startswith('Saved checkpoint')])
+
+
+def back_to_back_rows(result):
+    times = result['times']
+    ratios = [a / b for a, b in zip(times['remote'], times['local'], strict=True)]
+    return [[f"{result['size'] / 1e6:.0f}M", 'blocked per save, saves back to back',
+             ms(min(times['remote'])), ms(statistics.median(times['remote'])),
+             ms(min(times['local'])), ms(statistics.median(times['local'])),
+             f"{min(ratios):.2f}", f"{statistics.median(ratios):.2f}", f"{max(ratios):.2f}",
+             ms(times['remote_end'][0]), ms(times['local_end'][0])]]
+
+
+def back_to_back_report(results):
+    out = ['Saves back to back (each right after the one before, no wait between), '
+           's3:// vs local dirname, keep_last=2: the time each save blocked training '
+           '(ms; min, median), the ratio per save, and the end of fit\'s wait '
+           '(wait_for_saves: for s3, the uploads still queued).', '',
+           table([row for result in results for row in back_to_back_rows(result)],
+                 ['params', 'what', 's3 min', 's3 median', 'local min', 'local median',
+                  'ratio min', 'ratio median', 'ratio max', 's3 end', 'local end'])]
+    for result in results:
+        for key, values in result['times'].items():
+            out.append(f"- {result['size'] / 1e6:.0f}M {key}: "
+                       + ', '.join(ms(value) for value in values))
+        out += [f"- {result['size'] / 1e6:.0f}M said: {line}" for line in result['said']]
+    return '\n'.join(out)
+
+
 def ms(seconds):
     return f"{seconds * 1000:.0f}"
 
@@ -339,6 +408,10 @@ def main():
     parser.add_argument('--sizes', default='25e6')
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--quick', action='store_true', help='size 25e6, 2 repeats')
+    parser.add_argument('--back-to-back', type=int, default=6, metavar='SAVES',
+                        help='saves of each series back to back, per size (0: none)')
+    parser.add_argument('--back-to-back-only', action='store_true',
+                        help='only the saves back to back')
     parser.add_argument('--dir', default=str(REPO / 'runs' / 'bench-remote'))
     parser.add_argument('--serve', action='store_true', help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -357,14 +430,24 @@ def main():
         import s3fs
         fs = s3fs.S3FileSystem(skip_instance_cache=True, **S3_OPTIONS)
         fs.mkdir(BUCKET)
-        results = []
+        results, back_to_back = [], []
         for size in (float(s) for s in args.sizes.split(',')):
-            results.append(bench_size(size, args.repeats, args.dir, fs))
+            if not args.back_to_back_only:
+                results.append(bench_size(size, args.repeats, args.dir, fs))
+            if args.back_to_back:
+                back_to_back.append(bench_back_to_back(size, args.back_to_back, args.dir))
             print(f"size {size:g} done", file=sys.stderr, flush=True)
     finally:
         server.stdin.close()
         server.wait(timeout=60)
-    print(report(results, args, time.monotonic() - started))
+    if results:
+        print(report(results, args, time.monotonic() - started))
+    if back_to_back:
+        load = os.getloadavg()
+        print(f"\n{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; machine: "
+              f"{machine()}; load average at the end {load[0]:.1f} / {load[1]:.1f} / "
+              f"{load[2]:.1f}; {time.monotonic() - started:.0f} s in all.\n")
+        print(back_to_back_report(back_to_back))
 
 
 if __name__ == '__main__':

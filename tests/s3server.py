@@ -41,6 +41,10 @@ def new_bucket(fs):
     return name
 
 
+# the first line of an HTTP request, as a chunk that begins one starts
+_REQUEST_LINE = re.compile(rb'(?:GET|PUT|POST|DELETE|HEAD) /\S* HTTP/1\.[01](?=\r\n)')
+
+
 class Proxy:
     """The network between a job and a server: a TCP proxy on a free port
     of 127.0.0.1 that forwards to ``port``, and that a test can cut.
@@ -50,15 +54,21 @@ class Proxy:
     :meth:`restore` listens on the same port again. With ``cut_on`` (a
     regular expression of bytes), the proxy cuts itself when a request
     matches it, before forwarding it; with ``drop_on``, it drops every
-    request that matches, each retry too, and forwards the others. Either
-    sets ``fired`` when it acts. :meth:`silence` makes it an endpoint that
-    accepts connections and reads requests but never answers.
+    request that matches, each retry too, and forwards the others; with
+    ``delay_on`` (a pattern and seconds), it holds each request that
+    matches that long before forwarding it, a slow network. Each sets
+    ``fired`` when it acts. ``requests`` lists the request line of every
+    request it forwarded (``b'PUT /bucket/key HTTP/1.1'``). :meth:`silence`
+    makes it an endpoint that accepts connections and reads requests but
+    never answers.
     """
 
     def __init__(self, port):
         self.target = port
         self.cut_on = None
         self.drop_on = None
+        self.delay_on = None
+        self.requests = []
         self.silent = False
         self.fired = threading.Event()
         self._lock = threading.Lock()
@@ -123,6 +133,12 @@ class Proxy:
                 if request and self.drop_on is not None and re.search(self.drop_on, data):
                     self.fired.set()
                     return
+                delay = self.delay_on
+                if request and delay is not None and re.search(delay[0], data):
+                    self.fired.set()
+                    time.sleep(delay[1])
+                if request and (line := _REQUEST_LINE.match(data)):
+                    self.requests.append(line.group(0))
                 target.sendall(data)
         except OSError:
             pass  # cut, or closed by the other side

@@ -111,7 +111,7 @@ def test_a_store_that_never_answers_fails_the_save_within_a_bounded_time(
     assert 'the checkpoint stays staged in' in message
     # outage_seconds, then the end of training releases the lease: the
     # renewal under way (a third of its 60 s) and its removal (a DELETE,
-    # which the client's read timeout bounds: 2 x 10 s)
+    # given up after _lease.RELEASE_SECONDS: the lease expires by itself)
     assert failed_after < 5 + 20 + 20 + 10, (failed_after, time.monotonic() - began)
 
 
@@ -123,3 +123,46 @@ def test_storage_options_override_the_client_defaults_key_by_key():
                                             read_timeout=120)
     assert mine == {'key': 'k', 'config_kwargs': {'read_timeout': 120}}
     assert client_options('memory://run', mine) == mine
+
+
+class Clock(Callback):
+    """When training began, and when each epoch's end (its save included:
+    after the checkpoint callback in the list) was over."""
+
+    unrecorded_params = True
+
+    def on_train_begin(self, net, **kwargs):
+        self.began_, self.epoch_ends_ = time.monotonic(), []
+
+    def on_epoch_end(self, net, **kwargs):
+        self.epoch_ends_.append(time.monotonic())
+
+
+@pytest.mark.slow
+def test_saves_due_faster_than_uploads_wait_for_no_upload(s3_bucket, network):
+    """A save every step on a network that holds each model file's upload
+    for 2 s: training waits for no upload (each save waited for the one
+    before, 2 s or more); a superseded checkpoint that retention would not
+    keep is never sent, the end of fit uploads the newest, and the bucket
+    holds the ``keep_last`` newest."""
+    url = f's3://{s3_bucket}/run'
+    delay = 2.0
+    network.delay_on = (rb'PUT /[^ ]*/run/epoch-[^ /]*/model\.safetensors', delay)
+    said, clock = [], Clock()
+    _, cp, _ = fit(url, max_epochs=2, every_n_steps=1, callbacks=[clock], sink=said.append,
+                   storage_options=through(network))
+    assert network.fired.is_set()
+    saves = [line for line in said if line.startswith('Saved checkpoint')]
+    trained = clock.epoch_ends_[-1] - clock.began_
+    # the uploads all waited in turn would have taken (saves - 1) * delay
+    assert len(saves) >= 8 and trained < (len(saves) - 1) * delay / 2, (trained, said)
+    assert not [line for line in said if 'training waited' in line
+                and line != said[-1]], said
+    dropped = [name.rsplit('/', 1)[-1] for line in said if line.startswith('Not uploaded')
+               for name in line.split(': ', 1)[1].split(', ')]
+    sent = {line.split(b' ')[1].decode().split('/')[3] for line in network.requests
+            if line.startswith(b'PUT ') and b'/run/epoch-' in line}
+    assert dropped and not set(dropped) & sent, (dropped, sent, said)
+    newest = saves[-1].split(': ')[0].split(' (')[0].rsplit('/', 1)[-1]
+    assert cp.committed()[-1] == newest and len(cp.committed()) == 2, (cp.committed(), said)
+    assert cp.folder_.pointed('latest') == newest

@@ -24,7 +24,7 @@ from sklearn.base import clone
 from skorch.callbacks import Callback
 
 from checkpointed import fit, state
-from common import make_accelerator, make_data, make_net
+from common import UploadsEnded, make_accelerator, make_data, make_net
 from launcher import launch
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
@@ -532,8 +532,10 @@ def test_an_upload_the_network_cuts_fails_naming_the_staged_checkpoint(s3_bucket
         return (f'the upload of {url}/{name} failed' in str(error)
                 and f'stays staged in {os.path.join(staged, name)}' in str(error))
 
+    # each save tells an upload that ended, or raises its failure: the
+    # uploads end before the saves of epochs 2 and 3
     cp, _, said, error = cut_fit(network, url, rb'PUT /[^ ]*/run/epoch-0002/manifest\.json',
-                                 None, 3)
+                                 None, 3, UploadsEnded(epochs=(2, 3)))
     assert failed(error, 'epoch-0002'), error
     assert [line for line in said if line.startswith(f'Uploaded {url}/epoch-0001 in ')]
     assert open_storage(url).committed() == ['epoch-0001']
@@ -725,3 +727,34 @@ def test_another_fsspec_store_commits_and_resumes(tmp_path):
     assert len(resumed.history) == 3
     assert json.loads(fsspec.filesystem('memory').cat_file(
         url[len('memory://'):] + '/latest.json')) == {'name': 'epoch-0003'}
+
+
+@pytest.mark.slow
+def test_the_next_job_uploads_only_the_newest_complete_of_several_staged(s3_bucket, tmp_path):
+    """A job killed with several checkpoints queued for upload leaves them
+    staged: the next job of the machine uploads the newest complete one,
+    not the older ones (superseded), and resumes from it; a staged
+    checkpoint older than the bucket's newest is never uploaded."""
+    local = tmp_path / 'local'
+    fit(str(local), max_epochs=4, keep_last=4)
+    url = f's3://{s3_bucket}/run'
+    _, cp, _ = fit(url, max_epochs=1)
+    staging = cp.folder_.local_dir
+    for name in ('epoch-0002', 'epoch-0003', 'epoch-0004'):
+        shutil.copytree(local / name, os.path.join(staging, name))
+    # the newest staged is damaged: the one before it is the newest complete
+    with open(os.path.join(staging, 'epoch-0004', 'model.safetensors'), 'r+b') as file:
+        file.truncate(10)
+    _, cp, load = fit(url, max_epochs=3)
+    assert load.loaded_from_ == f'{url}/epoch-0003'
+    assert cp.committed() == ['epoch-0001', 'epoch-0003']
+    assert not [path for path in listing(f'{s3_bucket}/run') if path.startswith('epoch-0002/')]
+    assert cp.folder_.pointed('latest') == 'epoch-0003'
+    # still staged, and now older than the bucket's newest: not uploaded
+    assert CheckpointFolder(staging).committed() == [
+        'epoch-0001', 'epoch-0002', 'epoch-0003', 'epoch-0004']
+    for name in ('epoch-0003', 'epoch-0004'):
+        shutil.rmtree(os.path.join(staging, name))
+    _, cp, load = fit(url, max_epochs=3)
+    assert load.loaded_from_ == f'{url}/epoch-0003'
+    assert cp.committed() == ['epoch-0001', 'epoch-0003']

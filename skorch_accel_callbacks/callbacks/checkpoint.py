@@ -125,7 +125,8 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
 
     local_dir : str, os.PathLike or None (default=None)
       With a store's URL: where saves are staged (None: under the system's temp
-      folder), uploaded one at a time: a save due meanwhile waits (``sink`` says how long).
+      folder), uploaded one at a time; saves due meanwhile queue, a superseded
+      one that retention would not keep is not uploaded (docs: object storage).
 
     storage_options : dict or None (default=None)
       With a store's URL: fsspec's options for its filesystem (endpoint, profile).
@@ -528,7 +529,10 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         states are copied.
         """
         requested_at = time.monotonic()
-        self.wait_for_saves(net)
+        # the save before, and of a store's uploads only those that fill its queue
+        report = self.writer_.wait(net, before_save=True)
+        if report is not None:
+            base.say(net, self.sink, report.message())
         name = self.checkpoint_name(net)
         inside_epoch = not training_state.epoch_completed(net)
         report = self.writer_.save(net, SaveRequest(
@@ -545,9 +549,10 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         return self.folder_.url(name)
 
     def wait_for_saves(self, net: Any) -> None:
-        """Wait for the save in flight and the removal of retired
-        checkpoints, on every rank; a failed save raises on every rank (the
-        others :class:`~skorch_accel_callbacks.RankError`)."""
+        """Wait for the save in flight, the removal of retired checkpoints
+        and, with a store, every upload queued, on every rank; a failed save
+        raises on every rank (the others
+        :class:`~skorch_accel_callbacks.RankError`)."""
         report = self.writer_.wait(net)
         if report is not None:
             base.say(net, self.sink, report.message())

@@ -132,8 +132,10 @@ class CheckpointWriter(Protocol):
     def save(self, net: Any, request: SaveRequest) -> SaveReport | None:
         """Save; the report, or None while the save is still being written."""
 
-    def wait(self, net: Any) -> SaveReport | None:
-        """Wait for the save being written, if any; its report."""
+    def wait(self, net: Any, before_save: bool = False) -> SaveReport | None:
+        """Wait for the save being written, if any; its report. The
+        storage's background work is waited for too, ``before_save`` only
+        until the storage has room for the next save."""
 
     def busy(self) -> bool:
         """Whether a save is being written on this process."""
@@ -178,11 +180,13 @@ class SyncWriter:
                 report = self.commit(request, content, started)
         return report or SaveReport(path, request.finished)
 
-    def wait(self, net: Any) -> None:
-        """Wait for the storage's background work (removals, an upload);
-        it raises on every rank if it failed."""
+    def wait(self, net: Any, before_save: bool = False) -> None:
+        """Wait for the storage's background work (removals, uploads),
+        ``before_save`` only until it has room for the next save
+        (:meth:`~CheckpointStorage.wait_for_room`); it raises on every rank
+        if it failed."""
         with sync.agree(net, f"finishing the background work of {self.storage.dirname}"):
-            said = self.storage.wait()
+            said = _wait_for_storage(self.storage, before_save)
         if said:
             say(net, self.sink, said)
 
@@ -306,7 +310,7 @@ class BackgroundWriter:
             staged.write(self.storage.partial_path(request.name))
         return self.writer.commit(request, content, started)
 
-    def wait(self, net: Any) -> SaveReport | None:
+    def wait(self, net: Any, before_save: bool = False) -> SaveReport | None:
         report, future = self._in_flight or (None, None)
         self._in_flight = None
         what = (f"writing checkpoint {report.path} in the background" if report is not None
@@ -315,7 +319,7 @@ class BackgroundWriter:
             if future is not None:
                 report = future.result()
             # after the commit: it starts them (removals, an upload)
-            said = self.storage.wait()
+            said = _wait_for_storage(self.storage, before_save)
         if said:
             say(net, self.writer.sink, said)
         return report
@@ -336,3 +340,9 @@ class BackgroundWriter:
             self._stager.free()
             self.storage.wait()
 
+
+
+def _wait_for_storage(storage: CheckpointStorage, before_save: bool) -> str | None:
+    """The storage's background work waited for: before a save only until it
+    has room for it, else all of it; what to tell the user of it."""
+    return storage.wait_for_room() if before_save else storage.wait()

@@ -80,9 +80,9 @@ class CheckpointStorage(abc.ABC):
     tools use them: the policy, over the operations of a backend.
 
     A backend implements the abstract methods; the call order of a save is
-    :meth:`claim` (every rank), :meth:`start` and the writes into
-    :meth:`partial_path`, :meth:`commit`, :meth:`retire`, :meth:`wait`, and
-    at the end of training :meth:`release`. Reading (:meth:`committed`,
+    :meth:`claim` (every rank), :meth:`wait_for_room`, :meth:`start` and
+    the writes into :meth:`partial_path`, :meth:`commit`, :meth:`retire`,
+    and at the end of training :meth:`wait` and :meth:`release`. Reading (:meth:`committed`,
     :meth:`pointed`, :meth:`find_checkpoint`) needs no claim.
     """
 
@@ -125,6 +125,13 @@ class CheckpointStorage(abc.ABC):
         """Wait for the storage's background work (removals, uploads) and
         raise what failed; return what to tell the user of it (how long an
         upload took), or None."""
+
+    def wait_for_room(self) -> str | None:
+        """Before a save: wait until the storage has room for it, and raise
+        what failed of its background work; return what to tell the user,
+        or None. By default all of it (:meth:`wait`); a store waits for no
+        upload while its queue has room."""
+        return self.wait()
 
     @abc.abstractmethod
     def exists(self) -> bool:

@@ -243,6 +243,10 @@ class ObjectLease:
         return dict(self.__dict__, _held=None, _finalizer=None)
 
 
+#: how long the end of a job waits for the store to remove its lease
+RELEASE_SECONDS = 10.0
+
+
 class _Held:
     """A lease this process holds: what renewing and removing it need, apart
     from the :class:`ObjectLease`, so that neither the renewal thread nor the
@@ -320,9 +324,18 @@ class _Held:
     def _remove(self) -> None:
         bucket, key, _ = self.fs.split_path(self.path)
         try:
-            self.fs.call_s3('delete_object', Bucket=bucket, Key=key, IfMatch=self.etag)
+            self.fs.call_s3('delete_object', Bucket=bucket, Key=key, IfMatch=self.etag,
+                            **transfer.deadline(self.fs, RELEASE_SECONDS))
         except FileNotFoundError:
             self.lost_to = 'a job that removed it'
+        except TimeoutError as error:
+            # a store that does not answer would not answer whether the
+            # lease changed either; the lease expires by itself
+            warnings.warn(
+                f"could not remove the lease {self.fs.unstrip_protocol(self.path)}: the store "
+                f"did not answer within {RELEASE_SECONDS:g} s ({error or type(error).__name__}); "
+                f"a new job is refused the folder until it expires at "
+                f"{self.record['expires_at']}")
         except OSError as error:
             if _changed(self.fs, self.path, self.etag):
                 self.lost_to = _current_holder(self.fs, self.path)

@@ -29,6 +29,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -43,6 +44,13 @@ from skorch_accel_callbacks.storage import (
 from skorch_accel_callbacks.storage._interface import CheckpointStorage, Found, is_committer
 from skorch_accel_callbacks.storage._lease import ObjectLease, take_lease
 from skorch_accel_callbacks.storage._local import CheckpointFolder
+from skorch_accel_callbacks.storage._upload_queue import (
+    UploadQueue,
+    newest_complete,
+    told,
+    upload_next,
+    wait_for,
+)
 
 __all__ = ['RemoteStorage', 'default_staging']
 
@@ -100,8 +108,13 @@ class RemoteStorage(CheckpointStorage):
         self._fs = None
         self._root = None
         self._executor: ThreadPoolExecutor | None = None
-        # the background work, and the URL of each upload among it
-        self._pending: list[tuple[Future, str | None]] = []
+        # the background work: uploads (each returns its URL and seconds,
+        # or None when it found no checkpoint waiting) and retirements
+        self._pending: list[Future] = []
+        # guards the queue and _known, shared by the training thread (or
+        # the writer's) and the upload thread
+        self._lock = threading.Lock()
+        self._queue = UploadQueue()
         # the removals of older staged checkpoints
         self._removals: list[threading.Thread | None] = []
         # in the store when this job took it, or committed by it: replaceable
@@ -116,7 +129,10 @@ class RemoteStorage(CheckpointStorage):
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__, _fs=None, _root=None, _executor=None, _pending=[],
                     _removals=[], _known=set(), _lease=None, _nodes=None, _main=True,
-                    _claimed=False)
+                    _claimed=False, _lock=None, _queue=UploadQueue())
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     # ------------------------------------------------------------ paths
 
@@ -203,13 +219,14 @@ class RemoteStorage(CheckpointStorage):
         """Finish the upload of the checkpoint that a job of this machine
         (or of these nodes) committed into the staging folder but was killed
         before it uploaded it, or before it wrote the pointers: the newest
-        staged one, if it is complete (on every node) and not older than
-        every one in the store (names sort in training order). A store
+        complete staged one, if it is the same on every node and not older
+        than every one in the store (names sort in training order); the
+        older ones staged (the upload queue's) are not uploaded. A store
         emptied by hand stays empty."""
         newest = None
         with sync.agree(net, f"reading the staging folder {self.local_dir}"):
             if is_committer(net):
-                newest = self._newest_staged()
+                newest = newest_complete(self.staging)
         staged = sync.gather(net, newest)
         committers = [0] if self._nodes is None else self._nodes.ranks
         todo = None
@@ -225,15 +242,6 @@ class RemoteStorage(CheckpointStorage):
                 self._upload(name, best)
             elif what == 'point' and self._main:
                 transfer.point(self._store(), name, best)
-
-    def _newest_staged(self) -> tuple[str, bool] | None:
-        """The newest checkpoint of the staging folder and whether it is a
-        best one, if it is complete."""
-        staged = self.staging.committed()
-        if not staged:
-            return None
-        manifest, problems = _manifest.check(self.staging.path(max(staged)))
-        return None if problems else (max(staged), bool(manifest.get('best')))
 
     def _unfinished(self, staged: list[tuple[str, bool] | None]) -> tuple[str, str, bool] | None:
         """What is left to do of the upload of the newest staged checkpoint
@@ -284,25 +292,44 @@ class RemoteStorage(CheckpointStorage):
 
     def commit(self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
                started: float | None = None) -> dict[str, Any]:
-        """Commit checkpoint ``name`` into the staging folder and start its
+        """Commit checkpoint ``name`` into the staging folder and queue its
         upload (:meth:`wait` waits for it); return the manifest written."""
-        if self._pending:
-            raise RuntimeError(f"the upload before {self.url(name)} was not waited for")
         written = self.staging.commit(name, sealed, durable=durable, best=best,
                                       started=started)
-        self._submit(self.url(name), self._upload, name, best)
-        # beside the upload: the store has the older ones, and should this
-        # upload fail, the next job uploads this one
-        for other in self.staging.committed():
-            if other != name:
-                self._removals.append(atomic.discard_in_background(self.staging.path(other)))
+        with self._lock:
+            self._queue.add(name, best)
+            needed = self._queue.busy()
+        self._submit(self._upload_next)
+        # the store has the older ones, and should the uploads fail, the
+        # next job uploads the newest staged one
+        self._discard_staged(set(self.staging.committed()) - needed)
         return written
 
-    def _submit(self, upload: str | None, work: Any, *args: Any) -> None:
+    def _discard_staged(self, names: Iterable[str]) -> None:
+        """Remove the staged copies of ``names`` in the background (from the
+        training thread or the upload thread): one at a time, so that the
+        two threads never rename one folder aside at once."""
+        for name in names:
+            with self._lock:
+                self._removals.append(atomic.discard_in_background(self.staging.path(name)))
+
+    def _submit(self, work: Any, *args: Any) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix='checkpoint-upload')
-        self._pending.append((self._executor.submit(work, *args), upload))
+        self._pending.append(self._executor.submit(work, *args))
+
+    def _upload_next(self) -> tuple[str, float] | None:
+        """Upload the oldest waiting checkpoint; its URL and the seconds it
+        took, or None if none waits (superseded ones were dropped)."""
+        uploaded = upload_next(self._lock, self._queue, self._upload)
+        if uploaded is None:
+            return None
+        name, seconds, superseded = uploaded
+        if superseded:
+            # in the store, and a newer one is staged
+            self._discard_staged([name])
+        return self.url(name), seconds
 
     def _upload(self, name: str, best: bool) -> float:
         """Upload checkpoint ``name`` from the staging folder; the seconds it took."""
@@ -324,7 +351,8 @@ class RemoteStorage(CheckpointStorage):
             raise CheckpointError(
                 f"the upload of {self.url(name)} failed ({type(exc).__name__}: {exc}); "
                 f"{self._kept(name)}") from exc
-        self._known.add(name)
+        with self._lock:
+            self._known.add(name)
         return time.monotonic() - started
 
     def _kept(self, name: str) -> str:
@@ -341,18 +369,24 @@ class RemoteStorage(CheckpointStorage):
 
     def retire(self, keep_last: int, keep_best: int | None = None,
                keep: Iterable[str | None] = ()) -> None:
-        """Remove from the store, in the background, all but the checkpoints
-        :meth:`~CheckpointStorage.kept` keeps, once the upload before it
-        succeeded (:meth:`remove`)."""
+        """Drop from the upload queue the waiting checkpoints that a newer
+        one supersedes and that retention would not keep in the store
+        (:class:`~skorch_accel_callbacks.storage._upload_queue.UploadQueue`),
+        their staged copies removed; then remove from the store, in the
+        background, all but the checkpoints :meth:`~CheckpointStorage.kept`
+        keeps, once the upload before it uploaded one (:meth:`remove`)."""
         if not self._main:
             return  # the main process's upload commits, and retires, for every node
-        upload = self._pending[-1][0] if self._pending else None
-        self._submit(None, self._retire, upload, keep_last, keep_best, tuple(keep))
+        with self._lock:
+            dropped = self._queue.supersede(self._known, keep_last, keep_best)
+        self._discard_staged(dropped)
+        upload = self._pending[-1] if self._pending else None
+        self._submit(self._retire, upload, keep_last, keep_best, tuple(keep))
 
     def _retire(self, upload: Future | None, keep_last: int, keep_best: int | None,
                 keep: tuple[str | None, ...]) -> None:
-        if upload is not None and upload.exception() is not None:
-            return  # the newest is not in the store: keep what is there
+        if upload is not None and (upload.exception() is not None or upload.result() is None):
+            return  # nothing new in the store: keep what is there
         try:
             # listings and reads: the client's read timeout bounds each
             names, kept = self._store().persist(
@@ -368,42 +402,51 @@ class RemoteStorage(CheckpointStorage):
     def remove(self, name: str) -> None:
         """Remove checkpoint ``name`` from the store: its manifest first,
         then its files, each request sent again through an outage."""
-        store = self._store()
-        store.persist(f"removing {self.url(name)}/{_manifest.MANIFEST_NAME}",
-                      lambda seconds: store.fs.rm_file(
-                          store.path(name, _manifest.MANIFEST_NAME),
-                          **transfer.deadline(store.fs, seconds)))
-        store.persist(f"removing {self.url(name)}",
-                      lambda seconds: store.fs.rm(
-                          store.path(name), recursive=True,
-                          **transfer.deadline(store.fs, seconds)))
+        transfer.remove_checkpoint(self._store(), name)
 
     def wait(self) -> str | None:
-        """Wait for the upload, the retirement and the staging folder's
-        removals; raise the first that failed. Return what to tell the
-        user: how long the upload took, and how long this wait blocked if
-        it was still running (a save due while the previous upload runs
-        waits for it), or None."""
-        pending, self._pending = self._pending, []
-        began, busy = time.monotonic(), not all(future.done() for future, _ in pending)
-        error, said = None, []
-        for future, upload in pending:
-            exc = future.exception()
-            if exc is not None and error is None:
-                error = exc
-            elif exc is None and upload is not None:
-                said.append(f"Uploaded {upload} in {future.result():.2f} s")
+        """Wait for every upload queued, the retirements and the staging
+        folder's removals; raise the first that failed. Return what to tell
+        the user (:func:`~skorch_accel_callbacks.storage._upload_queue.told`):
+        how long each upload took, and how long this wait blocked if one was
+        still running."""
+        began, busy = time.monotonic(), not all(future.done() for future in self._pending)
+        futures.wait(self._pending)
         waited = time.monotonic() - began
-        removals, self._removals = self._removals, []
+        error, said, _ = wait_for(self._pending, lambda: False)
+        with self._lock:
+            removals, self._removals = self._removals, []
         for removal in removals:
             if removal is not None:
                 removal.join()
         self.staging.wait()
         if error is not None:
             raise error
-        if not said:
-            return None
-        return '; '.join(said) + (f" (training waited {waited:.2f} s for it)" if busy else '')
+        return self._said(said, waited if busy else None)
+
+    def wait_for_room(self) -> str | None:
+        """Before a save: raise what failed of the background work that
+        ended, and wait for uploads only while the queue has no room
+        (:meth:`UploadQueue.has_room`): a save does not wait for the
+        network. With ``save_on_each_node`` it waits for every upload
+        (:meth:`wait`): the nodes' uploads run collectives, and which
+        checkpoint each uploads must not depend on timing."""
+        if self._nodes is not None:
+            return self.wait()
+        # one read of the queue's length, without the lock: a stale one
+        # waits for one upload more or less
+        error, said, waited = wait_for(self._pending, self._queue.has_room)
+        with self._lock:
+            self._removals = [removal for removal in self._removals
+                              if removal is not None and removal.is_alive()]
+        if error is not None:
+            raise error
+        return self._said(said, waited)
+
+    def _said(self, said: list[str], waited: float | None) -> str | None:
+        with self._lock:
+            dropped, self._queue.dropped = self._queue.dropped, []
+        return told(said, [self.url(name) for name in dropped], waited)
 
     # ------------------------------------------------------------ reading
 

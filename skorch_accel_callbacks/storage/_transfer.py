@@ -42,7 +42,8 @@ T = TypeVar('T')
 
 __all__ = ['S3FS_RETRIES', 'S3_CLIENT_DEFAULTS', 'Store', 'abort_uploads', 'check_reachable',
            'check_remote', 'client_options', 'deadline', 'download', 'holds', 'holds_manifest',
-           'is_s3', 'open_filesystem', 'point', 'put_files', 'remove_manifest',
+           'is_s3', 'open_filesystem', 'point', 'put_files', 'remove_checkpoint',
+           'remove_manifest',
            'remove_unsealed', 'same_files', 'seal', 'send', 'staged_manifest', 'upload']
 
 
@@ -278,6 +279,17 @@ def upload(store: Store, local: str, name: str, best: bool, replace: bool,
 def staged_manifest(local: str) -> bytes:
     """The manifest of the committed folder ``local``, as written."""
     return Path(local, _manifest.MANIFEST_NAME).read_bytes()
+
+
+def remove_checkpoint(store: Store, name: str) -> None:
+    """Remove checkpoint ``name``: its manifest first, then its files, each
+    request sent again through an outage (:meth:`Store.persist`)."""
+    store.persist(f"removing {store.url(name, _manifest.MANIFEST_NAME)}",
+                  lambda seconds: store.fs.rm_file(store.path(name, _manifest.MANIFEST_NAME),
+                                                   **deadline(store.fs, seconds)))
+    store.persist(f"removing {store.url(name)}",
+                  lambda seconds: store.fs.rm(store.path(name), recursive=True,
+                                              **deadline(store.fs, seconds)))
 
 
 def remove_manifest(store: Store, name: str) -> None:

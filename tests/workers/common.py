@@ -113,6 +113,31 @@ class NotTrainingState:
         pass
 
 
+class UploadsEnded(Callback):
+    """At the beginning of each epoch of ``epochs``, on the process that uploads,
+    wait (up to ``timeout`` s) until the uploads to the store queued so far
+    ended: a save does not wait for a running upload, so a failure among
+    them is raised by the next save only once it ended; this makes it so.
+    Raises if they did not end in time."""
+
+    # observes, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
+    def __init__(self, epochs, timeout=30):
+        self.epochs = epochs
+        self.timeout = timeout
+
+    def on_epoch_begin(self, net, **kwargs):
+        from concurrent import futures
+        if len(net.history) not in self.epochs:
+            return
+        storage = dict(net.callbacks_)['AccelerateCheckpoint'].folder_
+        pending = list(getattr(storage, '_pending', []))
+        if futures.wait(pending, timeout=self.timeout).not_done:
+            raise RuntimeError(f"the uploads to {storage.dirname} did not end in "
+                               f"{self.timeout} s")
+
+
 class BatchEnds(Callback):
     """Counts the training batches of each epoch: ``at_batch(net, batch)``
     runs at the end of each, with its number in the epoch (from 1). The

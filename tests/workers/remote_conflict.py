@@ -5,8 +5,10 @@ usage: remote_conflict.py URL
 
 Before this job's save of epoch 1, rank 0 writes ``epoch-0001/manifest.json``
 into the store (another job's commit); the upload of epoch-0001 then fails on
-rank 0 in the background, and the wait before the next save must raise on
-both ranks. Each rank writes ``conflict-rank<r>.json``: the error it raised.
+rank 0 in the background; once it ended (``UploadsEnded`` waits for that
+when epoch 2 begins: a save does not wait for a running upload), the wait
+before the next save must raise on both ranks. Each rank writes
+``conflict-rank<r>.json``: the error it raised.
 """
 
 import sys
@@ -14,7 +16,7 @@ import sys
 import fsspec
 from skorch.callbacks import Callback
 
-from common import make_accelerator, make_data, make_net, rank, write_result
+from common import UploadsEnded, make_accelerator, make_data, make_net, rank, write_result
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 
 
@@ -36,7 +38,7 @@ def main():
     cp = AccelerateCheckpoint(dirname=url)
     net = make_net(accelerator, max_epochs=3, callbacks=[
         cp, AccelerateLoadInitState(cp),
-        AnotherJob(url[len('s3://'):] + '/epoch-0001/manifest.json')])
+        AnotherJob(url[len('s3://'):] + '/epoch-0001/manifest.json'), UploadsEnded(epochs=(2,))])
     error = None
     try:
         net.fit(*make_data())
