@@ -122,12 +122,12 @@ class Point:
     when: int
     committed: str       # the checkpoint latest.json names after a kill here
 
-    def strace_options(self, root, trace):
+    def strace_options(self, root, trace, offset=0):
         # without -f, only the main thread is traced and counted
         follow = ['-f'] if self.path is not None else []
         options = [*follow, '-qq', '-y', '-e', 'signal=none', '-o', str(trace),
                    '-e', f'trace={self.call.name}',
-                   '-e', f'inject={self.call.name}:signal=SIGKILL:when={self.when}']
+                   '-e', f'inject={self.call.name}:signal=SIGKILL:when={self.when + offset}']
         if self.path is not None:
             options += ['-P', os.path.join(root, self.path) if self.path else root]
         return options
@@ -232,6 +232,14 @@ class Zygote:
             [sys.executable, str(WORKERS / 'zygote.py')], env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=self.log, text=True, start_new_session=True)
 
+    def warm_up(self):
+        """One launch, untraced: modules that the first launch loads lazily
+        stay loaded here, so that the traced launches after it (the plan's
+        and the kills') open the same files."""
+        folder = self.folder / 'warm-up'
+        folder.mkdir()
+        self.launch('killable.py', folder, folder / 'ckpt', 'warm-up').check()
+
     def launch(self, script, folder, dirname, tag, *, nproc=1, timeout=120, grace=1.0,
                strace=None, **env):
         """Like faultsuite.run_job, through the fork server; ``strace`` maps
@@ -255,3 +263,57 @@ class Zygote:
         self.process.stdin.close()
         self.process.wait(timeout=30)
         self.log.close()
+
+
+def request_what(line, run, checkpoint):
+    """A request's method and key, the bucket and the run's folder ``run``
+    left out; the files of ``checkpoint`` (sent side by side, in any order)
+    as one."""
+    method, target = line.decode().split(' ')[:2]
+    target = re.sub(r'^/[^/?]+', '', target)
+    target = target.replace(f'/{run}/', '/', 1).replace(f'prefix={run}%2F', 'prefix=')
+    target = target.lstrip('/')
+    name = target.rsplit('/', 1)[-1]
+    if f'{checkpoint}/' in target and name != 'manifest.json' and method == 'PUT':
+        target = target.replace(name, '<file>')
+    return f'{method} {target}'
+
+
+def upload_points(counted, run, epoch=2):
+    """``(number, what, committed)`` for each request of the upload of
+    checkpoint ``epoch``, its commit and the retirement of the one before,
+    from the requests counted after the commit of ``epoch - 1`` up to the
+    first naming ``epoch + 1``: ``committed`` is the checkpoint that must
+    be committed once the store has done that request."""
+    name, following = f'epoch-{epoch:04d}', f'epoch-{epoch + 1:04d}'.encode()
+    end = next(i for i, line in enumerate(counted) if following in line)
+    whats = [request_what(line, run, name) for line in counted[:end]]
+    pointer = whats.index('PUT latest.json') + 1
+    return [(number, what, name if number >= pointer else f'epoch-{epoch - 1:04d}')
+            for number, what in enumerate(whats, 1)]
+
+
+class KillAtRequest:
+    """The proxy's ``on_request``: counts the requests after the PUT of the
+    ``skip``-th ``latest.json`` and SIGKILLs the job once the store has
+    answered the ``number``-th (before the job sees the answer); records
+    every request it counts."""
+
+    def __init__(self, pid_file, skip, number=None):
+        self.pid_file, self.skip, self.number = pid_file, skip, number
+        self.pointers = 0
+        self.counted = []
+        self.fired = None
+
+    def __call__(self, line):
+        if self.pointers < self.skip:
+            self.pointers += line.startswith(b'PUT ') and b'/latest.json ' in line
+            return None
+        self.counted.append(line)
+        if len(self.counted) != self.number:
+            return None
+        return lambda: self.kill(line)
+
+    def kill(self, line):
+        self.fired = line
+        os.kill(int(open(self.pid_file).read()), 9)

@@ -32,6 +32,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -58,6 +59,8 @@ def child(command, rank, go, log):
     os.dup2(log, 2)
     os.environ.clear()
     os.environ.update(command['env'][rank])
+    # read again from TMPDIR (a test's own): staging folders live there
+    tempfile.tempdir = None
     script = command['script']
     sys.argv = [script, *command['args']]
     if go is not None:
