@@ -30,6 +30,7 @@ FD_CALLS = ('write', 'writev', 'pwrite64', 'pwritev', 'pwritev2', 'fsync', 'fdat
 # safetensors writes through a private temporary file (Rust's tempfile
 # crate) whose name no option can know in advance: such a call is killed by
 # its number among all calls of its kind in its thread
+SOURCE_ONLY = ('rename', 'link', 'symlink')
 # a descriptor's path as ``-y`` shows it (not the working folder of AT_FDCWD);
 # a string argument
 FD_PATH = r'(?<!AT_FDCWD)<([^<>]*)>'
@@ -58,7 +59,9 @@ class Call:
         fds = re.findall(FD_PATH, self.args)
         if self.name in FD_CALLS:
             return fds[:1]
-        return fds + re.findall(STRING, self.args)
+        strings = re.findall(STRING, self.args)
+        # strace 6.1 matches rename's source, not its target (renameat: both)
+        return fds + (strings[:1] if self.name in SOURCE_ONLY else strings)
 
     @property
     def paths(self):
