@@ -27,14 +27,15 @@ WRITING_FLAGS = ('O_CREAT', 'O_WRONLY', 'O_RDWR', 'O_TRUNC', 'O_APPEND')
 # calls whose first argument is a file descriptor and the rest data, not paths
 FD_CALLS = ('write', 'writev', 'pwrite64', 'pwritev', 'pwritev2', 'fsync', 'fdatasync',
             'ftruncate', 'fchmod')
-# safetensors writes through a private temporary file (Rust's tempfile
-# crate) whose name no option can know in advance: such a call is killed by
-# its number among all calls of its kind in its thread
-SOURCE_ONLY = ('rename', 'link', 'symlink')
+# strace 6.1's -P matches a rename by its source only (seen; renameat by either)
+SOURCE_ONLY = ('rename',)
 # a descriptor's path as ``-y`` shows it (not the working folder of AT_FDCWD);
 # a string argument
 FD_PATH = r'(?<!AT_FDCWD)<([^<>]*)>'
 STRING = r'"((?:[^"\\]|\\.)*)"'
+# safetensors writes through a private temporary file (Rust's tempfile
+# crate) whose name no option can know in advance: such a call is killed by
+# its number among the main thread's calls of its kind
 RANDOM_NAME = re.compile(r'/\.tmp[A-Za-z0-9]{6}$')
 
 
@@ -60,7 +61,7 @@ class Call:
         if self.name in FD_CALLS:
             return fds[:1]
         strings = re.findall(STRING, self.args)
-        # strace 6.1 matches rename's source, not its target (renameat: both)
+        # rename's source, not its target (renameat: both)
         return fds + (strings[:1] if self.name in SOURCE_ONLY else strings)
 
     @property

@@ -17,8 +17,8 @@ A command: ``{"script": "killable.py", "args": [...], "env": {...},
 "nproc": 1, "timeout": 120, "grace": 1.0, "pid_files": "<prefix>",
 "strace": {"<rank>": [strace options], ...}}``. A rank named in
 ``strace`` is attached with ``strace -p`` (options and ``-o`` given by
-the caller) before it runs a line of the worker; with ``deterministic``
-its ``uuid.uuid4`` is seeded, so that the hidden names the package draws
+the caller) before it runs a line of the worker, and its ``uuid.uuid4``
+is seeded, so that the hidden names the package draws
 (``.latest.json.tmp-<hex>``, ``.epoch-0001.discard-<hex>``) are the same in
 every traced launch and ``strace -P`` can name them. The answer: the exit
 code of each rank (``-9`` for a SIGKILL), each rank's output, whether the
@@ -66,7 +66,7 @@ def child(command, rank, go, log):
     if go is not None:
         # the tracer attaches while this read blocks; nothing before it is traced
         os.read(go, 1)
-        seed_uuid4(command.get('seed', 0))
+        seed_uuid4(0)
     code = 0
     try:
         importlib.import_module(script[:-len('.py')]).main()
