@@ -125,13 +125,26 @@ class Point:
     path: str | None     # ``-P`` (relative to the checkpoint folder), or None: all calls
     when: int
     committed: str       # the checkpoint latest.json names after a kill here
+    occurrence: int      # how many calls read ``what`` up to this one, it included
 
-    def strace_options(self, root, trace, offset=0):
+    def landed(self, calls, root):
+        """Whether the kill landed on this point in a log of ``calls``; if
+        not and the call went through, its number among the calls of its
+        kind in the log (what ``when`` should have been), else None."""
+        same = [call for call in calls if describe(call, root) == self.what]
+        if len(same) < self.occurrence:
+            return False, None
+        target = same[self.occurrence - 1]
+        if target.killed:
+            return True, None
+        return False, [call for call in calls if call.name == self.call.name].index(target) + 1
+
+    def strace_options(self, root, trace, when=None):
         # without -f, only the main thread is traced and counted
         follow = ['-f'] if self.path is not None else []
         options = [*follow, '-qq', '-y', '-e', 'signal=none', '-o', str(trace),
                    '-e', f'trace={self.call.name}',
-                   '-e', f'inject={self.call.name}:signal=SIGKILL:when={self.when + offset}']
+                   '-e', f'inject={self.call.name}:signal=SIGKILL:when={when or self.when}']
         if self.path is not None:
             options += ['-P', os.path.join(root, self.path) if self.path else root]
         return options
@@ -216,8 +229,10 @@ def plan(trace_text, root, epoch=2):
     for number, index in enumerate(window, 1):
         path, when = selector(calls, index, root)
         committed = epoch if commits and index > commits[0] else epoch - 1
-        points.append(Point(number, calls[index], describe(calls[index], root), path, when,
-                            f'epoch-{committed:04d}'))
+        what = describe(calls[index], root)
+        occurrence = sum(describe(call, root) == what for call in calls[:index + 1])
+        points.append(Point(number, calls[index], what, path, when, f'epoch-{committed:04d}',
+                            occurrence))
     return points
 
 

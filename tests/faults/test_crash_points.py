@@ -54,7 +54,6 @@ from crashpoints import (
     MUTATING,
     KillAtRequest,
     Zygote,
-    describe,
     kinds,
     parse,
     plan,
@@ -120,22 +119,26 @@ def kill_at(zygote, point, folder, nproc, rank):
     the launch that died exactly there, and the number of launches it took.
 
     A point counted among all calls of its kind in the main thread (a
-    safetensors temporary file) may be off by a call or two when a module
-    loads lazily in one launch and not another: the neighbouring numbers
-    are tried then, and the kill must still land on that very call."""
-    offsets = (0,) if point.path is not None else (0, 1, -1, 2, -2)
+    safetensors temporary file) may be a few calls off where a module loads
+    lazily in one launch and not another, or gloo writes to its sockets
+    from that thread: a launch that killed too late shows the call's
+    number in its log, the next launch uses it; one that killed too early
+    tries the next number. The kill must still land on that very call (the
+    same call of the log, counted as in the plan)."""
+    tries = 1 if point.path is not None else 8
+    when = point.when
     where = f"crash point {point.number} of rank {rank} in {nproc} process(es): {point.what}"
-    for tries, offset in enumerate(offsets, 1):
-        attempt = folder / f'try{tries}'
+    for attempt_no in range(1, tries + 1):
+        attempt = folder / f'try{attempt_no}'
         attempt.mkdir()
         ckpt, trace = attempt / 'ckpt', attempt / 'kill.trace'
         result = zygote.launch('killable.py', attempt, ckpt, 'killed', nproc=nproc, strace={
-            rank: point.strace_options(str(ckpt), trace, offset)})
+            rank: point.strace_options(str(ckpt), trace, when)})
         assert not result.timed_out, f"{where}: hung\n{result.report()}"
-        fired = [call for call in parse(trace.read_text())
-                 if call.killed and describe(call, str(ckpt)) == point.what]
-        if result.returncodes[rank] == -9 and fired:
-            return attempt, tries
+        landed, number = point.landed(parse(trace.read_text()), str(ckpt))
+        if result.returncodes[rank] == -9 and landed:
+            return attempt, attempt_no
+        when = number or when + 1
     raise AssertionError(f"{where}: the kill did not fire there\n"
                          f"{trace.read_text()[-3000:]}\n{result.report()}")
 
