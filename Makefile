@@ -1,5 +1,6 @@
 # `make demo` runs the main job (`make demo-s3`: its preempted run with the
-# checkpoints in a bucket of a local S3 server), `make test` the whole test suite,
+# checkpoints in a bucket of a local S3 server), `make test` the whole test suite
+# (of the crash points, a seeded subset), `make test-crash` every crash point,
 # `make test-quick` its quick subset (1- and 2-process basics, no slow or fault
 # tests), `make fuzz` the resume contract's fuzzer at length (FUZZ_EXAMPLES
 # in-process examples, FUZZ_LAUNCHED batches of 2-process ones each for DDP and
@@ -11,7 +12,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-s3 test test-quick fuzz lint docs bench bench-s3 clean
+.PHONY: demo demo-s3 test test-quick test-crash fuzz lint docs bench bench-s3 clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,10 +29,16 @@ demo-s3: $(STAMP)
 
 test: $(STAMP)
 	@echo "make test: 35 to 45 minutes on 2 cores; at the start the fault suites print nothing for minutes"
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10 tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not crash" tests
 
 test-quick: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not faults" tests
+
+# every crash point of a local save (1 and 2 processes) and of an upload,
+# killed and relaunched (tests/faults/test_crash_points.py; make test runs a
+# seeded subset); the three enumerations spread over the two workers
+test-crash: $(STAMP)
+	$(PY) -m pytest -n 2 --dist load -m crash tests/faults/test_crash_points.py
 
 # 500 examples in 1 process and 56 in 2 (28 DDP, 28 FSDP2), seeded: the same every run
 FUZZ_EXAMPLES ?= 500

@@ -41,6 +41,7 @@ def run_workers(tmp_path):
 # the two workers starts on one of the longest.
 LONGEST_FIRST = (
     'faults/test_mid_epoch_kills.py', 'faults/test_random_kills.py',
+    'faults/test_crash_points.py',
     'test_contract_fuzz.py', 'test_preemption.py', 'test_inspect.py', 'test_examples.py',
     'test_resume_exact.py', 'test_checkpoint.py', 'test_remote.py',
     'test_mid_epoch.py', 'faults/test_upload_kills.py', 'test_fsdp.py',
@@ -107,6 +108,8 @@ def s3_bucket(s3_endpoint, monkeypatch, tmp_path):
     the processes it launches) reach the server through the ``AWS_*``
     environment, and stage checkpoints under its own temporary folder."""
     import fsspec
+
+    from s3server import S3_ENV
     for key, value in S3_ENV.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv('AWS_ENDPOINT_URL', s3_endpoint)
@@ -118,6 +121,3 @@ def s3_bucket(s3_endpoint, monkeypatch, tmp_path):
     fsspec.filesystem('s3').mkdir(name)
     return name
 
-
-S3_ENV = {'AWS_ACCESS_KEY_ID': 'testing', 'AWS_SECRET_ACCESS_KEY': 'testing',
-          'AWS_DEFAULT_REGION': 'us-east-1'}

@@ -80,25 +80,14 @@ def _wait(procs, deadline, grace):
     return False
 
 
-def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
-           grace=10.0, preexec_fn=None, _retries=1):
-    """Run ``script`` in ``nnodes * nproc`` processes and wait for them.
-
-    ``script`` is a path, or a name of a file in ``tests/workers``. When a
-    rank fails, the others get ``grace`` seconds to end (as torchrun would
-    stop them) before they are killed. ``preexec_fn`` runs in each rank's
-    process before the script starts (e.g. to drop privileges). Returns a
-    :class:`LaunchResult`.
-    """
-    script = Path(script)
-    if not script.is_absolute() and not script.exists():
-        script = WORKERS / script
+def rank_environments(nproc, nnodes=1, env=None):
+    """The environment of each rank of a launch: this process's, with the
+    contract of ``torchrun`` (a free ``MASTER_PORT`` of its own) and ``env``."""
     world_size = nproc * nnodes
-    port = free_port()
     base_env = dict(os.environ)
     distributed = {
         'MASTER_ADDR': '127.0.0.1',
-        'MASTER_PORT': str(port),
+        'MASTER_PORT': str(free_port()),
         'WORLD_SIZE': str(world_size),
         'LOCAL_WORLD_SIZE': str(nproc),
     }
@@ -116,6 +105,31 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
             [str(WORKERS), str(REPO), base_env.get('PYTHONPATH', '')]),
     })
     base_env.update(env or {})
+    environments = []
+    for rank in range(world_size):
+        rank_env = dict(base_env)
+        if distributed:
+            rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank % nproc),
+                            GROUP_RANK=str(rank // nproc), NODE_RANK=str(rank // nproc))
+        environments.append(rank_env)
+    return environments
+
+
+def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
+           grace=10.0, preexec_fn=None, _retries=1):
+    """Run ``script`` in ``nnodes * nproc`` processes and wait for them.
+
+    ``script`` is a path, or a name of a file in ``tests/workers``. When a
+    rank fails, the others get ``grace`` seconds to end (as torchrun would
+    stop them) before they are killed. ``preexec_fn`` runs in each rank's
+    process before the script starts (e.g. to drop privileges). Returns a
+    :class:`LaunchResult`.
+    """
+    script = Path(script)
+    if not script.is_absolute() and not script.exists():
+        script = WORKERS / script
+    world_size = nproc * nnodes
+    environments = rank_environments(nproc, nnodes, env)
     # the ranks' output goes to files (a pipe could fill up and block a
     # rank); the folder is removed once they are read, on error paths too
     with tempfile.TemporaryDirectory(prefix='launch-') as tmp:
@@ -123,12 +137,7 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
         procs, logs = [], []
         start = time.monotonic()
         try:
-            for rank in range(world_size):
-                rank_env = dict(base_env)
-                if distributed:
-                    rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank % nproc),
-                                    GROUP_RANK=str(rank // nproc),
-                                    NODE_RANK=str(rank // nproc))
+            for rank, rank_env in enumerate(environments):
                 log = open(logdir / f'rank{rank}.log', 'wb')
                 logs.append(log)
                 procs.append(subprocess.Popen(

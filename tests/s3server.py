@@ -18,6 +18,9 @@ import s3fs
 from moto.server import ThreadedMotoServer
 
 CREDENTIALS = {'key': 'testing', 'secret': 'testing'}
+# the same, for the environment of the processes a test launches
+S3_ENV = {'AWS_ACCESS_KEY_ID': 'testing', 'AWS_SECRET_ACCESS_KEY': 'testing',
+          'AWS_DEFAULT_REGION': 'us-east-1'}
 
 
 def start_server():
@@ -70,6 +73,7 @@ class Proxy:
         self.delay_on = None
         self.requests = []
         self.silent = False
+        self.on_request = None
         self.fired = threading.Event()
         self._lock = threading.Lock()
         self._sockets = set()
@@ -114,12 +118,15 @@ class Proxy:
             server = socket.create_connection(('127.0.0.1', self.target))
             with self._lock:
                 self._sockets |= {client, server}
-            threading.Thread(target=self._forward, args=(client, server, True),
+            # what to do at the next answer on this connection
+            at_answer = []
+            threading.Thread(target=self._forward, args=(client, server, True, at_answer),
                              daemon=True).start()
-            threading.Thread(target=self._forward, args=(server, client, False),
+            threading.Thread(target=self._forward, args=(server, client, False, at_answer),
                              daemon=True).start()
 
-    def _forward(self, source, target, request):
+    def _forward(self, source, target, request, at_answer):
+        requests = Requests()
         try:
             while data := source.recv(1 << 16):
                 if request and self.cut_on is not None and re.search(self.cut_on, data):
@@ -139,13 +146,57 @@ class Proxy:
                     time.sleep(delay[1])
                 if request and (line := _REQUEST_LINE.match(data)):
                     self.requests.append(line.group(0))
+                if not request and at_answer:
+                    at_answer.pop()()
+                    return
                 target.sendall(data)
+                if request and self.on_request is not None:
+                    for line in requests.feed(data):
+                        action = self.on_request(line)
+                        if action is not None:
+                            at_answer.append(action)
         except OSError:
             pass  # cut, or closed by the other side
         finally:
             for sock in (source, target):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+
+
+class Requests:
+    """Splits what a client sends into HTTP/1.1 requests, framed by their
+    ``Content-Length`` (what botocore sends; a chunked body is refused)."""
+
+    def __init__(self):
+        self.head = b''
+        self.body_left = 0
+        self.line = None
+
+    def feed(self, data):
+        """The first lines of the requests that ``data`` completes."""
+        done = []
+        while data:
+            if self.body_left:
+                taken = min(len(data), self.body_left)
+                data, self.body_left = data[taken:], self.body_left - taken
+                if not self.body_left:
+                    done.append(self.line)
+                continue
+            self.head += data
+            data = b''
+            end = self.head.find(b'\r\n\r\n')
+            if end < 0:
+                break
+            head, data, self.head = self.head[:end], self.head[end + 4:], b''
+            self.line = head.split(b'\r\n', 1)[0]
+            headers = dict(line.split(b':', 1) for line in head.split(b'\r\n')[1:] if b':' in line)
+            headers = {key.strip().lower(): value.strip() for key, value in headers.items()}
+            if b'chunked' in headers.get(b'transfer-encoding', b''):
+                raise ValueError(f"a chunked request: {self.line!r}")
+            self.body_left = int(headers.get(b'content-length', 0))
+            if not self.body_left:
+                done.append(self.line)
+        return done
 
 
 def free_port():

@@ -1,4 +1,6 @@
-"""Helpers of the fault suite (tests/faults): the fault job's launches.
+"""Helpers of the fault suite (tests/faults): the fault job's launches and
+the oracles the kill suites share (what a relaunch must resume from, what
+a cut upload may not leave behind).
 
 Its fixtures (the reference run) are in tests/faults/conftest.py.
 """
@@ -6,6 +8,10 @@ Its fixtures (the reference run) are in tests/faults/conftest.py.
 from pathlib import Path
 
 from launcher import launch
+from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.storage._local import CheckpointFolder
+from skorch_accel_callbacks.storage._remote import RemoteStorage
+from testutil import read_json
 
 WORKERS = Path(__file__).parent / 'workers'
 
@@ -20,3 +26,48 @@ def run_job(script, folder, dirname, tag, *, nproc=2, timeout=180, grace=10.0,
     env.setdefault('COLLECTIVE_TIMEOUT', str(COLLECTIVE_TIMEOUT))
     return launch(WORKERS / script, dirname, tag, nproc=nproc, timeout=timeout,
                   grace=grace, preexec_fn=preexec_fn, env=env)
+
+
+def pointed(ckpt):
+    """The checkpoint that latest.json names, checked complete; None if none."""
+    try:
+        name = read_json(ckpt / 'latest.json')['name']
+    except FileNotFoundError:
+        return None
+    path = ckpt / name
+    _manifest.read(path)  # raises naming the file if it is not complete
+    return str(path)
+
+
+def expected_resume(url):
+    """The checkpoint a launch on ``url`` must resume from and the epochs
+    it holds: the newest complete one in the store, or the newer complete
+    one of the staging folder whose upload was cut (if the store has any);
+    ``(None, 0)``."""
+    storage = RemoteStorage(url)
+    remote = {name: storage.check(name) for name in storage.committed()}
+    remote = {name: manifest for name, (manifest, problem) in remote.items() if problem is None}
+    if not remote:
+        return None, 0
+    newest = max(remote)
+    manifest = remote[newest]
+    staged = CheckpointFolder(storage.local_dir).committed()
+    if staged and max(staged) > newest:
+        staged_manifest, problems = _manifest.check(storage.path(max(staged)))
+        if not problems:
+            newest, manifest = max(staged), staged_manifest
+    return storage.url(newest), manifest['epoch']
+
+
+def leftovers(url):
+    """Unfinished multipart uploads and checkpoint folders without a
+    manifest under ``url``."""
+    storage = RemoteStorage(url)
+    fs = storage._filesystem()[0]
+    bucket, key = url[len('s3://'):].split('/', 1)
+    unfinished = fs.call_s3('list_multipart_uploads', Bucket=bucket,
+                            Prefix=f'{key}/').get('Uploads', [])
+    names = {path.rsplit('/', 1)[-1] for path in fs.ls(f'{bucket}/{key}', refresh=True)}
+    return ([upload['Key'] for upload in unfinished]
+            + sorted(name for name in names if _manifest.is_checkpoint_name(name)
+                     and name not in storage.committed()))

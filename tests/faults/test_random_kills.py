@@ -23,7 +23,7 @@ import random
 
 import pytest
 
-from faultsuite import run_job
+from faultsuite import pointed, run_job
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.format._manifest import PARTIAL_SUFFIX
@@ -51,17 +51,6 @@ def draw(rng, resumed_epoch):
     epoch, point = rng.choice(options)
     who = rng.randrange(2) if point in RANK_POINTS else 0
     return epoch, point, who
-
-
-def pointed(ckpt):
-    """The checkpoint that latest.json names, checked complete; None if none."""
-    try:
-        name = read_json(ckpt / 'latest.json')['name']
-    except FileNotFoundError:
-        return None
-    path = ckpt / name
-    _manifest.read(path)  # raises naming the file if it is not complete
-    return str(path)
 
 
 def one_run(seed, folder, reference, figures):

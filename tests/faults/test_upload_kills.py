@@ -27,10 +27,9 @@ import random
 import pytest
 
 from faultjob import EPOCHS
-from faultsuite import run_job
+from faultsuite import expected_resume, leftovers, run_job
 from s3server import start_auth_server
 from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.storage._local import CheckpointFolder
 from skorch_accel_callbacks.storage._remote import RemoteStorage, default_staging
 from testutil import assert_identical, final_state, read_json
 
@@ -51,40 +50,6 @@ def draw(rng, done, fired):
     epoch = rng.randrange(done + 1, EPOCHS + 1)
     seen = {point for other, point in fired if (other > 1) == (epoch > 1)}
     return epoch, rng.choice([point for point in POINTS if point not in seen] or POINTS)
-
-
-def expected_resume(url):
-    """The checkpoint a launch on ``url`` must resume from and the epochs
-    it holds: the newest complete one in the store, or the newer complete
-    one of the staging folder whose upload was cut (if the store has any);
-    ``(None, 0)``."""
-    storage = RemoteStorage(url)
-    remote = {name: storage.check(name) for name in storage.committed()}
-    remote = {name: manifest for name, (manifest, problem) in remote.items() if problem is None}
-    if not remote:
-        return None, 0
-    newest = max(remote)
-    manifest = remote[newest]
-    staged = CheckpointFolder(storage.local_dir).committed()
-    if staged and max(staged) > newest:
-        staged_manifest, problems = _manifest.check(storage.path(max(staged)))
-        if not problems:
-            newest, manifest = max(staged), staged_manifest
-    return storage.url(newest), manifest['epoch']
-
-
-def leftovers(url):
-    """Unfinished multipart uploads and checkpoint folders without a
-    manifest under ``url``."""
-    storage = RemoteStorage(url)
-    fs = storage._filesystem()[0]
-    bucket, key = url[len('s3://'):].split('/', 1)
-    unfinished = fs.call_s3('list_multipart_uploads', Bucket=bucket,
-                            Prefix=f'{key}/').get('Uploads', [])
-    names = {path.rsplit('/', 1)[-1] for path in fs.ls(f'{bucket}/{key}', refresh=True)}
-    return ([upload['Key'] for upload in unfinished]
-            + sorted(name for name in names if _manifest.is_checkpoint_name(name)
-                     and name not in storage.committed()))
 
 
 def one_run(seed, url, folder, reference, figures):

@@ -1,0 +1,318 @@
+"""SIGKILL at every file-system call of a save, its commit and a retirement,
+and at every request of an upload: enumerated, not sampled (issue 30).
+
+One uninterrupted launch of the fault job (tests/faults/workers/faultjob.py:
+3 epochs, ``keep_last=1``, so that the commit of epoch 2 retires epoch 1)
+runs under ``strace -f -y``; every call that changes the checkpoint folder
+(create, write, fsync, rename, unlink, mkdir, rmdir, chmod, truncate) from
+the first that names ``epoch-0002`` up to the first that names
+``epoch-0003``, and every removal inside the retired ``epoch-0001``, is a
+crash point (tests/faults/crashpoints.py). For each, a launch of the same
+job runs under ``strace -P PATH -e inject=SYSCALL:signal=SIGKILL:when=K``
+and dies on entering that call; the test then asserts that
+
+- the kill fired there: the rank died of SIGKILL, and strace's log shows
+  that very call (syscall and paths) entered and never returned;
+- nothing committed is lost: ``latest.json`` names a complete checkpoint,
+  the newest one committed before the call (``epoch-0002`` once the rename
+  of ``latest.json`` naming it is done, else ``epoch-0001``);
+- a relaunch without strace resumes from exactly that checkpoint, on every
+  rank, and ends bit-identical to an uninterrupted launch (parameters,
+  optimizer state, losses), with no partial folder left.
+
+Uploads (1 process, into a bucket of the local S3 server): the job reaches
+the store through a proxy (``s3server.Proxy``) that counts its requests
+from the commit of epoch 1 on; every request up to the first that names
+``epoch-0003`` (the files of ``epoch-0002``, the lease, its manifest, the
+pointer, the listing and removals that retire ``epoch-0001``) is a crash
+point: the proxy SIGKILLs the job once the store has answered that request,
+before the job sees the answer. The checkpoint committed by then must be
+in the store intact; the relaunch must resume from it, or from the newer
+one of the staging folder whose upload it finishes, and end bit-identical
+with no unfinished upload and no checkpoint without a manifest left.
+
+In 2 processes the points of each rank's process are enumerated (rank 0
+commits; rank 1 writes its own files). The launches go through a fork
+server (tests/faults/workers/zygote.py) that imported torch once: each
+costs seconds instead of tens of seconds on 2 busy cores; the traced
+uninterrupted launch is checked bit-identical to a real launch
+(tests/launcher.py), so forking changes nothing the test compares.
+
+``make test`` runs a seeded subset (in 1 process one point of each syscall
+kind, in 2 one point of each rank, and 3 requests of the upload);
+``make test-crash`` (marker ``crash``) every point.
+"""
+
+import os
+import random
+import tempfile
+import uuid
+
+import pytest
+
+from crashpoints import (
+    MUTATING,
+    KillAtRequest,
+    Zygote,
+    kinds,
+    parse,
+    plan,
+    request_what,
+    require_strace,
+    upload_points,
+)
+from faultsuite import expected_resume, leftovers, pointed, run_job
+from skorch_accel_callbacks.format._manifest import PARTIAL_SUFFIX
+from skorch_accel_callbacks.storage._remote import RemoteStorage
+from testutil import assert_identical, final_state, read_json
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+
+SUBSET_SEED = 30
+
+
+def test_a_machine_without_strace_fails_the_suite_saying_so(monkeypatch):
+    import crashpoints
+    monkeypatch.setattr(crashpoints, 'STRACE', None)
+    with pytest.raises(AssertionError, match='needs strace .*apt-get install strace'):
+        crashpoints.require_strace()
+
+
+@pytest.fixture(scope='module')
+def zygote(tmp_path_factory):
+    require_strace()
+    server = Zygote(tmp_path_factory.mktemp('zygote'))
+    server.warm_up()
+    yield server
+    server.close()
+
+
+def traced_run(zygote, folder, nproc, reference):
+    """The plan of each rank: crash points from an uninterrupted traced launch."""
+    root = folder / 'ckpt'
+    options = {rank: ['-f', '-qq', '-y', '-e', 'signal=none', '-o', str(folder / f'trace{rank}'),
+                      '-e', 'trace=' + ','.join(MUTATING)] for rank in range(nproc)}
+    zygote.launch('killable.py', folder, root, 'dry', nproc=nproc, strace=options).check()
+    # the fork server and strace change nothing that the test compares
+    assert_identical(final_state(reference, 'ref'), final_state(folder, 'dry'))
+    return {rank: plan((folder / f'trace{rank}').read_text(), str(root))
+            for rank in range(nproc)}
+
+
+@pytest.fixture(scope='module')
+def one_process(zygote, tmp_path_factory):
+    """The 1-process reference (a real launch) and the plan of its save."""
+    folder = tmp_path_factory.mktemp('crash-1proc')
+    run_job('killable.py', folder, folder / 'ref-ckpt', 'ref', nproc=1).check()
+    return folder, traced_run(zygote, folder, 1, folder)
+
+
+@pytest.fixture(scope='module')
+def two_processes(zygote, reference, tmp_path_factory):
+    """The plans of both ranks' processes in 2 processes."""
+    folder = tmp_path_factory.mktemp('crash-2proc')
+    return reference, traced_run(zygote, folder, 2, reference)
+
+
+def kill_at(zygote, point, folder, nproc, rank):
+    """Launch the job with rank ``rank`` killed at ``point``: the folder of
+    the launch that died exactly there, and the number of launches it took.
+
+    A point counted among all calls of its kind in the main thread (a
+    safetensors temporary file) may be a few calls off where a module loads
+    lazily in one launch and not another, or gloo writes to its sockets
+    from that thread: a launch that killed too late shows the call's
+    number in its log, the next launch uses it; one that killed too early
+    tries the next number. The kill must still land on that very call (the
+    same call of the log, counted as in the plan)."""
+    tries = 1 if point.path is not None else 8
+    when = point.when
+    where = f"crash point {point.number} of rank {rank} in {nproc} process(es): {point.what}"
+    for attempt_no in range(1, tries + 1):
+        attempt = folder / f'try{attempt_no}'
+        attempt.mkdir()
+        ckpt, trace = attempt / 'ckpt', attempt / 'kill.trace'
+        result = zygote.launch('killable.py', attempt, ckpt, 'killed', nproc=nproc, strace={
+            rank: point.strace_options(str(ckpt), trace, when)})
+        assert not result.timed_out, f"{where}: hung\n{result.report()}"
+        landed, number = point.landed(parse(trace.read_text()), str(ckpt))
+        if result.returncodes[rank] == -9 and landed:
+            return attempt, attempt_no
+        when = number or when + 1
+    raise AssertionError(f"{where}: the kill did not fire there\n"
+                         f"{trace.read_text()[-3000:]}\n{result.report()}")
+
+
+def crash_at(zygote, point, folder, reference, nproc, rank):
+    """Kill rank ``rank`` at ``point``, relaunch, check that nothing is lost;
+    the number of launches the kill took."""
+    folder, tries = kill_at(zygote, point, folder, nproc, rank)
+    ckpt = folder / 'ckpt'
+    where = f"crash point {point.number} of rank {rank} in {nproc} process(es): {point.what}"
+    expected = str(ckpt / point.committed)
+    assert pointed(ckpt) == expected, f"{where}: a committed checkpoint was lost"
+    relaunch = zygote.launch('killable.py', folder, ckpt, 'relaunch', nproc=nproc, grace=10.0)
+    relaunch.check()
+    for other in range(nproc):
+        resumed = read_json(folder / f'resumed-relaunch-rank{other}.json')
+        assert (resumed['loaded_from'], resumed['num_processes']) == (expected, nproc), where
+    assert_identical(final_state(reference, 'ref'), final_state(folder, 'relaunch'))
+    assert not [name for name in os.listdir(ckpt) if name.endswith(PARTIAL_SUFFIX)], where
+    return tries
+
+
+def subset(points):
+    """One point of each syscall kind, drawn with a fixed seed."""
+    rng = random.Random(SUBSET_SEED)
+    return [rng.choice([point for point in points if point.call.name == name])
+            for name in sorted(kinds(points))]
+
+
+def one_point(points):
+    """One point, drawn with a fixed seed (the kinds are covered in 1 process)."""
+    return [random.Random(SUBSET_SEED).choice(points)]
+
+
+def enumerate_points(zygote, plans, reference, nproc, tmp_path, pick):
+    counts, retried = {}, 0
+    for rank, points in plans.items():
+        chosen = pick(points)
+        for point in chosen:
+            folder = tmp_path / f'rank{rank}-point{point.number}'
+            folder.mkdir()
+            retried += crash_at(zygote, point, folder, reference, nproc, rank) > 1
+        counts[rank] = (len(chosen), len(points))
+    return counts, retried
+
+
+def summary(nproc, counts, retried):
+    ranks = ', '.join(f'rank {rank}: {done} of {total}'
+                      for rank, (done, total) in counts.items())
+    return (f'crash points, {nproc} process(es): {sum(c[0] for c in counts.values())} '
+            f'file-system calls of a local save killed ({ranks}; {retried} at a neighbouring '
+            'number); every relaunch bit-identical, no committed checkpoint lost')
+
+
+def test_subset_of_the_crash_points_of_a_save_in_1_process(zygote, one_process, tmp_path,
+                                                           record_property):
+    reference, plans = one_process
+    counts = enumerate_points(zygote, plans, reference, 1, tmp_path, subset)
+    record_property('summary', summary(1, *counts) + ' (seeded subset)')
+
+
+@pytest.mark.crash
+def test_every_crash_point_of_a_save_in_1_process(zygote, one_process, tmp_path,
+                                                  record_property):
+    reference, plans = one_process
+    counts = enumerate_points(zygote, plans, reference, 1, tmp_path, list)
+    record_property('summary', summary(1, *counts) + f'; kinds {dict(kinds(plans[0]))}')
+
+
+def test_subset_of_the_crash_points_of_a_save_in_2_processes(zygote, two_processes, tmp_path,
+                                                             record_property):
+    reference, plans = two_processes
+    counts = enumerate_points(zygote, plans, reference, 2, tmp_path, one_point)
+    record_property('summary', summary(2, *counts) + ' (seeded subset)')
+
+
+@pytest.mark.crash
+def test_every_crash_point_of_a_save_in_2_processes(zygote, two_processes, tmp_path,
+                                                    record_property):
+    reference, plans = two_processes
+    counts = enumerate_points(zygote, plans, reference, 2, tmp_path, list)
+    record_property('summary', summary(2, *counts))
+
+
+@pytest.fixture(scope='module')
+def store(s3_endpoint, tmp_path_factory):
+    """A bucket of the local S3 server that the test reaches directly and the
+    job through a proxy that counts its requests; staging under a folder of
+    the module's own."""
+    import fsspec
+
+    from s3server import S3_ENV, Proxy
+    temp = tmp_path_factory.mktemp('tmp')
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in dict(S3_ENV, AWS_ENDPOINT_URL=s3_endpoint, TMPDIR=str(temp)).items():
+            patch.setenv(key, value)
+        patch.setattr(tempfile, 'tempdir', str(temp))
+        bucket = f'crash-{uuid.uuid4().hex[:12]}'
+        fsspec.filesystem('s3', skip_instance_cache=True).mkdir(bucket)
+        proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
+        yield bucket, proxy
+        proxy.cut()
+
+
+@pytest.fixture(scope='module')
+def upload_plan(zygote, one_process, store, tmp_path_factory):
+    """The requests of one upload, from an uninterrupted launch through the proxy."""
+    bucket, proxy = store
+    folder = tmp_path_factory.mktemp('crash-upload')
+    counter = KillAtRequest(folder / 'pid-dry-rank0', skip=1)
+    proxy.on_request = counter
+    try:
+        zygote.launch('upload_killable.py', folder, f's3://{bucket}/dry', 'dry',
+                      AWS_ENDPOINT_URL=proxy.endpoint).check()
+    finally:
+        proxy.on_request = None
+    reference = one_process[0]
+    assert_identical(final_state(reference, 'ref'), final_state(folder, 'dry'))
+    return upload_points(counter.counted, 'dry')
+
+
+def upload_crash_at(zygote, point, store, folder, reference):
+    """Kill the job once the store did request ``point``, relaunch, check."""
+    (number, what, committed), (bucket, proxy) = point, store
+    url = f's3://{bucket}/point{number}'
+    where = f"crash point {number} of an upload: {what}"
+    killer = KillAtRequest(folder / 'pid-killed-rank0', skip=1, number=number)
+    proxy.on_request = killer
+    try:
+        result = zygote.launch('upload_killable.py', folder, url, 'killed',
+                               AWS_ENDPOINT_URL=proxy.endpoint)
+    finally:
+        proxy.on_request = None
+    assert killer.fired and result.returncodes == [-9], f"{where}: did not fire\n{result.report()}"
+    assert request_what(killer.fired, f'point{number}', 'epoch-0002') == what, \
+        (where, killer.fired)
+    storage = RemoteStorage(url)
+    assert committed in storage.committed() and storage.check(committed)[1] is None, \
+        f"{where}: committed {committed} lost: {storage.committed()}"
+    expected, _ = expected_resume(url)
+    # the relaunch may finish the cut upload: never older than what was committed
+    assert expected in (storage.url(committed), storage.url('epoch-0002')), (where, expected)
+    zygote.launch('upload_killable.py', folder, url, 'relaunch').check()
+    outcome = read_json(folder / 'relaunch-rank0.json')
+    assert (outcome['error'], outcome['loaded_from']) == (None, expected), (where, outcome)
+    assert_identical(final_state(reference, 'ref'), final_state(folder, 'relaunch'))
+    assert RemoteStorage(url).committed()[-1] == 'epoch-0003', where
+    assert leftovers(url) == [], where
+
+
+def enumerate_requests(zygote, points, store, reference, tmp_path):
+    for point in points:
+        folder = tmp_path / f'request{point[0]}'
+        folder.mkdir()
+        upload_crash_at(zygote, point, store, folder, reference)
+    return len(points)
+
+
+def test_subset_of_the_requests_of_an_upload(zygote, one_process, store, upload_plan,
+                                             tmp_path, record_property):
+    rng = random.Random(SUBSET_SEED)
+    # a file, the pointer, a removal of the retired checkpoint
+    chosen = [rng.choice([p for p in upload_plan if p[1].startswith(prefix)])
+              for prefix in ('PUT epoch-0002/<file>', 'PUT latest.json', 'DELETE')]
+    done = enumerate_requests(zygote, chosen, store, one_process[0], tmp_path)
+    record_property('summary', f'crash points of an upload, 1 process: {done} of '
+                               f'{len(upload_plan)} requests killed (seeded subset); every '
+                               'relaunch bit-identical, no committed checkpoint lost')
+
+
+@pytest.mark.crash
+def test_every_request_of_an_upload(zygote, one_process, store, upload_plan, tmp_path,
+                                    record_property):
+    done = enumerate_requests(zygote, upload_plan, store, one_process[0], tmp_path)
+    record_property('summary', f'crash points of an upload, 1 process: {done} requests '
+                               f'killed ({", ".join(p[1] for p in upload_plan)}); every '
+                               'relaunch bit-identical, no committed checkpoint lost')
