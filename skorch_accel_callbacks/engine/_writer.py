@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -29,7 +28,7 @@ from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.base import format_bytes, say
 from skorch_accel_callbacks._core.wrapping import own_registries
 from skorch_accel_callbacks.engine._stager import HostStager, Staged
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest
+from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.state import (
     _compat as compat,
     _epoch_position as epoch_position,
@@ -217,8 +216,7 @@ class SyncWriter:
         with sync.agree(net, f"writing checkpoint {partial}"), own_registries(net):
             large = None
             if stager is None:
-                with self.written_back(partial, committer):
-                    accelerate_io.save_state(net.accelerator, partial, self.safe_serialization)
+                accelerate_io.save_state(net.accelerator, partial, self.safe_serialization)
             else:
                 large = stager.stage(net.accelerator, partial, self.safe_serialization,
                                      committer)
@@ -234,16 +232,6 @@ class SyncWriter:
             return StagedSave(_manifest.with_per_rank(compat.build_manifest(
                 net, request.name, request.best, request.finished, request.stopped_early,
                 request.data, request.position(), request.train_loader), per_rank), large)
-
-    def written_back(self, partial: str, committer: bool) -> AbstractContextManager:
-        """While the large files are written: their bytes handed to the disk
-        as they come (:func:`~skorch_accel_callbacks.format._atomic.write_back_while_writing`),
-        so that the commit's fsyncs, which make them durable, wait less. On
-        the committing process of a durable save only: the others write
-        small files, and the commit flushes them all."""
-        if self.durable and committer:
-            return atomic.write_back_while_writing(partial)
-        return nullcontext()
 
     def commit(self, request: SaveRequest, content: dict, started: float) -> SaveReport:
         """Commit the staged checkpoint of ``request`` and retire old ones.
@@ -315,9 +303,7 @@ class BackgroundWriter:
     def _write_and_commit(self, request: SaveRequest, content: dict,
                           staged: Staged | None, started: float) -> SaveReport:
         if staged is not None:
-            partial = self.storage.partial_path(request.name)
-            with self.writer.written_back(partial, committer=True):
-                staged.write(partial)
+            staged.write(self.storage.partial_path(request.name))
         return self.writer.commit(request, content, started)
 
     def wait(self, net: Any) -> SaveReport | None:

@@ -14,7 +14,6 @@ checkpoint folder are written by accelerate
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
@@ -23,7 +22,7 @@ import shutil
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -46,7 +45,6 @@ __all__ = [
     'remove_temp_files',
     'replace_folder',
     'unique_name',
-    'write_back_while_writing',
     'write_json',
 ]
 
@@ -167,106 +165,6 @@ def fsync_files(paths: Sequence[str]) -> None:
     with ThreadPoolExecutor(max_workers=min(8, len(paths))) as pool:
         # list() re-raises the first failure
         list(pool.map(_fsync_file, paths))
-
-
-def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's ``sync_file_range`` (Linux), or None where there is none."""
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
-        return None
-    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    function.restype = ctypes.c_int
-    return function
-
-
-_START_WRITEBACK = _sync_file_range()
-# SYNC_FILE_RANGE_WRITE of <linux/fs.h>: start writing the range's dirty
-# pages to disk, without waiting for them
-_SYNC_FILE_RANGE_WRITE = 2
-# how much of a file is handed to the disk at a time, and how often the
-# folder is looked at: each look wakes a thread that competes for the GIL
-WRITEBACK_CHUNK = 8 * 2 ** 20
-WRITEBACK_INTERVAL = 0.02
-
-
-class _Writeback:
-    """The files under a folder, handed to the disk as they grow."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-        self.started = {}  # path -> (fd, bytes handed to the disk)
-        self.failed = False
-
-    def step(self, final: bool = False) -> None:
-        try:
-            for root, _, names in os.walk(self.folder):
-                for name in names:
-                    self._start(os.path.join(root, name), final)
-        except OSError:
-            # a hint that fails costs the fsyncs their head start, nothing more
-            self.failed = True
-
-    def _start(self, path: str, final: bool) -> None:
-        try:
-            fd, done = self.started.get(path) or (os.open(path, os.O_RDONLY), 0)
-        except OSError:  # moved or removed since the listing
-            return
-        self.started[path] = (fd, done)
-        size = os.fstat(fd).st_size
-        # a page still being filled is left to the fsync: rewriting a page
-        # under writeback would wait for the disk
-        end = size if final else size - size % WRITEBACK_CHUNK
-        if end - done < (1 if final else WRITEBACK_CHUNK):
-            return
-        if _START_WRITEBACK(fd, done, end - done, _SYNC_FILE_RANGE_WRITE) != 0:
-            self.failed = True
-        self.started[path] = (fd, end)
-
-    def close(self) -> None:
-        for fd, _ in self.started.values():
-            os.close(fd)
-        self.started = {}
-
-
-@contextmanager
-def write_back_while_writing(folder: str | os.PathLike) -> Iterator[None]:
-    """Have the disk write the files under ``folder`` while the block is
-    still writing them.
-
-    Linux keeps a file's written pages in memory until its fsync when they
-    are far fewer than the dirty-page limits (10% of memory by default):
-    the fsyncs of a save would then start writing only once every file is
-    written. A thread hands each file's pages to the disk every
-    :data:`WRITEBACK_CHUNK` bytes (``sync_file_range`` with
-    ``SYNC_FILE_RANGE_WRITE``, which does not wait), and the rest of every
-    file when the block ends, so that the fsyncs that follow find most of
-    the bytes on disk. It is a hint: durability comes from those fsyncs
-    alone, and where ``sync_file_range`` does not exist, or fails, nothing
-    is started.
-    """
-    if _START_WRITEBACK is None:
-        yield
-        return
-    writeback = _Writeback(os.fspath(folder))
-    stop = threading.Event()
-
-    def run() -> None:
-        while not writeback.failed and not stop.wait(WRITEBACK_INTERVAL):
-            writeback.step()
-
-    thread = threading.Thread(target=run, name=f'writeback-{folder}', daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        try:
-            if not writeback.failed:
-                writeback.step(final=True)
-        finally:
-            writeback.close()
 
 
 @contextmanager
