@@ -145,9 +145,10 @@ def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 def copy_into(buffer: torch.Tensor, tensor: torch.Tensor) -> None:
     """``buffer.copy_(tensor)``; between host tensors, a memcpy on this thread.
 
-    A host copy is bound by memory bandwidth, which one thread reaches;
-    torch's intra-op threads wait for each other, and stall when the
-    machine is busy (benchmarks/RESULTS.rst).
+    Not torch's ``copy_`` between host tensors: its intra-op threads wait
+    for each other, and stall when the machine is busy
+    (benchmarks/RESULTS.rst). A stage copies with :func:`copy_all`; the
+    benchmarks time this one as the memory floor.
     """
     if _is_host_copy(tensor):
         np.copyto(buffer.view(torch.uint8).numpy(), tensor.view(torch.uint8).numpy())
