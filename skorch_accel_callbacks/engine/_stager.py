@@ -12,6 +12,8 @@ nothing from the other ranks. It never runs a collective: one from a second
 thread would interleave with the collectives of training.
 """
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +22,14 @@ import torch
 
 from skorch_accel_callbacks._core import accelerate_io
 
-__all__ = ['HostStager', 'Staged', 'copy_into']
+__all__ = ['COPY_CHUNK', 'COPY_THREADS', 'HostStager', 'Staged', 'copy_into', 'copy_all']
+
+# the host copies of a stage are cut into pieces of this many bytes, which
+# this many threads take one after the other (numpy's copy lets go of the
+# GIL): a thread that the machine stalls holds up one piece, not a share
+# fixed beforehand, as torch's intra-op threads of ``copy_`` do
+COPY_CHUNK = 16 * 2 ** 20
+COPY_THREADS = min(2, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -64,13 +73,19 @@ class HostStager:
         if not writer:
             return None
         memo: dict = {}
-        return Staged(
-            [self._copy(state, ('model', i), memo) for i, state in enumerate(models)],
-            [self._copy(state, ('optimizer', i), memo) for i, state in enumerate(optimizers)],
+        copies: list = []
+        staged = Staged(
+            [self._copy(state, ('model', i), memo, copies) for i, state in enumerate(models)],
+            [self._copy(state, ('optimizer', i), memo, copies)
+             for i, state in enumerate(optimizers)],
             accelerate_io.save_on_each_node(accelerator), safe_serialization)
+        copy_all(copies)
+        return staged
 
-    def _copy(self, obj: Any, key: tuple, memo: dict) -> Any:
-        """``obj`` with every tensor copied into a host buffer kept under ``key``."""
+    def _copy(self, obj: Any, key: tuple, memo: dict, copies: list) -> Any:
+        """``obj`` with every tensor replaced by a host buffer kept under
+        ``key``; the copies into them are appended to ``copies``
+        (``(buffer, tensor)``), to be made by :func:`copy_all`."""
         if isinstance(obj, torch.Tensor):
             # tied weights stay one tensor, as in the state dict
             seen = memo.get((obj.data_ptr(), obj.dtype, tuple(obj.shape)))
@@ -80,14 +95,16 @@ class HostStager:
             if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
                 buffer = torch.empty(obj.shape, dtype=obj.dtype, device='cpu')
                 self._buffers[key] = buffer
-            copy_into(buffer, obj.detach())
+            copies.append((buffer, obj.detach()))
             memo[(obj.data_ptr(), obj.dtype, tuple(obj.shape))] = buffer
             return buffer
         if isinstance(obj, dict):
             # keeps OrderedDict: accelerate's save() cleans those for safetensors
-            return type(obj)((k, self._copy(v, key + (k,), memo)) for k, v in obj.items())
+            return type(obj)((k, self._copy(v, key + (k,), memo, copies))
+                             for k, v in obj.items())
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(v, key + (i,), memo) for i, v in enumerate(obj))
+            return type(obj)(self._copy(v, key + (i,), memo, copies)
+                             for i, v in enumerate(obj))
         # numbers, strings, None: immutable; optimizer settings are plain values
         return obj
 
@@ -96,14 +113,44 @@ class HostStager:
         self._buffers = {}
 
 
+def _is_host_copy(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == 'cpu' and bool(tensor.dim()) and tensor.is_contiguous()
+
+
+def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each ``tensor`` of ``copies`` into its ``buffer``; the host
+    copies in pieces of :data:`COPY_CHUNK` bytes on :data:`COPY_THREADS`
+    threads, the others (from a device, or of a strided tensor) with
+    ``copy_`` on this thread. Returns once every copy is made; the first
+    that failed raises."""
+    pieces = []
+    for buffer, tensor in copies:
+        if not _is_host_copy(tensor):
+            buffer.copy_(tensor)
+            continue
+        source = tensor.view(-1).view(torch.uint8).numpy()
+        target = buffer.view(-1).view(torch.uint8).numpy()
+        pieces += [(target[at:at + COPY_CHUNK], source[at:at + COPY_CHUNK])
+                   for at in range(0, source.size, COPY_CHUNK)]
+    if len(pieces) < 2 or COPY_THREADS < 2:
+        for target, source in pieces:
+            np.copyto(target, source)
+        return
+    with ThreadPoolExecutor(max_workers=COPY_THREADS,
+                            thread_name_prefix='checkpoint-copy') as pool:
+        # list() re-raises the first failure
+        list(pool.map(lambda piece: np.copyto(*piece), pieces))
+
+
 def copy_into(buffer: torch.Tensor, tensor: torch.Tensor) -> None:
     """``buffer.copy_(tensor)``; between host tensors, a memcpy on this thread.
 
-    A host copy is bound by memory bandwidth, which one thread reaches;
-    torch's intra-op threads wait for each other, and stall when the
-    machine is busy (benchmarks/RESULTS.rst).
+    Not torch's ``copy_`` between host tensors: its intra-op threads wait
+    for each other, and stall when the machine is busy
+    (benchmarks/RESULTS.rst). A stage copies with :func:`copy_all`; the
+    benchmarks time this one as the memory floor.
     """
-    if tensor.device.type == 'cpu' and tensor.dim() and tensor.is_contiguous():
+    if _is_host_copy(tensor):
         np.copyto(buffer.view(torch.uint8).numpy(), tensor.view(torch.uint8).numpy())
     else:
         buffer.copy_(tensor)
