@@ -1,6 +1,7 @@
 # `make demo` runs the main job (`make demo-s3`: its preempted run with the
 # checkpoints in a bucket of a local S3 server), `make test` the whole test suite
-# (of the crash points, a seeded subset), `make test-crash` every crash point,
+# (of the crash points, a seeded subset), `make test-crash` every crash point
+# and the kill suites that sample at their full length,
 # `make test-quick` its quick subset (1- and 2-process basics, no slow or fault
 # tests), `make fuzz` the resume contract's fuzzer at length (FUZZ_EXAMPLES
 # in-process examples, FUZZ_LAUNCHED batches of 2-process ones each for DDP and
@@ -28,7 +29,7 @@ demo-s3: $(STAMP)
 	$(PY) examples/resume_demo.py --store s3 --out runs/demo-s3
 
 test: $(STAMP)
-	@echo "make test: 35 to 45 minutes on 2 cores; at the start the fault suites print nothing for minutes"
+	@echo "make test: 35 to 40 minutes on 2 cores; at the start the fault suites print nothing for minutes"
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not crash" tests
 
 test-quick: $(STAMP)
@@ -38,7 +39,8 @@ test-quick: $(STAMP)
 # killed and relaunched (tests/faults/test_crash_points.py; make test runs a
 # seeded subset); the three enumerations spread over the two workers
 test-crash: $(STAMP)
-	$(PY) -m pytest -n 2 --dist load -m crash tests/faults/test_crash_points.py
+	FAULTS_AT_LENGTH=1 $(PY) -m pytest -n 2 --dist load -m crash tests/faults/test_crash_points.py
+	FAULTS_AT_LENGTH=1 $(PY) -m pytest -n 2 --dist loadfile tests/faults/test_random_kills.py tests/faults/test_mid_epoch_kills.py
 
 # 500 examples in 1 process and 56 in 2 (28 DDP, 28 FSDP2), seeded: the same every run
 FUZZ_EXAMPLES ?= 500

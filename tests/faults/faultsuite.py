@@ -5,6 +5,7 @@ a cut upload may not leave behind).
 Its fixtures (the reference run) are in tests/faults/conftest.py.
 """
 
+import os
 from pathlib import Path
 
 from launcher import launch
@@ -14,6 +15,16 @@ from skorch_accel_callbacks.storage._remote import RemoteStorage
 from testutil import read_json
 
 WORKERS = Path(__file__).parent / 'workers'
+
+# `make test-crash` sets it: the suites that sample kills draw as many as
+# they did before the crash points were enumerated (tests/faults/test_crash_points.py)
+AT_LENGTH = os.environ.get('FAULTS_AT_LENGTH') == '1'
+
+
+def sampled(in_make_test, at_length):
+    """How many kills (or trials) a sampling suite draws: fewer in ``make
+    test``, whose crash-point subset covers every kind of point."""
+    return at_length if AT_LENGTH else in_make_test
 
 # a hung collective fails a launch after this many seconds, not 30 minutes
 COLLECTIVE_TIMEOUT = 20

@@ -23,7 +23,7 @@ import random
 
 import pytest
 
-from faultsuite import pointed, run_job
+from faultsuite import pointed, run_job, sampled
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.format._manifest import PARTIAL_SUFFIX
@@ -32,7 +32,7 @@ from testutil import assert_identical, final_state, read_json
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 KILLS_PER_RUN = 3
-MIN_KILLS = 20
+MIN_KILLS = sampled(10, 20)
 # runs go on until MIN_KILLS kills landed (a run can finish before its third
 # kill); this many runs at most
 MAX_RUNS = 12
