@@ -17,6 +17,8 @@ from, the number of processes) when its first epoch begins, then
 ``<TAG>-rank<r>.json``: the folder it resumed from, the epochs, the
 optimizer steps it took and the error it ended with (its type and message,
 or None); rank 0 ``<TAG>-rank0.pt`` (final state) when training ends.
+Each epoch begins once the uploads queued before it ended, so that every
+checkpoint is uploaded, one at a time (none is superseded in the queue).
 """
 
 import json
@@ -28,7 +30,7 @@ import s3fs
 from skorch.callbacks import Callback
 
 import faultjob
-from common import write_result
+from common import UploadsEnded, write_result
 from faultjob import EpochTracker, die
 from killable import RecordResume
 from skorch_accel_callbacks.format import _manifest
@@ -84,7 +86,12 @@ def main():
     if os.environ.get('KILL'):
         epoch, point = os.environ['KILL'].split(':')
         install(int(epoch), point)
-    net, _ = faultjob.build(url, callbacks=[EpochTracker(), RecordResume(), CountSteps()])
+    # each epoch's checkpoint uploaded before the next epoch trains: saves
+    # due faster than uploads would supersede a waiting one (never uploaded,
+    # its kill points never reached), and the points are of one upload
+    uploaded = UploadsEnded(epochs=range(1, faultjob.EPOCHS + 1))
+    net, _ = faultjob.build(url, callbacks=[EpochTracker(), RecordResume(), CountSteps(),
+                                            uploaded])
     try:
         net.fit(*faultjob.data())
     except Exception as exc:  # pylint: disable=broad-except
