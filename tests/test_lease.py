@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import skorch_accel_callbacks.storage._lease as lease_module
-from s3server import filesystem, new_bucket
+from s3server import Proxy, filesystem, new_bucket
 from skorch_accel_callbacks.errors import FolderInUseError, LeaseLostError
 from skorch_accel_callbacks.storage._lease import ObjectLease
 
@@ -343,3 +343,28 @@ def test_a_job_that_exits_without_release_removes_its_lease_silently(s3, s3_endp
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f's3://{path}' and done.stderr == ''
     assert not fs.exists(path)
+
+
+def test_a_lease_collected_in_another_thread_leaves_this_thread_s_warnings_alone(s3_endpoint):
+    """The collector releases a dropped lease in whichever thread drops it
+    last; that release says nothing, and must not hush warnings by swapping
+    the process's warning filters (``warnings.catch_warnings`` does), which
+    would hide what this thread records meanwhile."""
+    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
+    fs = filesystem(proxy.endpoint)
+    path = f'{new_bucket(fs)}/run1/.lease.json'
+    held = [ObjectLease(fs, path).acquire()]
+    proxy.delay_on = (rb'^DELETE /', 2)  # the removal of the lease takes 2 s
+    dropper = threading.Thread(target=held.clear)
+    dropper.start()
+    try:
+        assert proxy.fired.wait(30), 'the collected lease was not released'
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            dropper.join(60)
+            assert not dropper.is_alive()
+            warnings.warn('recorded while the lease was released', UserWarning)
+        assert not fs.exists(path)
+    finally:
+        proxy.cut()
+    assert [str(w.message) for w in caught] == ['recorded while the lease was released']

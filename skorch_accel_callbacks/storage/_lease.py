@@ -170,15 +170,16 @@ class ObjectLease:
 
     def release(self) -> None:
         """Stop renewing and remove the lease if it is still this job's;
-        warn if another job took it over. Idempotent."""
+        warn if another job took it over or it could not be removed.
+        Idempotent."""
         held, self._held = self._held, None
         if held is None:
             return
         self._finalizer.detach()
         self._finalizer = None
-        lost = held.release()
-        if lost is not None:
-            warnings.warn(lost)
+        message = held.release()
+        if message is not None:
+            warnings.warn(message)
 
     def _interval(self) -> float:
         interval = self.ttl_seconds / 3 if self.renew_every is None else self.renew_every
@@ -309,19 +310,20 @@ class _Held:
             "that this job wrote since then may be mixed with that job's")
 
     def release(self) -> str | None:
-        """Stop renewing and remove the lease if it is still ours; the
-        message of its loss if another job took it and no check() said so."""
+        """Stop renewing and remove the lease if it is still ours; what the
+        job should be told: the lease's loss if another job took it and no
+        check() said so, or why it could not be removed."""
         self.stopped.set()
         if self.thread is not threading.current_thread():
             self.thread.join()
         with self.guard:
-            if self.lost_to is None:
-                self._remove()
+            not_removed = self._remove() if self.lost_to is None else None
             if self.lost_to is None or self.lost_reported:
-                return None
+                return not_removed
             return self.lost_message()
 
-    def _remove(self) -> None:
+    def _remove(self) -> str | None:
+        """Remove the lease; why it is still there if it could not be."""
         bucket, key, _ = self.fs.split_path(self.path)
         try:
             self.fs.call_s3('delete_object', Bucket=bucket, Key=key, IfMatch=self.etag,
@@ -331,7 +333,7 @@ class _Held:
         except TimeoutError as error:
             # a store that does not answer would not answer whether the
             # lease changed either; the lease expires by itself
-            warnings.warn(
+            return (
                 f"could not remove the lease {self.fs.unstrip_protocol(self.path)}: the store "
                 f"did not answer within {RELEASE_SECONDS:g} s ({error or type(error).__name__}); "
                 f"a new job is refused the folder until it expires at "
@@ -340,20 +342,22 @@ class _Held:
             if _changed(self.fs, self.path, self.etag):
                 self.lost_to = _current_holder(self.fs, self.path)
             else:
-                warnings.warn(
+                return (
                     f"could not remove the lease {self.fs.unstrip_protocol(self.path)} "
                     f"({error}): a new job is refused the folder until it expires at "
                     f"{self.record['expires_at']}")
         finally:
             self.fs.invalidate_cache(self.path)
+        return None
 
     def release_quietly(self) -> None:
         """Release for a lease dropped without release, or at interpreter
-        exit: nothing to tell anyone, and no one to raise to."""
+        exit: nothing to tell anyone, and no one to raise to. (No
+        ``warnings.catch_warnings`` to hush it: the collector runs this in
+        whichever thread it is in, and that context manager swaps the
+        process's warning filters under every other thread's feet.)"""
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter('ignore')
-                self.release()
+            self.release()
         except Exception:
             pass  # the lease expires
 
