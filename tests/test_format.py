@@ -13,13 +13,14 @@ import pytest
 
 import skorch_accel_callbacks
 from skorch_accel_callbacks.format import _manifest
+from testutil import parse_source
 
 PACKAGE = Path(skorch_accel_callbacks.__file__).parent
 
 
 def own_imports(module):
     """The modules of the package (dotted, below it) that ``module``'s source imports."""
-    tree = ast.parse((PACKAGE / f"{module.replace('.', '/')}.py").read_text())
+    tree = parse_source(PACKAGE / f"{module.replace('.', '/')}.py")
     named = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:

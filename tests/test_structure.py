@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from testutil import parse_source
+
 PACKAGE = Path(__file__).resolve().parents[1] / 'skorch_accel_callbacks'
 MODULES = sorted(PACKAGE.rglob('*.py'))
 CALLBACK_MODULES = ('callbacks/checkpoint.py', 'callbacks/load_state.py',
@@ -29,7 +31,7 @@ MAX_FUNCTION_CODE_LINES = 50
 
 
 def _tree(path):
-    return ast.parse(path.read_text(), filename=str(path))
+    return parse_source(path)
 
 
 def _code_lines(source_lines, node):
@@ -161,7 +163,7 @@ def test_no_import_cycle_between_modules():
 def test_sizes(path):
     source = path.read_text()
     lines = source.splitlines()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.ClassDef):
             size = _code_lines(lines, node)
             assert size <= MAX_CLASS_CODE_LINES, f"{path.name}: class {node.name}: {size}"

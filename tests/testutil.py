@@ -6,6 +6,9 @@ tests/, tests/workers, tests/faults and tests/faults/workers on
 ``sys.path`` (``pythonpath`` in setup.cfg).
 """
 
+import ast
+import functools
+import gc
 import json
 import os
 from pathlib import Path
@@ -21,6 +24,27 @@ def read_results(folder, name, world_size):
         assert path.exists(), f"rank {rank} wrote no result {path.name}"
         results.append(json.loads(path.read_text()))
     return results
+
+
+@functools.cache
+def parse_source(path):
+    """The syntax tree of the Python file at ``path``, parsed once a process.
+
+    CPython 3.11.7 keeps one interpreter-wide recursion counter for building
+    an ``ast`` tree; a collection of garbage in the middle of ``ast.parse``
+    can run a finalizer, or hand the interpreter to a thread of an earlier
+    test, that parses too and leaves the counter off (``SystemError: AST
+    constructor recursion depth mismatch``, CPython gh-106905).
+    With the collector paused no Python code runs while the tree is built.
+    """
+    source = Path(path).read_text()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(source, filename=str(path))
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def read_json(path):
