@@ -59,6 +59,7 @@ def test_kill_during_background_write_then_resume_is_bit_identical(tmp_path, npr
     assert_identical(final_state(tmp_path, 'full'), final_state(tmp_path, 'resumed'))
 
 
+@pytest.mark.slow  # a launch of its own each
 @pytest.mark.parametrize('epoch', [2, 6], ids=['at-next-save', 'at-end-of-training'])
 def test_failed_background_write_raises_on_every_rank(tmp_path, epoch):
     result = run(tmp_path, 'fail', expect_ok=False, BG_FAIL=str(epoch))

@@ -280,6 +280,7 @@ def test_kill_inside_the_save_leaves_a_partial_folder_that_is_ignored(tmp_path):
     assert_identical(final_state(tmp_path, 'full'), final_state(tmp_path, 'resumed'))
 
 
+@pytest.mark.slow  # a launch of its own
 def test_failed_save_on_one_rank_raises_on_every_rank(tmp_path):
     result = run(tmp_path, 'fail', expect_ok=False, FAIL='1:2')
     assert not result.timed_out

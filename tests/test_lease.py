@@ -152,6 +152,7 @@ def test_a_live_lease_of_a_killed_process_of_another_pid_namespace_runs_its_cour
     assert stored(fs, path) == record
 
 
+@pytest.mark.slow  # two fresh interpreters in namespaces of their own
 @pytest.mark.skipif(shutil.which('unshare') is None or os.geteuid() != 0,
                     reason='needs unshare (util-linux) and root, as CI has')
 def test_a_job_in_another_pid_namespace_is_refused_a_live_lease(s3, s3_endpoint):

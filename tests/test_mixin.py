@@ -74,6 +74,7 @@ def test_predictions_in_one_process():
                                       'after_predict': 0}
 
 
+@pytest.mark.slow  # a launch of its own
 def test_predictions_gathered_in_two_processes_are_held_until_gloo_let_go(run_workers):
     """Predictions of a last batch that accelerate filled up come back as
     skorch's own mixin's; right after each evaluation step, gloo holds none

@@ -59,6 +59,7 @@ def test_an_old_checkpoint_resumes_bit_for_bit(tmp_path, case, cp_kwargs, resume
     assert_identical(state(resumed), state(straight))
 
 
+@pytest.mark.slow  # two fresh interpreters that import torch, skorch and accelerate
 @pytest.mark.parametrize('case', [c[0] for c in CASES])
 def test_the_command_line_lists_and_verifies_an_old_checkpoint(case):
     listed = cli('list', DATA / case)

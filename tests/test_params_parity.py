@@ -284,6 +284,7 @@ def test_load_best_with_a_criterion_without_state(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- pickling
 
 
+@pytest.mark.slow  # a launch of its own
 def test_net_pickled_in_two_processes_is_usable_in_one(
         run_workers: Any, tmp_path: Path) -> None:
     """Pickled in a job of 2 processes (by ParamsCheckpoint's f_pickle, and
