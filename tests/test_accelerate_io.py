@@ -1,9 +1,11 @@
-"""accelerate_io against accelerate itself: the save in two steps (used by
-``async_save``) writes the files ``Accelerator.save_state`` writes, with the
-same contents. An accelerate upgrade that changes ``save_state`` fails here."""
+"""accelerate_io against accelerate itself: its save (in two steps, as
+``async_save`` runs it too) writes the files ``Accelerator.save_state``
+writes, with the same contents. An accelerate upgrade that changes
+``save_state`` fails here."""
 
 import filecmp
 import os
+import zipfile
 
 import pytest
 import torch
@@ -31,7 +33,7 @@ def files(folder):
 
 
 @pytest.mark.parametrize('safe_serialization', [True, False])
-def test_save_in_two_steps_writes_what_save_state_writes(tmp_path, safe_serialization):
+def test_the_save_writes_what_save_state_writes(tmp_path, safe_serialization):
     accelerator = make_accelerator()
     accelerator.register_for_checkpointing(Counter())
     net = make_net(accelerator, max_epochs=1)
@@ -40,10 +42,8 @@ def test_save_in_two_steps_writes_what_save_state_writes(tmp_path, safe_serializ
     accelerator.prepare(scheduler)
 
     whole, in_two = tmp_path / 'whole', tmp_path / 'in_two'
-    in_two.mkdir()
-    accelerate_io.save_state(accelerator, str(whole), safe_serialization)
-    states = accelerate_io.save_state_in_two(accelerator, str(in_two), safe_serialization)
-    accelerate_io.write_large_state(str(in_two), *states, False, safe_serialization)
+    accelerator.save_state(str(whole), safe_serialization=safe_serialization)
+    accelerate_io.save_state(accelerator, str(in_two), safe_serialization)
 
     assert files(whole) == files(in_two)
     assert any(name.startswith('optimizer') for name in files(whole))
@@ -60,3 +60,22 @@ def test_save_in_two_steps_writes_what_save_state_writes(tmp_path, safe_serializ
             left = torch.load(a, weights_only=False)
             right = torch.load(b, weights_only=False)
         assert repr(left) == repr(right), name
+
+
+@pytest.mark.parametrize('name', ['optimizer.bin', 'optimizer-ünïcode.bin'])
+def test_optimizer_files_are_torch_archives_without_crc(tmp_path, name):
+    """The optimizer file holds what ``torch.save`` would, read by
+    ``torch.load(weights_only=True)``; its records carry no CRC-32 (the
+    manifest's checksum guards the file), also under a non-ASCII name,
+    which torch's file writer does not take."""
+    net = make_net(make_accelerator(), max_epochs=1)
+    net.fit(*make_data(n=96))
+    state = net.optimizer_.state_dict()
+    path = tmp_path / name
+    accelerate_io._torch_save_without_crc(state, str(path))
+    torch.save(state, tmp_path / 'reference.bin')
+    loaded = torch.load(path, weights_only=True)
+    assert repr(loaded) == repr(torch.load(tmp_path / 'reference.bin', weights_only=True))
+    with zipfile.ZipFile(path) as archive:
+        records = archive.infolist()
+    assert records and {record.CRC for record in records} == {0}

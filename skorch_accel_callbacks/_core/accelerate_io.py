@@ -3,8 +3,10 @@
 The package needs more of an ``Accelerator`` than its public API gives: the
 registries of prepared models, optimizers and loaders, accelerate's file
 names, and the body of ``Accelerator.save_state`` split in two for saves in
-the background (the small files now, the model and optimizer files later).
-Tested against accelerate 1.15; ``tests/test_accelerate_io.py`` checks that
+the background (the small files now, the model and optimizer files later),
+with the optimizer files written by torch's own archive writer, without
+CRC-32 (``torch.serialization._save``, the one use of torch's internals).
+Tested against accelerate 1.15 and torch 2.13; ``tests/test_accelerate_io.py`` checks that
 a save through :func:`save_state_in_two` writes the same files with the same
 contents as ``Accelerator.save_state``, so an accelerate upgrade that moves
 these internals fails one obvious test.
@@ -13,13 +15,14 @@ these internals fails one obvious test.
 from __future__ import annotations
 
 import os
+import pickle
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
 from accelerate.data_loader import SkipBatchSampler
 from accelerate.state import GradientState, is_initialized
@@ -341,7 +344,21 @@ def _optimizer_file(index: int) -> str:
 def save_state(
         accelerator: Accelerator, folder: str | os.PathLike, safe_serialization: bool,
 ) -> None:
-    accelerator.save_state(folder, safe_serialization=safe_serialization)
+    """Write what ``Accelerator.save_state`` writes into ``folder``.
+
+    Under FSDP2 by ``save_state`` itself (its shards go through
+    torch.distributed.checkpoint); for one process and DDP in the two steps
+    of :func:`save_state_in_two` and :func:`write_large_state`, from the
+    live tensors, which write the optimizer files without the zip records'
+    CRC-32.
+    """
+    if is_fsdp2(accelerator):
+        accelerator.save_state(folder, safe_serialization=safe_serialization)
+        return
+    os.makedirs(folder, exist_ok=True)  # as save_state does, on every rank
+    model_states, optimizer_states = save_state_in_two(accelerator, folder, safe_serialization)
+    write_large_state(folder, model_states, optimizer_states, save_on_each_node(accelerator),
+                      safe_serialization)
 
 
 def load_state(accelerator: Accelerator, folder: str | os.PathLike) -> None:
@@ -458,10 +475,40 @@ def write_large_state(
     """The model and optimizer files of ``save_state``, from state dicts.
 
     Runs on any thread: it touches no accelerator and runs no collective.
+    The optimizer files are ``torch.save``'s archives without the CRC-32 of
+    their records (see :func:`_torch_save_without_crc`).
     """
     for i, state in enumerate(model_states):
         save(state, f"{folder}/{model_file(i, safe_serialization)}",
              save_on_each_node=each_node, safe_serialization=safe_serialization)
-    for i, state in enumerate(optimizer_states):
-        save(state, f"{folder}/{_optimizer_file(i)}",
-             save_on_each_node=each_node, safe_serialization=False)
+    writes = PartialState().is_local_main_process if each_node else PartialState().is_main_process
+    if writes:  # accelerate's ``save`` rule
+        for i, state in enumerate(optimizer_states):
+            _torch_save_without_crc(state, f"{folder}/{_optimizer_file(i)}")
+
+
+def _torch_save_without_crc(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)``, except that the zip records' CRC-32 fields
+    are 0: the file ``torch.serialization.set_crc32_options(False)`` makes,
+    which ``torch.load`` reads. Computing the CRCs took half the time of
+    writing an optimizer file into the page cache (benchmarks/RESULTS.rst);
+    the manifest's checksum of the file is what a resume checks. That switch
+    is process-wide, and another thread's ``torch.save`` would lose its CRCs
+    too: the writer is made here, for this file alone.
+    """
+    alignment = torch.serialization._get_storage_alignment()
+    try:
+        path.encode('ascii')
+    except UnicodeEncodeError:
+        # torch's file writer takes ASCII names; torch.save writes others
+        # through a Python file, as here
+        with open(path, 'wb') as stream:
+            _write_torch_archive(obj, torch._C.PyTorchFileWriter(stream, False, alignment))
+        return
+    _write_torch_archive(obj, torch._C.PyTorchFileWriter(path, False, alignment))
+
+
+def _write_torch_archive(obj: Any, writer: Any) -> None:
+    torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL,
+                              _disable_byteorder_record=False)
+    writer.write_end_of_file()
