@@ -2,7 +2,9 @@
 
 The uninterrupted reference run is launched once per test session, also
 under pytest-xdist (the first worker that needs it launches it while holding
-a lock; the others read its result), since every launch costs seconds.
+a lock; the others read its result), since every launch costs seconds. The
+suites that launch their job dozens of times launch it through a fork
+server (``zygote``) that imported torch, accelerate and skorch once.
 """
 
 import fcntl
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from crashpoints import Zygote
 from faultsuite import run_job
 
 
@@ -39,3 +42,15 @@ def reference(tmp_path_factory):
         if lock:
             lock.close()
     return folder
+
+
+@pytest.fixture(scope='module')
+def zygote(tmp_path_factory):
+    """The fork server of the module's launches (tests/faults/workers/zygote.py):
+    each launch a fork of one interpreter that imported the job's modules,
+    one process a rank with the environment of tests/launcher.py, killed
+    ``grace`` s after the first rank fails, as a launch of its own is."""
+    server = Zygote(tmp_path_factory.mktemp('zygote'))
+    server.warm_up()
+    yield server
+    server.close()

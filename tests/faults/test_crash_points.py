@@ -20,7 +20,8 @@ and dies on entering that call; the test then asserts that
   rank, and ends bit-identical to an uninterrupted launch (parameters,
   optimizer state, losses), with no partial folder left.
 
-Uploads (1 process, into a bucket of the local S3 server): the job reaches
+Uploads (into a bucket of the local S3 server; 1 and 2 processes, rank 0
+uploading every rank's files in both): the job reaches
 the store through a proxy (``s3server.Proxy``) that counts its requests
 from the commit of epoch 1 on; every request up to the first that names
 ``epoch-0003`` (the files of ``epoch-0002``, the lease, its manifest, the
@@ -39,7 +40,8 @@ uninterrupted launch is checked bit-identical to a real launch
 (tests/launcher.py), so forking changes nothing the test compares.
 
 ``make test`` runs a seeded subset (in 1 process one point of each syscall
-kind, in 2 one point of each rank, and 3 requests of the upload);
+kind, in 2 one point of each rank, 3 requests of the upload in 1 process
+and 1 in 2);
 ``make test-crash`` (marker ``crash``) every point.
 """
 
@@ -53,7 +55,6 @@ import pytest
 from crashpoints import (
     MUTATING,
     KillAtRequest,
-    Zygote,
     kinds,
     parse,
     plan,
@@ -78,13 +79,11 @@ def test_a_machine_without_strace_fails_the_suite_saying_so(monkeypatch):
         crashpoints.require_strace()
 
 
-@pytest.fixture(scope='module')
-def zygote(tmp_path_factory):
+@pytest.fixture(scope='module', autouse=True)
+def strace():
+    """Every crash point is injected by strace: without it the suite fails,
+    saying how to install it."""
     require_strace()
-    server = Zygote(tmp_path_factory.mktemp('zygote'))
-    server.warm_up()
-    yield server
-    server.close()
 
 
 def traced_run(zygote, folder, nproc, reference):
@@ -243,37 +242,52 @@ def store(s3_endpoint, tmp_path_factory):
         proxy.cut()
 
 
-@pytest.fixture(scope='module')
-def upload_plan(zygote, one_process, store, tmp_path_factory):
-    """The requests of one upload, from an uninterrupted launch through the proxy."""
+def traced_upload(zygote, store, folder, nproc, reference):
+    """The requests of one upload, from an uninterrupted launch through the
+    proxy: the crash points of an upload in ``nproc`` process(es)."""
     bucket, proxy = store
-    folder = tmp_path_factory.mktemp('crash-upload')
     counter = KillAtRequest(folder / 'pid-dry-rank0', skip=1)
     proxy.on_request = counter
     try:
-        zygote.launch('upload_killable.py', folder, f's3://{bucket}/dry', 'dry',
-                      AWS_ENDPOINT_URL=proxy.endpoint).check()
+        zygote.launch('upload_killable.py', folder, f's3://{bucket}/dry{nproc}', 'dry',
+                      nproc=nproc, AWS_ENDPOINT_URL=proxy.endpoint).check()
     finally:
         proxy.on_request = None
-    reference = one_process[0]
     assert_identical(final_state(reference, 'ref'), final_state(folder, 'dry'))
-    return upload_points(counter.counted, 'dry')
+    return upload_points(counter.counted, f'dry{nproc}')
 
 
-def upload_crash_at(zygote, point, store, folder, reference):
-    """Kill the job once the store did request ``point``, relaunch, check."""
+@pytest.fixture(scope='module')
+def upload_plan(zygote, one_process, store, tmp_path_factory):
+    """The crash points of an upload in 1 process."""
+    return traced_upload(zygote, store, tmp_path_factory.mktemp('crash-upload'), 1,
+                         one_process[0])
+
+
+@pytest.fixture(scope='module')
+def upload_plan_2(zygote, reference, store, tmp_path_factory):
+    """The crash points of an upload in 2 processes: rank 0 uploads every
+    rank's files (the staging folder is the machine's)."""
+    return traced_upload(zygote, store, tmp_path_factory.mktemp('crash-upload-2proc'), 2,
+                         reference)
+
+
+def upload_crash_at(zygote, point, store, folder, reference, nproc):
+    """Kill the job (rank 0, the uploader) once the store did request
+    ``point``, relaunch, check."""
     (number, what, committed), (bucket, proxy) = point, store
-    url = f's3://{bucket}/point{number}'
-    where = f"crash point {number} of an upload: {what}"
+    url = f's3://{bucket}/point{number}-{nproc}proc'
+    where = f"crash point {number} of an upload in {nproc} process(es): {what}"
     killer = KillAtRequest(folder / 'pid-killed-rank0', skip=1, number=number)
     proxy.on_request = killer
     try:
-        result = zygote.launch('upload_killable.py', folder, url, 'killed',
+        result = zygote.launch('upload_killable.py', folder, url, 'killed', nproc=nproc,
                                AWS_ENDPOINT_URL=proxy.endpoint)
     finally:
         proxy.on_request = None
-    assert killer.fired and result.returncodes == [-9], f"{where}: did not fire\n{result.report()}"
-    assert request_what(killer.fired, f'point{number}', 'epoch-0002') == what, \
+    assert killer.fired and result.returncodes[0] == -9, \
+        f"{where}: did not fire\n{result.report()}"
+    assert request_what(killer.fired, f'point{number}-{nproc}proc', 'epoch-0002') == what, \
         (where, killer.fired)
     storage = RemoteStorage(url)
     assert committed in storage.committed() and storage.check(committed)[1] is None, \
@@ -281,19 +295,21 @@ def upload_crash_at(zygote, point, store, folder, reference):
     expected, _ = expected_resume(url)
     # the relaunch may finish the cut upload: never older than what was committed
     assert expected in (storage.url(committed), storage.url('epoch-0002')), (where, expected)
-    zygote.launch('upload_killable.py', folder, url, 'relaunch').check()
-    outcome = read_json(folder / 'relaunch-rank0.json')
-    assert (outcome['error'], outcome['loaded_from']) == (None, expected), (where, outcome)
+    zygote.launch('upload_killable.py', folder, url, 'relaunch', nproc=nproc).check()
+    for rank in range(nproc):
+        outcome = read_json(folder / f'relaunch-rank{rank}.json')
+        assert (outcome['error'], outcome['loaded_from'], outcome['num_processes']) == (
+            None, expected, nproc), (where, rank, outcome)
     assert_identical(final_state(reference, 'ref'), final_state(folder, 'relaunch'))
     assert RemoteStorage(url).committed()[-1] == 'epoch-0003', where
     assert leftovers(url) == [], where
 
 
-def enumerate_requests(zygote, points, store, reference, tmp_path):
+def enumerate_requests(zygote, points, store, reference, tmp_path, nproc):
     for point in points:
         folder = tmp_path / f'request{point[0]}'
         folder.mkdir()
-        upload_crash_at(zygote, point, store, folder, reference)
+        upload_crash_at(zygote, point, store, folder, reference, nproc)
     return len(points)
 
 
@@ -303,7 +319,7 @@ def test_subset_of_the_requests_of_an_upload(zygote, one_process, store, upload_
     # a file, the pointer, a removal of the retired checkpoint
     chosen = [rng.choice([p for p in upload_plan if p[1].startswith(prefix)])
               for prefix in ('PUT epoch-0002/<file>', 'PUT latest.json', 'DELETE')]
-    done = enumerate_requests(zygote, chosen, store, one_process[0], tmp_path)
+    done = enumerate_requests(zygote, chosen, store, one_process[0], tmp_path, 1)
     record_property('summary', f'crash points of an upload, 1 process: {done} of '
                                f'{len(upload_plan)} requests killed (seeded subset); every '
                                'relaunch bit-identical, no committed checkpoint lost')
@@ -312,7 +328,27 @@ def test_subset_of_the_requests_of_an_upload(zygote, one_process, store, upload_
 @pytest.mark.crash
 def test_every_request_of_an_upload(zygote, one_process, store, upload_plan, tmp_path,
                                     record_property):
-    done = enumerate_requests(zygote, upload_plan, store, one_process[0], tmp_path)
+    done = enumerate_requests(zygote, upload_plan, store, one_process[0], tmp_path, 1)
     record_property('summary', f'crash points of an upload, 1 process: {done} requests '
                                f'killed ({", ".join(p[1] for p in upload_plan)}); every '
                                'relaunch bit-identical, no committed checkpoint lost')
+
+
+def test_subset_of_the_requests_of_an_upload_in_2_processes(
+        zygote, reference, store, upload_plan_2, tmp_path, record_property):
+    # the kinds of request are covered in 1 process
+    done = enumerate_requests(zygote, one_point(upload_plan_2), store, reference, tmp_path, 2)
+    record_property('summary', f'crash points of an upload, 2 processes: {done} of '
+                               f'{len(upload_plan_2)} requests killed (seeded subset); every '
+                               'relaunch bit-identical on both ranks, no committed checkpoint '
+                               'lost')
+
+
+@pytest.mark.crash
+def test_every_request_of_an_upload_in_2_processes(zygote, reference, store, upload_plan_2,
+                                                   tmp_path, record_property):
+    done = enumerate_requests(zygote, upload_plan_2, store, reference, tmp_path, 2)
+    record_property('summary', f'crash points of an upload, 2 processes: {done} requests '
+                               f'killed ({", ".join(p[1] for p in upload_plan_2)}); every '
+                               'relaunch bit-identical on both ranks, no committed checkpoint '
+                               'lost')

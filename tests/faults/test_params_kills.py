@@ -7,7 +7,8 @@ before and after the journal, before and after each move, inside a file and
 at batch ends). Each launch must load what the killed one left without an
 error, and what it loads (history, parameters, optimizer state) must be
 exactly what one save wrote: never the params of one epoch beside the
-optimizer or history of another.
+optimizer or history of another. The launches go through the fork server of
+tests/faults/conftest.py.
 """
 
 import json
@@ -15,7 +16,6 @@ import random
 
 import pytest
 
-from faultsuite import run_job
 from params_killable import PARAMS_POINTS
 from skorch_accel_callbacks.format._atomic import TEMP_MARK
 from testutil import read_json
@@ -23,7 +23,7 @@ from testutil import read_json
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 
-def test_params_checkpoint_kills_load_one_whole_save(tmp_path, record_property):
+def test_params_checkpoint_kills_load_one_whole_save(zygote, tmp_path, record_property):
     rng = random.Random(0)
     points = list(PARAMS_POINTS)
     rng.shuffle(points)
@@ -35,8 +35,8 @@ def test_params_checkpoint_kills_load_one_whole_save(tmp_path, record_property):
         if point is not None:
             who = rng.randrange(2) if point.startswith('batch') else 0
             env['KILL'] = f'{rng.randint(1, 2)}:{point}:{who}'
-        result = run_job('params_killable.py', tmp_path, ckpt, tag, grace=1.0, timeout=120,
-                         **env)
+        result = zygote.launch('params_killable.py', tmp_path, ckpt, tag, nproc=2, grace=1.0,
+                               timeout=120, **env)
         assert not result.timed_out, result.report()
         loaded = [read_json(tmp_path / f'loaded-{tag}-rank{r}.json') for r in (0, 1)]
         assert loaded[0] == loaded[1], loaded  # every rank loaded the same

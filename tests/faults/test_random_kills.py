@@ -5,6 +5,7 @@ batch ends and the numbered points inside the save, the commit and the
 retention of the epochs still to train (tests/faults/workers/faultjob.py);
 the process at that point SIGKILLs itself, the launcher kills the other rank
 a second later (as torchrun would), and the same command is launched again
+(through the fork server of tests/faults/conftest.py)
 until a launch trains to the end. Odd-numbered runs save with
 ``async_save=True`` (commit in a writer thread, while the next epoch trains).
 Every drawn kill point must fire: the rank that dies there leaves a marker
@@ -23,7 +24,7 @@ import random
 
 import pytest
 
-from faultsuite import pointed, run_job, sampled
+from faultsuite import pointed, sampled
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.format._manifest import PARTIAL_SUFFIX
@@ -53,7 +54,7 @@ def draw(rng, resumed_epoch):
     return epoch, point, who
 
 
-def one_run(seed, folder, reference, figures):
+def one_run(zygote, seed, folder, reference, figures):
     rng = random.Random(seed)
     ckpt = folder / 'ckpt'
     kills = 0
@@ -67,7 +68,8 @@ def one_run(seed, folder, reference, figures):
         if kills < KILLS_PER_RUN and epoch_done < EPOCHS:
             epoch, point, who = draw(rng, epoch_done)
             env['KILL'] = f'{epoch}:{point}:{who}'
-        result = run_job('killable.py', folder, ckpt, tag, grace=1.0, timeout=120, **env)
+        result = zygote.launch('killable.py', folder, ckpt, tag, nproc=2, grace=1.0,
+                               timeout=120, **env)
         where = f"run {seed}, {tag}, KILL={env.get('KILL')}"
         assert not result.timed_out, f"{where} hung\n{result.report()}"
         started = [folder / f'resumed-{tag}-rank{r}.json' for r in (0, 1)]
@@ -99,14 +101,14 @@ def one_run(seed, folder, reference, figures):
     assert not [name for name in os.listdir(ckpt) if name.endswith(PARTIAL_SUFFIX)]
 
 
-def test_random_kills_lose_nothing(reference, tmp_path, record_property):
+def test_random_kills_lose_nothing(zygote, reference, tmp_path, record_property):
     figures = {'runs': 0, 'kills': 0, 'inside save': 0, 'resumes': 0}
     for seed in range(MAX_RUNS):
         if figures['kills'] >= MIN_KILLS:
             break
         folder = tmp_path / f'run{seed}'
         folder.mkdir()
-        one_run(seed, folder, reference, figures)
+        one_run(zygote, seed, folder, reference, figures)
         figures['runs'] += 1
     record_property('summary', 'random kills: {runs} runs, {kills} kills ({inside save} '
                                'inside a save), {resumes} resumes; every run bit-identical '

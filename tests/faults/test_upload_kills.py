@@ -52,7 +52,7 @@ def draw(rng, done, fired):
     return epoch, rng.choice([point for point in POINTS if point not in seen] or POINTS)
 
 
-def one_run(seed, url, folder, reference, figures):
+def one_run(zygote, seed, url, folder, reference, figures):
     rng = random.Random(seed)
     kills = 0
     for launch_no in range(KILLS_PER_RUN + 1):
@@ -62,7 +62,8 @@ def one_run(seed, url, folder, reference, figures):
         if kills < KILLS_PER_RUN and done < EPOCHS:
             epoch, point = draw(rng, done, figures['fired'])
             env['KILL'] = f'{epoch}:{point}'
-        result = run_job('upload_killable.py', folder, url, tag, nproc=1, timeout=120, **env)
+        result = zygote.launch('upload_killable.py', folder, url, tag, nproc=1, timeout=120,
+                               **env)
         where = f"run {seed}, {tag}, KILL={env.get('KILL')}"
         assert not result.timed_out, f"{where} hung\n{result.report()}"
         started = folder / f'resumed-{tag}-rank0.json'
@@ -97,7 +98,7 @@ def one_run(seed, url, folder, reference, figures):
     assert leftovers(url) == []
 
 
-def test_kills_inside_uploads_lose_nothing(s3_bucket, tmp_path, record_property):
+def test_kills_inside_uploads_lose_nothing(zygote, s3_bucket, tmp_path, record_property):
     reference = tmp_path / 'reference'
     reference.mkdir()
     run_job('upload_killable.py', reference, reference / 'ckpt', 'ref', nproc=1).check()
@@ -107,7 +108,7 @@ def test_kills_inside_uploads_lose_nothing(s3_bucket, tmp_path, record_property)
             break
         folder = tmp_path / f'run{seed}'
         folder.mkdir()
-        one_run(seed, f's3://{s3_bucket}/run{seed}', folder, reference, figures)
+        one_run(zygote, seed, f's3://{s3_bucket}/run{seed}', folder, reference, figures)
         figures['runs'] += 1
     record_property('summary', 'upload kills: {runs} runs, {kills} kills inside uploads, '
                                '{resumes} resumes; every run bit-identical to the '

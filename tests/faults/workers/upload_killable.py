@@ -15,8 +15,9 @@ Environment:
 Every rank writes ``resumed-<TAG>-rank<r>.json`` (the folder it resumed
 from, the number of processes) when its first epoch begins, then
 ``<TAG>-rank<r>.json``: the folder it resumed from, the epochs, the
-optimizer steps it took and the error it ended with (its type and message,
-or None); rank 0 ``<TAG>-rank0.pt`` (final state) when training ends.
+optimizer steps it took, the number of processes and the error it ended
+with (its type and message, or None); rank 0 ``<TAG>-rank0.pt`` (final
+state) when training ends.
 Each epoch begins once the uploads queued before it ended, so that every
 checkpoint is uploaded, one at a time (none is superseded in the queue).
 """
@@ -99,7 +100,8 @@ def main():
                            'steps': CountSteps.steps,
                            'num_processes': net.accelerator.num_processes})
         return
-    faultjob.finish(net, tag, error=None, steps=CountSteps.steps)
+    faultjob.finish(net, tag, error=None, steps=CountSteps.steps,
+                    num_processes=net.accelerator.num_processes)
 
 
 if __name__ == '__main__':
