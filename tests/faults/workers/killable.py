@@ -110,6 +110,17 @@ class Instrument:
         accelerate.checkpointing.save = accelerate_save
         accelerate_io.save = accelerate_save
 
+        # the package writes the optimizer file itself (without CRCs)
+        save_without_crc = accelerate_io._torch_save_without_crc
+
+        def optimizer_save(obj, path):
+            if due('optimizer-half', path):
+                half_written(path, lambda tmp: save_without_crc(obj, tmp))
+                die('optimizer-half')
+            return save_without_crc(obj, path)
+
+        accelerate_io._torch_save_without_crc = optimizer_save
+
         torch_save = torch.save
 
         def rng_save(obj, f, *args, **kwargs):
