@@ -3,10 +3,12 @@
 Each seeded trial launches the resume job (tests/workers/resume.py) with
 ``every_n_steps=3``, SIGKILLs every rank when a drawn batch of a drawn epoch
 begins (after the batch before, and its checkpoint, ended), and launches the
-same command again. The trial passes when the kill fired (each rank left a
-marker just before its SIGKILL), the relaunch resumed from a checkpoint
-fewer than 3 steps behind the kill, and it ended bit-identical to the
-uninterrupted run. Trials alternate between 1 and 2 processes.
+same command again (both through the fork server of
+tests/faults/conftest.py; the references are launches of their own). The
+trial passes when the kill fired (each rank left a marker just before its
+SIGKILL), the relaunch resumed from a checkpoint fewer than 3 steps behind
+the kill, and it ended bit-identical to the uninterrupted run. Trials
+alternate between 1 and 2 processes.
 """
 
 import os
@@ -38,18 +40,25 @@ def references(tmp_path_factory):
     return folder
 
 
-def one_trial(seed, folder, references):
+def forked_run(zygote, folder, tag, nproc, **env):
+    """A launch of the resume job through the fork server."""
+    return zygote.launch('resume.py', folder, folder / 'ckpt', tag, nproc=nproc, timeout=180,
+                         grace=10.0, **env)
+
+
+def one_trial(zygote, seed, folder, references):
     rng = random.Random(seed)
     nproc = 1 + seed % 2
     epoch, batch = rng.randint(1, EPOCHS), rng.randint(1, BATCHES[nproc])
     where = f"trial {seed}: {nproc} process(es), killed as batch {batch} of epoch {epoch} began"
-    killed = run(folder, 'killed', nproc, expect_ok=False, CKPT_OPTIONS=OPTIONS,
-                 KILL=f'before:{epoch}:{batch}')
+    killed = forked_run(zygote, folder, 'killed', nproc, CKPT_OPTIONS=OPTIONS,
+                        KILL=f'before:{epoch}:{batch}')
     assert killed.returncodes == [-9] * nproc, f"{where}\n{killed.report()}"
     markers = read_results(folder, 'killed-killed', nproc)
     assert markers == [{'epoch': epoch, 'batch': batch}] * nproc, where
 
-    resumed = run(folder, 'resumed', nproc, CKPT_OPTIONS=OPTIONS)
+    forked_run(zygote, folder, 'resumed', nproc, CKPT_OPTIONS=OPTIONS).check()
+    resumed = read_results(folder, 'resumed', nproc)
     assert [res['num_processes'] for res in resumed] == [nproc] * nproc, where
     trained = (epoch - 1) * BATCHES[nproc] + batch - 1
     loaded = resumed[0]['loaded_from']
@@ -64,12 +73,12 @@ def one_trial(seed, folder, references):
 
 
 def test_random_kills_inside_epochs_lose_less_than_a_save_interval(
-        references, tmp_path, record_property):
+        zygote, references, tmp_path, record_property):
     redone, inside = [], 0
     for seed in range(TRIALS):
         folder = tmp_path / f'trial{seed}'
         folder.mkdir()
-        steps, mid_epoch = one_trial(seed, folder, references)
+        steps, mid_epoch = one_trial(zygote, seed, folder, references)
         redone.append(steps)
         inside += mid_epoch
     # most resumes start inside an epoch
