@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import signal
+import warnings
 
 import pytest
 import torch
@@ -231,3 +232,20 @@ def test_a_resume_inside_an_epoch_names_callbacks_it_cannot_vouch_for(tmp_path):
     assert load.loaded_from_.endswith('epoch-0001-step-00000006')
     # its fitted attribute came back as saved: 6 batches, then the other 6
     assert dict(net.callbacks_)['CountBatches'].seen_ == 12
+
+
+def test_a_resume_inside_an_epoch_vouches_for_gradient_norm_clipping(tmp_path):
+    """GradientNormClipping acts on every batch and holds no state: nothing
+    to warn about (the contract fuzzer saw the warning name it)."""
+    from skorch.callbacks import GradientNormClipping
+    with pytest.raises(RuntimeError, match='crash'):
+        fit(tmp_path / 'ck', callbacks=[CountBatches(fail_at=7), GradientNormClipping(1.0)],
+            every_n_steps=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        _, _, load = fit(tmp_path / 'ck', callbacks=[CountBatches(), GradientNormClipping(1.0)],
+                         every_n_steps=3)
+    assert load.loaded_from_.endswith('epoch-0001-step-00000006')
+    unknown = [str(w.message) for w in caught if 'act on every batch' in str(w.message)]
+    assert len(unknown) == 1 and "'CountBatches'" in unknown[0], unknown
+    assert 'GradientNormClipping' not in unknown[0]

@@ -43,6 +43,7 @@ from skorch.callbacks import (
     Callback,
     EpochScoring,
     EpochTimer,
+    GradientNormClipping,
     LRScheduler,
     PassthroughScoring,
     PrintLog,
@@ -550,9 +551,10 @@ def apply_epoch_caches(
 
 # skorch's callbacks whose state within an epoch a checkpoint holds: their
 # fitted attributes (LRScheduler's batch count and scheduler), EpochScoring's
-# caches, the history's batch rows; or that have none
-_BATCH_STATE_KNOWN = (BatchScoring, EpochScoring, EpochTimer, LRScheduler, PassthroughScoring,
-                      PrintLog, ProgressBar)
+# caches, the history's batch rows; or that have none (GradientNormClipping:
+# its settings only, which the checkpoint records)
+_BATCH_STATE_KNOWN = (BatchScoring, EpochScoring, EpochTimer, GradientNormClipping,
+                      LRScheduler, PassthroughScoring, PrintLog, ProgressBar)
 
 
 def unknown_batch_state(net: NeuralNet, own: Iterable[type[Callback]] = ()) -> list[str]:
