@@ -79,3 +79,19 @@ def test_optimizer_files_are_torch_archives_without_crc(tmp_path, name):
     with zipfile.ZipFile(path) as archive:
         records = archive.infolist()
     assert records and {record.CRC for record in records} == {0}
+
+
+def test_an_optimizer_file_that_cannot_be_written_raises_oserror_naming_it(tmp_path):
+    """A full disk (``/dev/full`` answers every write with ENOSPC) gives the
+    OSError that names the file, and the process lives on: torch's archive
+    writer, failing, would abort it when destroyed."""
+    if not os.path.exists('/dev/full'):
+        pytest.skip('needs /dev/full (Linux)')
+    state = {'state': {0: {'exp_avg': torch.randn(256, 256)}}, 'param_groups': []}
+    with pytest.raises(OSError, match='No space left on device') as info:
+        accelerate_io._torch_save_without_crc(state, '/dev/full')
+    assert info.value.filename == '/dev/full'
+    # the process is alive and writes the next file as usual
+    accelerate_io._torch_save_without_crc(state, str(tmp_path / 'optimizer.bin'))
+    assert torch.equal(torch.load(tmp_path / 'optimizer.bin', weights_only=True)[
+        'state'][0]['exp_avg'], state['state'][0]['exp_avg'])

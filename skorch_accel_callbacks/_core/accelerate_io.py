@@ -347,18 +347,19 @@ def save_state(
     """Write what ``Accelerator.save_state`` writes into ``folder``.
 
     Under FSDP2 by ``save_state`` itself (its shards go through
-    torch.distributed.checkpoint); for one process and DDP in the two steps
-    of :func:`save_state_in_two` and :func:`write_large_state`, from the
-    live tensors, which write the optimizer files without the zip records'
-    CRC-32.
+    torch.distributed.checkpoint); for one process and DDP as it does, in
+    its order (models, optimizers, then the small files), from the live
+    tensors, with the optimizer files written by :func:`write_large_state`,
+    without the zip records' CRC-32.
     """
     if is_fsdp2(accelerator):
         accelerator.save_state(folder, safe_serialization=safe_serialization)
         return
     os.makedirs(folder, exist_ok=True)  # as save_state does, on every rank
-    model_states, optimizer_states = save_state_in_two(accelerator, folder, safe_serialization)
+    model_states, optimizer_states = _large_states(accelerator, folder)
     write_large_state(folder, model_states, optimizer_states, save_on_each_node(accelerator),
                       safe_serialization)
+    _save_small_files(accelerator, folder, safe_serialization)
 
 
 def load_state(accelerator: Accelerator, folder: str | os.PathLike) -> None:
@@ -449,11 +450,29 @@ def save_state_in_two(
     states written now are those of now.
     """
     check_plain_state(accelerator, 'a save in two steps', async_save=True)
+    states = _large_states(accelerator, folder)
+    _save_small_files(accelerator, folder, safe_serialization)
+    return states
+
+
+def _large_states(
+        accelerator: Accelerator, folder: str | os.PathLike,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The model and optimizer state dicts ``save_state`` writes, after its
+    pre-hooks (which may edit the model states)."""
     model_states = [accelerator.get_state_dict(model, unwrap=False)
                     for model in accelerator._models]
     optimizer_states = [optimizer.state_dict() for optimizer in accelerator._optimizers]
     for hook in accelerator._save_model_state_pre_hook.values():
         hook(accelerator._models, model_states, folder)
+    return model_states, optimizer_states
+
+
+def _save_small_files(
+        accelerator: Accelerator, folder: str | os.PathLike, safe_serialization: bool,
+) -> None:
+    """``save_state``'s other files: schedulers, samplers, random states,
+    custom objects; and its count of saves."""
     each_node = save_on_each_node(accelerator)
     save_accelerator_state(
         folder, [], [], accelerator._schedulers, accelerator._dataloaders,
@@ -462,7 +481,6 @@ def save_state_in_two(
     for i, obj in enumerate(accelerator._custom_objects):
         save_custom_state(obj, folder, i, save_on_each_node=each_node)
     accelerator.project_configuration.iteration += 1
-    return model_states, optimizer_states
 
 
 def write_large_state(
@@ -495,20 +513,46 @@ def _torch_save_without_crc(obj: Any, path: str) -> None:
     the manifest's checksum of the file is what a resume checks. That switch
     is process-wide, and another thread's ``torch.save`` would lose its CRCs
     too: the writer is made here, for this file alone.
+
+    Raises ``OSError`` (a full disk: ``ENOSPC``, naming the file) where
+    ``torch.save`` raises torch's own error, or aborts the process: its
+    archive writer that failed to write finishes the archive again when it
+    is destroyed, and terminates the process when that fails too.
     """
     alignment = torch.serialization._get_storage_alignment()
-    try:
-        path.encode('ascii')
-    except UnicodeEncodeError:
-        # torch's file writer takes ASCII names; torch.save writes others
-        # through a Python file, as here
-        with open(path, 'wb') as stream:
-            _write_torch_archive(obj, torch._C.PyTorchFileWriter(stream, False, alignment))
-        return
-    _write_torch_archive(obj, torch._C.PyTorchFileWriter(path, False, alignment))
+    with open(path, 'wb', buffering=0) as stream:
+        sink = _ArchiveSink(stream)
+        writer = torch._C.PyTorchFileWriter(sink, False, alignment)
+        try:
+            torch.serialization._save(obj, writer, pickle,
+                                      torch.serialization.DEFAULT_PROTOCOL,
+                                      _disable_byteorder_record=False)
+            writer.write_end_of_file()
+        finally:
+            # destroyed while its file is open: one that failed finishes
+            # its archive into the sink here, not later into a closed file
+            del writer
+    if sink.error is not None:
+        raise OSError(sink.error.errno, sink.error.strerror, path) from sink.error
 
 
-def _write_torch_archive(obj: Any, writer: Any) -> None:
-    torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL,
-                              _disable_byteorder_record=False)
-    writer.write_end_of_file()
+class _ArchiveSink:
+    """The file torch's archive writer writes into: every byte written (a
+    short write goes on), and after the first error nothing more, each write
+    answered as done, so that torch's writer never fails (see
+    :func:`_torch_save_without_crc`); ``error`` is that first error."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast('B')
+        if self.error is None:
+            try:
+                done = 0
+                while done < len(view):
+                    done += self.stream.write(view[done:])
+            except OSError as error:
+                self.error = error
+        return len(view)
