@@ -13,6 +13,7 @@ import pytest
 from skorch.callbacks import Callback
 
 from checkpointed import fit
+from common import UploadsEnded
 from skorch_accel_callbacks import StoreUnavailableError
 from skorch_accel_callbacks.storage._transfer import S3_CLIENT_DEFAULTS, client_options
 
@@ -56,9 +57,13 @@ def test_every_request_of_an_upload_rides_out_a_10_s_outage(s3_bucket, network, 
     url = f's3://{s3_bucket}/run'
     network.cut_on = REQUESTS[request_cut]
     restoring = back_after_outage(network)
+    # each epoch begins once the uploads before it ended: a save due while
+    # one waits would supersede it, and epoch 2's requests might never go out
+    uploaded = UploadsEnded(epochs=range(1, 4), timeout=120)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
-        _, cp, _ = fit(url, max_epochs=3, keep_last=1, storage_options=through(network))
+        _, cp, _ = fit(url, max_epochs=3, callbacks=[uploaded], keep_last=1,
+                       storage_options=through(network))
     restoring.join()
     assert network.fired.is_set(), f"the {request_cut} request was never cut"
     retried = [str(w.message) for w in caught if 'sending it again' in str(w.message)]
