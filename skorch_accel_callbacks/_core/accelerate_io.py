@@ -520,27 +520,37 @@ def _torch_save_without_crc(obj: Any, path: str) -> None:
     is destroyed, and terminates the process when that fails too.
     """
     alignment = torch.serialization._get_storage_alignment()
-    with open(path, 'wb', buffering=0) as stream:
-        sink = _ArchiveSink(stream)
-        writer = torch._C.PyTorchFileWriter(sink, False, alignment)
-        try:
-            torch.serialization._save(obj, writer, pickle,
-                                      torch.serialization.DEFAULT_PROTOCOL,
-                                      _disable_byteorder_record=False)
-            writer.write_end_of_file()
-        finally:
-            # destroyed while its file is open: one that failed finishes
-            # its archive into the sink here, not later into a closed file
-            del writer
+    try:
+        with open(path, 'wb') as stream:
+            _write_archive(obj, stream, alignment)
+    except OSError as error:
+        # the last of the buffer, written at close, names no file
+        raise OSError(error.errno, error.strerror, path) from error
+
+
+def _write_archive(obj: Any, stream: Any, alignment: int) -> None:
+    """torch's archive of ``obj`` written into the open file ``stream``."""
+    sink = _ArchiveSink(stream)
+    writer = torch._C.PyTorchFileWriter(sink, False, alignment)
+    try:
+        torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL,
+                                  _disable_byteorder_record=False)
+        writer.write_end_of_file()
+    finally:
+        # destroyed while its file is open: one that failed finishes its
+        # archive into the sink here, not later into a closed file
+        del writer
     if sink.error is not None:
-        raise OSError(sink.error.errno, sink.error.strerror, path) from sink.error
+        raise sink.error
 
 
 class _ArchiveSink:
     """The file torch's archive writer writes into: every byte written (a
     short write goes on), and after the first error nothing more, each write
     answered as done, so that torch's writer never fails (see
-    :func:`_torch_save_without_crc`); ``error`` is that first error."""
+    :func:`_torch_save_without_crc`); ``error`` is that first error. The
+    file is buffered, as torch's own file is: the crash-point suite's plan
+    of a save (its write calls) stays what it was."""
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
