@@ -29,7 +29,7 @@ demo-s3: $(STAMP)
 	$(PY) examples/resume_demo.py --store s3 --out runs/demo-s3
 
 test: $(STAMP)
-	@echo "make test: about 26 minutes on 2 cores; at the start the fault suites print nothing for minutes"
+	@echo "make test: about 25 minutes on 2 cores; at the start the fault suites print nothing for minutes"
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not crash" tests
 
 test-quick: $(STAMP)
