@@ -2,14 +2,15 @@
 
 The package needs more of an ``Accelerator`` than its public API gives: the
 registries of prepared models, optimizers and loaders, accelerate's file
-names, and the body of ``Accelerator.save_state`` split in two for saves in
-the background (the small files now, the model and optimizer files later),
-with the optimizer files written by torch's own archive writer, without
-CRC-32 (``torch.serialization._save``, the one use of torch's internals).
-Tested against accelerate 1.15 and torch 2.13; ``tests/test_accelerate_io.py`` checks that
-a save through :func:`save_state_in_two` writes the same files with the same
-contents as ``Accelerator.save_state``, so an accelerate upgrade that moves
-these internals fails one obvious test.
+names, and the body of ``Accelerator.save_state``, run here (and split in
+two for saves in the background: the small files now, the model and
+optimizer files later), with the optimizer files written by torch's own
+archive writer without CRC-32 (``torch.serialization._save``, the one use
+of torch's internals). Tested against accelerate 1.15 and torch 2.13;
+``tests/test_accelerate_io.py`` checks that a save through
+:func:`save_state` writes the same files with the same contents as
+``Accelerator.save_state``, so an accelerate upgrade that moves these
+internals fails one obvious test.
 """
 
 from __future__ import annotations
@@ -355,6 +356,7 @@ def save_state(
     if is_fsdp2(accelerator):
         accelerator.save_state(folder, safe_serialization=safe_serialization)
         return
+    check_plain_state(accelerator, 'a save')
     os.makedirs(folder, exist_ok=True)  # as save_state does, on every rank
     model_states, optimizer_states = _large_states(accelerator, folder)
     write_large_state(folder, model_states, optimizer_states, save_on_each_node(accelerator),
