@@ -70,9 +70,9 @@ class MemoryStorage(CheckpointStorage):
     def start(self, name):
         return self.staging.start(name)
 
-    def commit(self, name, sealed, durable, best, started=None):
+    def commit(self, name, sealed, durable, best, started=None, early=None):
         written = self.staging.commit(name, sealed, durable=durable, best=best,
-                                      started=started)
+                                      started=started, early=early)
         local = self.staging.path(name)
         for rel in written['files']:
             self.fs.put_file(os.path.join(local, rel), self._at(name, rel))

@@ -164,9 +164,9 @@ class RecordingStorage(CheckpointFolder):
         self.calls.append(('start', name))
         return super().start(name)
 
-    def commit(self, name, content, durable, best, started=None):
+    def commit(self, name, content, durable, best, started=None, early=None):
         self.calls.append(('commit', name))
-        return super().commit(name, content, durable, best, started)
+        return super().commit(name, content, durable, best, started, early)
 
 
 def test_a_writer_uses_its_storage_through_the_interface_only(tmp_path, trained):

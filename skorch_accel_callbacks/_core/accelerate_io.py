@@ -344,6 +344,7 @@ def _optimizer_file(index: int) -> str:
 
 def save_state(
         accelerator: Accelerator, folder: str | os.PathLike, safe_serialization: bool,
+        written: Callable[[str], None] | None = None,
 ) -> None:
     """Write what ``Accelerator.save_state`` writes into ``folder``.
 
@@ -351,7 +352,8 @@ def save_state(
     torch.distributed.checkpoint); for one process and DDP as it does, in
     its order (models, optimizers, then the small files), from the live
     tensors, with the optimizer files written by :func:`write_large_state`,
-    without the zip records' CRC-32.
+    without the zip records' CRC-32; ``written`` is called with the path of
+    each of these model and optimizer files as soon as it is complete.
     """
     if is_fsdp2(accelerator):
         accelerator.save_state(folder, safe_serialization=safe_serialization)
@@ -360,7 +362,7 @@ def save_state(
     os.makedirs(folder, exist_ok=True)  # as save_state does, on every rank
     model_states, optimizer_states = _large_states(accelerator, folder)
     write_large_state(folder, model_states, optimizer_states, save_on_each_node(accelerator),
-                      safe_serialization)
+                      safe_serialization, written)
     _save_small_files(accelerator, folder, safe_serialization)
 
 
@@ -491,20 +493,28 @@ def write_large_state(
         optimizer_states: Sequence[dict[str, Any]],
         each_node: bool,
         safe_serialization: bool,
+        written: Callable[[str], None] | None = None,
 ) -> None:
-    """The model and optimizer files of ``save_state``, from state dicts.
+    """The model and optimizer files of ``save_state``, from state dicts;
+    ``written`` is called with each one's path as soon as it is complete.
 
     Runs on any thread: it touches no accelerator and runs no collective.
     The optimizer files are ``torch.save``'s archives without the CRC-32 of
     their records (see :func:`_torch_save_without_crc`).
     """
-    for i, state in enumerate(model_states):
-        save(state, f"{folder}/{model_file(i, safe_serialization)}",
-             save_on_each_node=each_node, safe_serialization=safe_serialization)
+    # accelerate's ``save`` rule, which writes the model files on these only
     writes = PartialState().is_local_main_process if each_node else PartialState().is_main_process
-    if writes:  # accelerate's ``save`` rule
+    for i, state in enumerate(model_states):
+        path = f"{folder}/{model_file(i, safe_serialization)}"
+        save(state, path, save_on_each_node=each_node, safe_serialization=safe_serialization)
+        if writes and written is not None:
+            written(path)
+    if writes:
         for i, state in enumerate(optimizer_states):
-            _torch_save_without_crc(state, f"{folder}/{_optimizer_file(i)}")
+            path = f"{folder}/{_optimizer_file(i)}"
+            _torch_save_without_crc(state, path)
+            if written is not None:
+                written(path)
 
 
 def _torch_save_without_crc(obj: Any, path: str) -> None:

@@ -13,6 +13,7 @@ thread would interleave with the collectives of training.
 """
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -42,10 +43,12 @@ class Staged:
     save_on_each_node: bool
     safe_serialization: bool
 
-    def write(self, folder: str) -> None:
-        """Write the model and optimizer files into ``folder``; on any thread."""
+    def write(self, folder: str, written: Callable[[str], None] | None = None) -> None:
+        """Write the model and optimizer files into ``folder``, calling
+        ``written`` with each one's path once complete; on any thread."""
         accelerate_io.write_large_state(folder, self.models, self.optimizers,
-                                        self.save_on_each_node, self.safe_serialization)
+                                        self.save_on_each_node, self.safe_serialization,
+                                        written)
 
 
 class HostStager:

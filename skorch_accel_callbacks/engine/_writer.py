@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -28,7 +29,7 @@ from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.base import format_bytes, say
 from skorch_accel_callbacks._core.wrapping import own_registries
 from skorch_accel_callbacks.engine._stager import HostStager, Staged
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest
 from skorch_accel_callbacks.state import (
     _compat as compat,
     _epoch_position as epoch_position,
@@ -172,12 +173,13 @@ class SyncWriter:
 
     def save(self, net: Any, request: SaveRequest) -> SaveReport:
         started = time.monotonic()
-        content = self.stage(net, request).content
-        path = self.storage.url(request.name)
-        report = None
-        with sync.agree(net, f"committing checkpoint {path}"):
-            if content is not None:
-                report = self.commit(request, content, started)
+        with _early_flush(self.durable) as early:
+            content = self.stage(net, request, early=early).content
+            path = self.storage.url(request.name)
+            report = None
+            with sync.agree(net, f"committing checkpoint {path}"):
+                if content is not None:
+                    report = self.commit(request, content, started, early)
         return report or SaveReport(path, request.finished)
 
     def wait(self, net: Any, before_save: bool = False) -> None:
@@ -196,13 +198,16 @@ class SyncWriter:
     def close(self) -> None:
         self.storage.wait()
 
-    def stage(self, net: Any, request: SaveRequest,
-              stager: HostStager | None = None) -> StagedSave:
+    def stage(self, net: Any, request: SaveRequest, stager: HostStager | None = None,
+              early: atomic.EarlyFlush | None = None) -> StagedSave:
         """Write every rank's files of ``request`` into the storage's partial
         place; the manifest's content is returned on the committing process.
 
         With a ``stager``, the model and optimizer states are copied into
         host memory instead of written (the rest of ``save_state`` is).
+        With ``early``, each model and optimizer file written begins to be
+        flushed to disk at once; the committing process's seal waits for
+        it (:meth:`commit`), any other process before it agrees.
 
         The history, the callbacks' states and (under FSDP2) the buffers
         exist per rank: the ranks compare digests of them first; what every
@@ -220,7 +225,8 @@ class SyncWriter:
         with sync.agree(net, f"writing checkpoint {partial}"), own_registries(net):
             large = None
             if stager is None:
-                accelerate_io.save_state(net.accelerator, partial, self.safe_serialization)
+                accelerate_io.save_state(net.accelerator, partial, self.safe_serialization,
+                                         None if early is None else early.begin)
             else:
                 large = stager.stage(net.accelerator, partial, self.safe_serialization,
                                      committer)
@@ -232,19 +238,23 @@ class SyncWriter:
                                              request.batches)
                 training_state.save_epoch_caches(partial, rank, net)
             if not committer:
+                if early is not None:
+                    early.wait()  # its failure fails the save on every rank
                 return StagedSave(None, large)
             return StagedSave(_manifest.with_per_rank(compat.build_manifest(
                 net, request.name, request.best, request.finished, request.stopped_early,
                 request.data, request.position(), request.train_loader), per_rank), large)
 
-    def commit(self, request: SaveRequest, content: dict, started: float) -> SaveReport:
-        """Commit the staged checkpoint of ``request`` and retire old ones.
+    def commit(self, request: SaveRequest, content: dict, started: float,
+               early: atomic.EarlyFlush | None = None) -> SaveReport:
+        """Commit the staged checkpoint of ``request`` and retire old ones;
+        ``early``: the fsyncs begun as its files were written.
 
         Runs on the committing process only; it touches no net and runs no
         collective, so it runs in the background too.
         """
         written = self.storage.commit(request.name, content, durable=self.durable,
-                                      best=request.best, started=started)
+                                      best=request.best, started=started, early=early)
         self.storage.retire(self.retention.keep_last, self.retention.keep_best,
                             keep=request.keep)
         return SaveReport(self.storage.url(request.name), request.finished,
@@ -306,9 +316,11 @@ class BackgroundWriter:
 
     def _write_and_commit(self, request: SaveRequest, content: dict,
                           staged: Staged | None, started: float) -> SaveReport:
-        if staged is not None:
-            staged.write(self.storage.partial_path(request.name))
-        return self.writer.commit(request, content, started)
+        with _early_flush(self.writer.durable) as early:
+            if staged is not None:
+                staged.write(self.storage.partial_path(request.name),
+                             None if early is None else early.begin)
+            return self.writer.commit(request, content, started, early)
 
     def wait(self, net: Any, before_save: bool = False) -> SaveReport | None:
         report, future = self._in_flight or (None, None)
@@ -340,6 +352,13 @@ class BackgroundWriter:
             self._stager.free()
             self.storage.wait()
 
+
+
+def _early_flush(durable: bool) -> AbstractContextManager[atomic.EarlyFlush | None]:
+    """The fsyncs of a save's large files begun as each is written, for a
+    durable save (:class:`~skorch_accel_callbacks.format._atomic.EarlyFlush`);
+    None for another."""
+    return atomic.EarlyFlush() if durable else nullcontext()
 
 
 def _wait_for_storage(storage: CheckpointStorage, before_save: bool) -> str | None:

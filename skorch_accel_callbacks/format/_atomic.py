@@ -22,13 +22,14 @@ import shutil
 import threading
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
 __all__ = [
     'DISCARD_MARK',
+    'EarlyFlush',
     'StagedFiles',
     'TEMP_MARK',
     'atomic_path',
@@ -147,24 +148,83 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_file(path: str) -> None:
+def _fsync_file(path: str, flush: Callable[[int], None] = os.fsync) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        flush(fd)
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, path) from error
     finally:
         os.close(fd)
 
 
-def fsync_files(paths: Sequence[str]) -> None:
+def fsync_files(paths: Sequence[str], early: EarlyFlush | None = None) -> None:
     """Flush files to disk, in parallel: one slow fsync (the model file)
-    does not hold up the others, and the disk gets several requests at once."""
+    does not hold up the others, and the disk gets several requests at once.
+
+    With ``early``, the fsyncs it began as the files were written are
+    waited for too, and the first of their failures raised.
+    """
     if len(paths) < 2:
         for path in paths:
             _fsync_file(path)
-        return
-    with ThreadPoolExecutor(max_workers=min(8, len(paths))) as pool:
-        # list() re-raises the first failure
-        list(pool.map(_fsync_file, paths))
+    else:
+        with ThreadPoolExecutor(max_workers=min(8, len(paths))) as pool:
+            # list() re-raises the first failure
+            list(pool.map(_fsync_file, paths))
+    if early is not None:
+        early.wait()
+
+
+class EarlyFlush:
+    """The data of each large file of a save flushed to disk as soon as the
+    file is complete (``fdatasync``, in threads), so that the disk writes
+    the model file back while the optimizer's is still being serialized,
+    rather than all of them after the last (benchmarks/RESULTS.rst).
+
+    A head start only: the seal fsyncs every file again
+    (:func:`fsync_files`), after the file's mode was set, which waits for
+    the writeback begun here. What it cannot do is report an error of this
+    one: Linux reports a failed writeback to the first flush after it only
+    (the error is then marked seen), so :meth:`wait` raises the first
+    failure of these. :meth:`close` (or the end of a ``with`` block) waits
+    for them without raising, when the save failed anyway.
+
+    Examples
+    --------
+    >>> import os
+    >>> from skorch_accel_callbacks.format._atomic import EarlyFlush, fsync_files
+    >>> with open('model.bin', 'wb') as f:
+    ...     _ = f.write(bytes(1024))
+    >>> with EarlyFlush() as early:
+    ...     early.begin('model.bin')  # as soon as the file is complete
+    ...     fsync_files(['model.bin'], early)  # the seal: all files, and the early ones' errors
+    >>> os.remove('model.bin')
+
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix='checkpoint-fsync')
+        self._begun: list[Future] = []
+
+    def __enter__(self) -> EarlyFlush:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def begin(self, path: str | os.PathLike) -> None:
+        """Start flushing the complete file ``path`` to disk."""
+        self._begun.append(self._pool.submit(_fsync_file, os.fspath(path), os.fdatasync))
+
+    def wait(self) -> None:
+        """Wait for every fsync begun; raise the first failure."""
+        for future in self._begun:
+            future.result()
+
+    def close(self) -> None:
+        """Wait for every fsync begun, raising nothing."""
+        self._pool.shutdown(wait=True)
 
 
 @contextmanager

@@ -242,10 +242,14 @@ def _file_sizes(folder: str) -> dict[str, int]:
 
 
 def write(folder: str, content: dict[str, Any], durable: bool,
-          started: float | None = None) -> dict[str, Any]:
+          started: float | None = None,
+          early: atomic.EarlyFlush | None = None) -> dict[str, Any]:
     """Seal ``folder``: flush its files (if ``durable``), then write the
     manifest ``content`` listing each file with its size and checksum,
     atomically; return what was written.
+
+    ``early``: the fsyncs begun while the files were written, waited for
+    (their first failure raised) before the manifest is written.
 
     ``files``, ``checksums`` (:func:`checksum_file` of each listed file),
     ``bytes`` (the total size of the files) and ``saved_at`` (UTC, ISO
@@ -261,7 +265,8 @@ def write(folder: str, content: dict[str, Any], durable: bool,
     # while the fsyncs wait for the disk, which costs the save little of
     # the time that reading them after the fsyncs would
     with ThreadPoolExecutor(max_workers=1) as pool:
-        flushed = pool.submit(atomic.fsync_files, list(paths.values())) if durable else None
+        flushed = (pool.submit(atomic.fsync_files, list(paths.values()), early)
+                   if durable else None)
         checksums = {rel: checksum_file(path) for rel, path in paths.items()}
         if flushed is not None:
             flushed.result()

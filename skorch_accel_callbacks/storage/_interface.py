@@ -42,7 +42,7 @@ from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import _atomic as atomic, _manifest
 
 __all__ = ['CheckpointStorage', 'Found', 'is_committer', 'retained']
 
@@ -116,9 +116,12 @@ class CheckpointStorage(abc.ABC):
 
     @abc.abstractmethod
     def commit(self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
-               started: float | None = None) -> dict[str, Any]:
+               started: float | None = None,
+               early: atomic.EarlyFlush | None = None) -> dict[str, Any]:
         """Seal and commit checkpoint ``name`` and point ``latest.json`` (and
-        ``best.json`` if ``best``) at it; return the manifest written."""
+        ``best.json`` if ``best``) at it; return the manifest written.
+        ``early``: the fsyncs begun as its files were written, which the
+        seal waits for (:func:`~skorch_accel_callbacks.format._manifest.write`)."""
 
     @abc.abstractmethod
     def wait(self) -> str | None:

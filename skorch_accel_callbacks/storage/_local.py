@@ -201,14 +201,16 @@ class CheckpointFolder(CheckpointStorage):
         return partial
 
     def commit(self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
-               started: float | None = None) -> dict[str, Any]:
+               started: float | None = None,
+               early: atomic.EarlyFlush | None = None) -> dict[str, Any]:
         """Give the files and folders in the partial folder of ``name`` the
         modes a plain ``open`` and ``mkdir`` give (:func:`atomic.plain_modes`),
         seal it with the manifest ``sealed``, rename it into place and point
         ``latest.json`` (and ``best.json`` if ``best``) at it; return the
         manifest written. ``started``: when the save began
         (:func:`time.monotonic`), for the manifest's ``save_seconds``
-        (:func:`~skorch_accel_callbacks.format._manifest.write`).
+        (:func:`~skorch_accel_callbacks.format._manifest.write`); ``early``:
+        the fsyncs begun as the files were written, which the seal waits for.
 
         Runs on the committing process, in the background with
         ``async_save``: it touches no net and runs no collective.
@@ -217,7 +219,8 @@ class CheckpointFolder(CheckpointStorage):
         # before the manifest flushes them: their writers (safetensors)
         # may have made them private
         atomic.give_plain_modes(partial)
-        written = _manifest.write(partial, sealed, durable=durable, started=started)
+        written = _manifest.write(partial, sealed, durable=durable, started=started,
+                                  early=early)
         replaced = atomic.replace_folder(partial, self.path(name))
         if replaced is not None:
             self._removals.append(replaced)

@@ -291,11 +291,12 @@ class RemoteStorage(CheckpointStorage):
         return self.staging.start(name)
 
     def commit(self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
-               started: float | None = None) -> dict[str, Any]:
+               started: float | None = None,
+               early: atomic.EarlyFlush | None = None) -> dict[str, Any]:
         """Commit checkpoint ``name`` into the staging folder and queue its
         upload (:meth:`wait` waits for it); return the manifest written."""
         written = self.staging.commit(name, sealed, durable=durable, best=best,
-                                      started=started)
+                                      started=started, early=early)
         with self._lock:
             self._queue.add(name, best)
             needed = self._queue.busy()

@@ -112,10 +112,10 @@ def kill_inside_save(epoch):
     """SIGKILL the committer after the checkpoint files are written, before commit."""
     original = _manifest.write
 
-    def commit_then_die(folder, sealed, durable, started=None):
+    def commit_then_die(folder, sealed, *args, **kwargs):
         if sealed['epoch'] == epoch:
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(folder, sealed, durable, started)
+        return original(folder, sealed, *args, **kwargs)
 
     _manifest.write = commit_then_die
 
