@@ -12,16 +12,14 @@ one), which the load of a shared machine moves less than single figures.
 """
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_checkpoint import REPO, new_epoch, trained_net
+from bench_checkpoint import REPO, new_epoch, timed, trained_net
 
 from skorch_accel_callbacks import AccelerateCheckpoint
 from skorch_accel_callbacks.engine import _stager  # internals: the copy's threads
@@ -30,10 +28,7 @@ from skorch_accel_callbacks.engine import _stager  # internals: the copy's threa
 def blocked(cp, net, threads):
     _stager.COPY_THREADS = threads
     new_epoch(net)
-    os.sync()
-    start = time.perf_counter()
-    cp.save_model(net)
-    seconds = time.perf_counter() - start
+    seconds = timed(lambda: cp.save_model(net))
     cp.wait_for_saves(net)
     return seconds
 

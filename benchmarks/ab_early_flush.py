@@ -21,12 +21,11 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_checkpoint import REPO, disk_write, folder_bytes, new_epoch, trained_net
+from bench_checkpoint import REPO, disk_write, folder_bytes, new_epoch, timed, trained_net
 
 from skorch_accel_callbacks import AccelerateCheckpoint
 from skorch_accel_callbacks.format import _atomic  # internals: the early flush
@@ -36,21 +35,17 @@ BEGIN = _atomic.EarlyFlush.begin
 
 def saved(cp, net, early):
     _atomic.EarlyFlush.begin = BEGIN if early else (lambda self, path: None)
-    new_epoch(net)
-    os.sync()
-    start = time.perf_counter()
-    cp.save_model(net)
-    seconds = time.perf_counter() - start
-    cp.wait_for_saves(net)
-    _atomic.EarlyFlush.begin = BEGIN
+    try:
+        new_epoch(net)
+        seconds = timed(lambda: cp.save_model(net))
+        cp.wait_for_saves(net)
+    finally:
+        _atomic.EarlyFlush.begin = BEGIN
     return seconds
 
 
 def written(path, nbytes):
-    os.sync()
-    start = time.perf_counter()
-    disk_write(path, nbytes)
-    seconds = time.perf_counter() - start
+    seconds = timed(lambda: disk_write(path, nbytes))
     os.remove(path)
     return seconds
 
