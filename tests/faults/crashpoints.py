@@ -84,6 +84,17 @@ class Call:
         return self.name in MUTATING
 
 
+# strace pads a short line (a resumed call's tail, always) with spaces up to
+# the column of the result; the result of an openat names the file it opened
+RESULT = re.compile(r'\)\s+= ')
+
+
+def _arguments(text):
+    """``text`` without the call's closing parenthesis and its result."""
+    results = list(RESULT.finditer(text))
+    return text[:results[-1].start()] if results else text
+
+
 def parse(text):
     """The calls of an ``strace -f -y -o`` log, in the order they were
     entered; ``killed`` for a call that never returned (``= ?``)."""
@@ -95,8 +106,7 @@ def parse(text):
         if rest.startswith('<... '):
             call = pending.pop(tid, None)
             if call is not None:
-                tail = rest.split('resumed>', 1)[1]
-                call.args += tail.rsplit(') = ', 1)[0]
+                call.args += _arguments(rest.split('resumed>', 1)[1])
                 call.killed = rest.rstrip().endswith('= ?')
             continue
         name = re.match(r'([a-z0-9_]+)\((.*)$', rest)
@@ -108,7 +118,7 @@ def parse(text):
             pending[tid] = call
         else:
             call.killed = rest.rstrip().endswith('= ?')
-            call.args = call.args.rsplit(') = ', 1)[0]
+            call.args = _arguments(call.args)
         calls.append(call)
     for call in pending.values():
         call.killed = True

@@ -79,6 +79,27 @@ def test_a_machine_without_strace_fails_the_suite_saying_so(monkeypatch):
         crashpoints.require_strace()
 
 
+def test_the_log_parse_keeps_a_resumed_call_to_its_own_arguments():
+    """A call another thread interrupts in the log ends on a line of its
+    own, which strace pads up to the result's column; the result of an
+    openat names the file opened again, and must not count as a path of the
+    call (it made the plan's openat of the optimizer file name it twice,
+    once the early flush's thread ran beside it). Lines of strace 6.1."""
+    log = (
+        '14835 openat(AT_FDCWD</w>, "/c/epoch-0002.partial/optimizer.bin", '
+        'O_WRONLY|O_CREAT|O_TRUNC|O_CLOEXEC, 0666 <unfinished ...>\n'
+        '14950 fdatasync(8</c/epoch-0002.partial/model.safetensors>) = 0\n'
+        '14835 <... openat resumed>)             = 9</c/epoch-0002.partial/optimizer.bin>\n'
+        '14835 close(9</c/epoch-0002.partial/optimizer.bin>)  = 0\n'
+        '14835 rmdir("/c/.epoch-0001.discard-1846d424c17c") = ?\n')
+    opened, flushed, closed, removed = parse(log)
+    assert (opened.tid, opened.name, opened.killed) == (14835, 'openat', False)
+    assert opened.paths == ['/c/epoch-0002.partial/optimizer.bin']
+    assert flushed.paths == ['/c/epoch-0002.partial/model.safetensors']
+    assert closed.paths == ['/c/epoch-0002.partial/optimizer.bin']
+    assert (removed.paths, removed.killed) == (['/c/.epoch-0001.discard-1846d424c17c'], True)
+
+
 @pytest.fixture(scope='module', autouse=True)
 def strace():
     """Every crash point is injected by strace: without it the suite fails,
