@@ -149,12 +149,15 @@ class Proxy:
                 if not request and at_answer:
                     at_answer.pop()()
                     return
-                target.sendall(data)
+                # before the request goes on: the store may answer it before
+                # this thread would have queued the action after sending,
+                # which then waited for an answer that might never come
                 if request and self.on_request is not None:
                     for line in requests.feed(data):
                         action = self.on_request(line)
                         if action is not None:
                             at_answer.append(action)
+                target.sendall(data)
         except OSError:
             pass  # cut, or closed by the other side
         finally:
