@@ -149,9 +149,8 @@ class Proxy:
                 if not request and at_answer:
                     at_answer.pop()()
                     return
-                # before the request goes on: the store may answer it before
-                # this thread would have queued the action after sending,
-                # which then waited for an answer that might never come
+                # queued before the request goes on, so that its answer, which
+                # may come back before this thread runs again, finds it
                 if request and self.on_request is not None:
                     for line in requests.feed(data):
                         action = self.on_request(line)
