@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import threading
+import time
 from typing import Any, Self, TextIO
 
 from skorch_accel_callbacks.errors import FolderInUseError
@@ -40,6 +41,35 @@ _HELD = {}
 _ATTEMPTS = 50
 # reentrant: release() also runs from __del__, whenever the collector does
 _HELD_GUARD = threading.RLock()
+# A lock file whose recorded holder has ended, on this host and in this pid
+# namespace, is still locked by a process that holds a descriptor of it
+# (inherited before this module was imported, or passed on purpose): such a
+# process is retried for this long before the job is refused, as a
+# DataLoader worker of a killed job notices its parent's death within about
+# 5 s (torch's MP_STATUS_CHECK_INTERVAL) and exits.
+_ORPHAN_GRACE_S = 15.0
+_ORPHAN_POLL_S = 0.25
+
+
+def _forget_held_in_child() -> None:
+    """Close, in a forked child, every lock file this process holds.
+
+    A ``flock`` belongs to the open file, which a fork shares with the
+    child: a DataLoader worker or a user's fork pool would keep the folder
+    locked after the job that took it was killed, and refuse its relaunch.
+    Closing the child's descriptor leaves the parent's lock as it is
+    (``LOCK_UN`` would release it for the parent too). The lock objects
+    the child inherited hold nothing from now on.
+    """
+    for held in _HELD.values():
+        held.file.close()
+    _HELD.clear()
+
+
+# runs in every child that os.fork() or multiprocessing's fork start method
+# makes, before the child's own code; a child that execs closes the file
+# anyway (Python opens files non-inheritable)
+os.register_at_fork(after_in_child=_forget_held_in_child)
 
 
 class FolderLock:
@@ -93,8 +123,8 @@ class FolderLock:
 
     @property
     def held(self) -> bool:
-        """Whether this object holds the lock."""
-        return self._file is not None
+        """Whether this object holds the lock (never in a forked child)."""
+        return self._file is not None and not self._file.closed
 
     def acquire(self) -> Self:
         """Take the lock (once per object) or raise :class:`FolderInUseError`
@@ -125,7 +155,10 @@ class FolderLock:
         # the file is closed and the path opened again. A refusal is checked
         # the same way: the holder may have released (and removed) the file
         # between our open and our flock.
-        for _ in range(_ATTEMPTS):
+        attempts = 0
+        orphaned_since = None
+        while attempts < _ATTEMPTS:
+            attempts += 1
             lock_file = open(self.path, 'a+', encoding='utf-8')
             try:
                 fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -133,9 +166,18 @@ class FolderLock:
                 if not _is_at_path(lock_file, self.path):
                     lock_file.close()
                     continue
-                holder = _holder(lock_file)
+                record = _record(lock_file)
                 lock_file.close()
-                raise FolderInUseError(self._refusal(holder)) from None
+                if not _has_ended(record):
+                    raise FolderInUseError(self._refusal(_described(record))) from None
+                # left locked by what the ended job forked: wait for it to exit
+                now = time.monotonic()
+                orphaned_since = orphaned_since or now
+                if now - orphaned_since > _ORPHAN_GRACE_S:
+                    raise FolderInUseError(self._orphan_refusal(record)) from None
+                attempts -= 1
+                time.sleep(_ORPHAN_POLL_S)
+                continue
             except BaseException:
                 lock_file.close()
                 raise
@@ -145,7 +187,7 @@ class FolderLock:
                     continue
                 lock_file.seek(0)
                 lock_file.truncate()
-                json.dump({'pid': os.getpid(), 'host': socket.gethostname()}, lock_file)
+                json.dump(_this_holder(), lock_file)
                 lock_file.flush()
             except BaseException:
                 lock_file.close()
@@ -162,6 +204,14 @@ class FolderLock:
             "folder would overwrite or retire each other's checkpoints; wait for "
             "it to end or give this job its own folder")
 
+    def _orphan_refusal(self, record: dict[str, Any]) -> str:
+        return (
+            f"checkpoint folder {self.folder} is still locked (lock file {self.path}) "
+            f"{_ORPHAN_GRACE_S:g} s after the job that took it, pid {record['pid']} on "
+            f"host {record['host']}, ended: a process it forked (a DataLoader worker, a "
+            "fork pool) or was handed the lock file to still holds it open; end that "
+            "process, or give this job its own folder")
+
     def release(self) -> None:
         """Release this hold; the last one in the process closes the file,
         which releases the flock (removing the file first with
@@ -169,8 +219,10 @@ class FolderLock:
         with _HELD_GUARD:
             if self._file is None:
                 return
-            self._file = None
-            held = _HELD[self._key]
+            held = _HELD.get(self._key)
+            mine, self._file = self._file, None
+            if held is None or held.file is not mine:
+                return  # taken by the parent of this forked process: not ours
             held.holders -= 1
             if held.holders == 0:
                 del _HELD[self._key]
@@ -242,24 +294,69 @@ def _is_at_path(lock_file: TextIO, path: str) -> bool:
     return (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def _named_holder(text: str) -> str | None:
-    """``pid P on host H`` as a holder wrote it into a lock file, or None
-    if ``text`` names none."""
+def _pid_namespace() -> str | None:
+    """This process's pid namespace (``pid:[4026531836]``), None where
+    /proc does not say (macOS)."""
     try:
-        holder = json.loads(text)
-        return f"pid {holder['pid']} on host {holder['host']}"
-    except (ValueError, KeyError, TypeError):
+        return os.readlink('/proc/self/ns/pid')
+    except OSError:
         return None
 
 
-def _holder(lock_file: TextIO) -> str:
-    """Who holds ``lock_file``, as its holder wrote it."""
+def _this_holder() -> dict[str, Any]:
+    """What a holder writes into the lock file: enough for a refused job to
+    name it, and to tell whether it still runs."""
+    return {'pid': os.getpid(), 'host': socket.gethostname(), 'pid_ns': _pid_namespace()}
+
+
+def _parse_record(text: str) -> dict[str, Any] | None:
+    """The holder's record in a lock file, None if ``text`` holds none."""
+    try:
+        record = json.loads(text)
+        if isinstance(record, dict) and isinstance(record.get('pid'), int) and 'host' in record:
+            return record
+    except ValueError:
+        pass
+    return None
+
+
+def _record(lock_file: TextIO) -> dict[str, Any] | None:
     lock_file.seek(0)
-    described = _named_holder(lock_file.read())
-    if described is None:
+    return _parse_record(lock_file.read())
+
+
+def _has_ended(record: dict[str, Any] | None) -> bool:
+    """Whether the job that ``record`` names has ended, as far as this process
+    can tell: only a pid of this host and pid namespace can be looked up (a
+    container that shares the folder and the host name has pids of its own)."""
+    if record is None or record['host'] != socket.gethostname():
+        return False
+    namespace = _pid_namespace()
+    if namespace is None or record.get('pid_ns') != namespace:
+        return False
+    try:
+        os.kill(record['pid'], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # it runs, as another user
+    return False
+
+
+def _named_holder(text: str) -> str | None:
+    """``pid P on host H`` as a holder wrote it into a lock file, or None
+    if ``text`` names none."""
+    record = _parse_record(text)
+    return None if record is None else f"pid {record['pid']} on host {record['host']}"
+
+
+def _described(record: dict[str, Any] | None) -> str:
+    """Who holds a lock file whose holder wrote ``record``."""
+    if record is None:
         # the holder is between taking the lock and writing its name
         return 'a job that is starting'
-    if described == f"pid {os.getpid()} on host {socket.gethostname()}":
+    described = f"pid {record['pid']} on host {record['host']}"
+    if record['pid'] == os.getpid() and record['host'] == socket.gethostname():
         # a thread of this process that reached the folder by another path
         # (a bind mount): the registry did not know it as the same file
         described += ", this process, through another path to the lock file"
