@@ -24,10 +24,12 @@ CALLBACK_MODULES = ('callbacks/checkpoint.py', 'callbacks/load_state.py',
 LAYERS = ('tools', 'params', 'callbacks', 'engine', 'state', 'storage', 'format', '_core')
 ROOT_MODULES = {'__init__.py', '__main__.py', 'errors.py'}
 
-# sizes are review thresholds, not walls: a module is one concept however long
-# its docstrings are; a class or function past these has more than one job
-MAX_CLASS_CODE_LINES = 250
-MAX_FUNCTION_CODE_LINES = 50
+# sizes are review thresholds, not walls: a reviewer reads a class past about
+# 250 code lines or a function past about 50 for a second job; these gross
+# bounds, which nothing written as a reader wants it reaches, only catch a
+# module that grew out of all proportion (code is never squeezed to meet them)
+MAX_CLASS_CODE_LINES = 400
+MAX_FUNCTION_CODE_LINES = 80
 
 
 def _tree(path):

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
-from accelerate.data_loader import SkipBatchSampler
 from accelerate.state import GradientState, is_initialized
 from accelerate.utils import (
     OPTIMIZER_NAME,
@@ -45,8 +44,9 @@ __all__ = [
     'accelerator_of_this_process',
     'accumulation_step',
     'accumulation_steps',
-    'base_loader',
     'at_end_of_loader',
+    'base_loader',
+    'batch_sampler',
     'accelerator_settings',
     'check_plain_state',
     'dataloaders',
@@ -61,16 +61,17 @@ __all__ = [
     'optimizers',
     'param_groups',
     'prune_registries',
+    'read_and_drop_first_batches_once',
     'registries_of',
     'rng_file',
     'rows_of_data_in_last_batch',
     'save_on_each_node',
     'save_state',
     'save_state_in_two',
+    'set_batch_sampler',
     'shard_folders',
     'set_accumulation_step',
     'set_fsdp2_buffers',
-    'skip_first_batches_once',
     'uses_automatic_naming',
     'write_large_state',
 ]
@@ -396,23 +397,31 @@ def base_loader(loader: DataLoader) -> DataLoader:
     return getattr(loader, 'base_dataloader', loader)
 
 
-def skip_first_batches_once(loader: DataLoader, count: int) -> Callable[[], None]:
-    """Make the next pass over ``loader`` leave out its first ``count``
-    batches by index (accelerate's ``SkipBatchSampler``: a skipped batch is
-    a list of indices, no row is loaded); return the function that puts the
-    batch sampler back.
+def batch_sampler(loader: DataLoader) -> Any:
+    """The batch sampler that the torch loader under ``loader`` iterates."""
+    return base_loader(loader).batch_sampler
+
+
+def set_batch_sampler(loader: DataLoader, sampler: Any) -> None:
+    """Give the torch loader under ``loader`` another batch sampler.
 
     torch's ``DataLoader`` refuses a new batch sampler once built; it is set
-    past that check, for one pass, because the loader skorch iterates is
-    built once per ``fit`` (``accelerate.skip_first_batches`` would build a
-    new one).
+    past that check because the loader skorch iterates is built once per
+    ``fit`` (``accelerate.skip_first_batches`` would build a new one, which
+    skorch would not iterate).
     """
-    base = base_loader(loader)
-    original = base.batch_sampler
-    object.__setattr__(base, 'batch_sampler', SkipBatchSampler(original, count))
+    object.__setattr__(base_loader(loader), 'batch_sampler', sampler)
+
+
+def read_and_drop_first_batches_once(loader: DataLoader, count: int) -> Callable[[], None]:
+    """Make the next pass over ``loader`` read its first ``count`` batches
+    and drop them (accelerate's ``skip_batches``: each batch is read as
+    usual, by the workers that would have read it, and not handed out);
+    return the function that ends it after that pass."""
+    loader.skip_batches = count
 
     def undo() -> None:
-        object.__setattr__(base, 'batch_sampler', original)
+        loader.skip_batches = 0
 
     return undo
 

@@ -24,13 +24,14 @@ from skorch_accel_callbacks.engine._writer import (
     SaveRequest,
     SyncWriter,
 )
-from skorch_accel_callbacks.errors import TrainingPreempted
+from skorch_accel_callbacks.errors import CheckpointError, TrainingPreempted
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.state import (
     _compat as compat,
     _epoch_position as epoch_position,
     _fingerprint as fingerprint,
     _fsdp_layout as fsdp_layout,
+    _loader_pass as loader_pass,
     _training_state as training_state,
 )
 from skorch_accel_callbacks.storage._interface import CheckpointStorage
@@ -297,6 +298,11 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self._keep = None
         self._fit_began = False
         self._train_loader = None
+        # this fit's watch over its training loader's passes and workers
+        self._pass: loader_pass.PassControl | None = None
+        self._worker_draws: loader_pass.WorkerDraws | None = None
+        # the epoch whose first batch checked the workers
+        self._workers_checked = None
         self._data = None
         self._epoch_end_seen = None
         # the warning of per-rank buffers under FSDP2, once after initialize
@@ -348,7 +354,8 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         return None if self._resumed is None else self._resumed.name
 
     def __getstate__(self) -> dict:  # a loader holds the training data
-        return dict(self.__dict__, _train_loader=None, _epoch_start=None)
+        return dict(self.__dict__, _train_loader=None, _epoch_start=None, _pass=None,
+                    _worker_draws=None)
 
     # ------------------------------------------------------------ hooks
 
@@ -376,11 +383,39 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             # once every callback's on_train_begin went through: a fit that
             # fails before training leaves no handler behind
             self._poll.install(net, type(self).__name__, self.signals_)
+        if self._train_loader is not None:
+            # before the pass creates its iterator, which starts the workers
+            self._worker_draws = loader_pass.worker_draws(self._train_loader)
         if self.every_n_steps or self.every_n_seconds or self._poll.stop_signals:
             if self.every_n_steps or self.every_n_seconds:
                 epoch_position.check_can_skip(self._train_loader, type(self).__name__)
+            if epoch_position.can_skip(self._train_loader):
+                self._pass = loader_pass.install(self._train_loader)
             # after the resume callback gave back the epoch's starting state
             self._epoch_start = epoch_position.EpochStart.capture(self._train_loader)
+
+    def on_batch_begin(self, net: Any, training: bool = False, **kwargs: Any) -> None:
+        # the first training batch of each epoch, on every rank alike
+        if training and self._workers_checked != len(net.history):
+            self._workers_checked = len(net.history)
+            self._check_workers(net)
+
+    def _check_workers(self, net: Any) -> None:
+        """Refuse, at the first batch of each epoch, persistent workers that
+        draw random numbers: their generators go on from epoch to epoch in
+        processes that no checkpoint reaches."""
+        if not (self._worker_draws is not None
+                and loader_pass.persistent_workers(self._train_loader)):
+            return
+        if any(sync.gather(net, self._worker_draws.drew)):
+            raise CheckpointError(
+                f"{type(self).__name__}: the training loader's worker processes draw "
+                "random numbers (random augmentation in the data set's __getitem__ or "
+                "in collate_fn), and persistent_workers=True keeps their generators "
+                "from one epoch to the next in processes that a checkpoint cannot "
+                "reach: a resume would train on other data than the uninterrupted run. "
+                "Set iterator_train__persistent_workers=False: the workers are then "
+                "started and seeded anew each epoch, from generators the checkpoint holds")
 
     def on_batch_end(self, net: Any, training: bool = False, **kwargs: Any) -> None:
         if not training:
@@ -438,6 +473,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
                 saved = self.last_saved_ or self.resumed_from_
                 self._stop(net, received, saved and self.folder_.url(saved))
         finally:
+            loader_pass.uninstall(self._train_loader)
             self.close()
 
     # ------------------------------------------------------------ policy
@@ -539,6 +575,9 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             name=name, step=self.global_step_,
             batches=self._batches if inside_epoch else 0,
             train_loader=self._train_loader, epoch_start=self._epoch_start,
+            read_ahead=tuple(self._pass.read_ahead(self._batches))
+            if inside_epoch and self._pass is not None else (),
+            workers_drew=self._worker_draws is not None and self._worker_draws.drew,
             data=self._data, best=best, finished=finished, stopped_early=stopped_early,
             keep=(self._keep,), requested_at=requested_at,
             fit_calls=tuple(self._fit_calls)))

@@ -26,6 +26,7 @@ from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.state import (
     _epoch_position as epoch_position,
+    _loader_pass as loader_pass,
     _rng_state as rng_state,
     _settings as settings,
     _training_state as training_state,
@@ -236,6 +237,10 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         # where inside its epoch it goes on, until the epoch's first batch
         self._inside: restore.InsideEpoch | None = None
         self._undo_skip = None
+        # a pass planned to go on inside its epoch, until its first batch
+        self._armed = False
+        # the plan gives the saved batch's random states back itself
+        self._rng_by_pass = False
         self._skipped = 0
         self._storage: CheckpointStorage | None = None
         # the fit/partial_fit call under way, counted from initialize
@@ -380,8 +385,18 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             # seed the sampler; the uninterrupted run had not drawn at this
             # point (nor, when this fit ends here, at its end)
             rng_state.restore_rng(restored.rng)
+            if loader is not None and self._iterator_existed(loader, restored):
+                loader_pass.install(loader).plan_resume(loader_pass.ResumePlan(
+                    skip=0, undo_seed_draw=loader_pass.seed_draw_undone(loader)))
         if ends:
             raise KeyboardInterrupt
+
+    def _iterator_existed(self, loader: Any, restored: restore.Restored) -> bool:
+        """Whether the checkpoint's run went on in this epoch with the
+        iterator of persistent workers that its fit created at an earlier
+        epoch (this run creates one now)."""
+        begins = self._fit_calls[self._call][0]
+        return loader_pass.persistent_workers(loader) and restored.epochs_done > begins
 
     def _continue_epoch(self, net: Any, loader: Any) -> None:
         """Set the epoch that a checkpoint taken inside it was taken in up to
@@ -411,21 +426,40 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         # the loader draws the epoch's order again from these, skipping the
         # batches trained
         self._inside.start.restore(loader)
-        self._undo_skip = accelerate_io.skip_first_batches_once(loader, batches)
         self._skipped = batches
+        self._armed = True
+        rank_state = self._pending.rank_state or {}
+        if rank_state.get('workers_drew'):
+            # the workers read the trained batches again, and so make the
+            # draws they had made for them (persistent workers that draw are
+            # refused: no run of theirs has a checkpoint)
+            self._undo_skip = accelerate_io.read_and_drop_first_batches_once(loader, batches)
+            return
+        # the fetches read ahead of training, then the next one, draw from
+        # the states they drew from in the checkpoint's run
+        states = ((*self._inside.read_ahead, self._pending.rng)
+                  if self._inside.rng_at_batch and loader_pass.fetches_in_process(loader)
+                  else ())
+        self._rng_by_pass = bool(states)
+        undo = (loader_pass.seed_draw_undone(loader)
+                if self._iterator_existed(loader, self._pending) else None)
+        loader_pass.install(loader).plan_resume(
+            loader_pass.ResumePlan(skip=batches, states=states, undo_seed_draw=undo))
 
     def on_batch_begin(self, net: Any, training: bool = False, **kwargs: Any) -> None:
         # armed by _continue_epoch, in the call that continues the checkpoint
-        if self._undo_skip is None or not training:
+        if not self._armed or not training:
             return
+        self._armed = False
         inside, self._inside = self._inside, None
-        # the pass over the loader has begun: it keeps its skip
-        self._undo_skip()
-        self._undo_skip = None
+        if self._undo_skip is not None:
+            # the pass over the loader has begun: it keeps its skip
+            self._undo_skip()
+            self._undo_skip = None
         # after every callback's on_epoch_begin, which resets their scratch space
         restored = self._restore_callbacks(net)
         training_state.apply_epoch_caches(net, inside.caches, device=net.accelerator.device)
-        if inside.rng_at_batch:
+        if inside.rng_at_batch and not self._rng_by_pass:
             rng_state.restore_rng(restored.rng)
 
     def on_epoch_end(self, net: Any, **kwargs: Any) -> None:

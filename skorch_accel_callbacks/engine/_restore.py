@@ -68,6 +68,9 @@ class InsideEpoch:
     #: give the random states of the saved batch back at the first batch
     #: (not when they were derived anew: the epoch's draws go on from its start)
     rng_at_batch: bool = True
+    #: the random states before the fetches the saved run had made ahead of
+    #: training, in its process
+    read_ahead: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -260,9 +263,10 @@ def _read_position(path: str, rank: int, with_caches: bool) -> InsideEpoch:
         names += list(_manifest.epoch_caches_names(rank))
 
     def load(folder: str) -> InsideEpoch:
-        batches, start = epoch_position.load_position(folder, rank)
+        position = epoch_position.load_position(folder, rank)
         caches = training_state.load_epoch_caches(folder, rank) if with_caches else {}
-        return InsideEpoch(batches, start, caches)
+        return InsideEpoch(position.batches, position.start, caches,
+                           read_ahead=position.read_ahead)
 
     return _read_own(path, names, load)
 

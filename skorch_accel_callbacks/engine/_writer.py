@@ -55,6 +55,11 @@ class SaveRequest:
     train_loader: Any
     #: the random states the epoch under way began with (inside an epoch)
     epoch_start: epoch_position.EpochStart | None = None
+    #: the random states before the fetches read ahead of training (inside
+    #: an epoch, a loader that reads in this process)
+    read_ahead: tuple[dict[str, Any], ...] = ()
+    #: the training loader's worker processes drew random numbers in this fit
+    workers_drew: bool = False
     #: the fingerprint of the training data
     data: dict | None = None
     #: ``best.json`` points at it
@@ -231,11 +236,12 @@ class SyncWriter:
                 large = stager.stage(net.accelerator, partial, self.safe_serialization,
                                      committer)
             rank = sync.process_index(net)
-            training_state.save_rank_state(partial, rank, request.train_loader)
+            training_state.save_rank_state(partial, rank, request.train_loader,
+                                           request.workers_drew)
             training_state.write_rank_states(partial, states, rank, per_rank, committer)
             if request.batches:
                 epoch_position.save_position(partial, rank, request.epoch_start,
-                                             request.batches)
+                                             request.batches, request.read_ahead)
                 training_state.save_epoch_caches(partial, rank, net)
             if not committer:
                 if early is not None:

@@ -1,9 +1,14 @@
 """The random states of a process and of its training loader, captured,
 given back, and derived anew for a resume on another number of processes.
 
-The loader's state is its epoch counter and the shuffling generator that
-accelerate gives its sampler with more than one process: accelerate
-creates both when the loader is prepared and saves neither.
+The loader's state is its epoch counter, the shuffling generator that
+accelerate gives its sampler with more than one process (accelerate
+creates both when the loader is prepared and saves neither), and every
+other generator the loader draws from: the loader's own ``generator`` (the
+workers' base seed, and the sampler skorch's ``iterator_train__shuffle``
+builds) and a user's sampler's (``WeightedRandomSampler(...,
+generator=g)``, a ``BatchSampler`` over a sampler with one), found by their
+path from the loader (``'batch_sampler.sampler.generator'``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from skorch_accel_callbacks._core import accelerate_io
 from skorch_accel_callbacks.state._fingerprint import feed
 
 if TYPE_CHECKING:
@@ -26,6 +32,7 @@ __all__ = [
     'capture_rng',
     'derived_rank_state',
     'derived_rng',
+    'loader_generators',
     'loader_state',
     'reseed_origin',
     'restore_rng',
@@ -52,28 +59,60 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state['cuda'])
 
 
+def loader_generators(loader: DataLoader) -> dict[str, torch.Generator]:
+    """The generators that ``loader`` draws from besides accelerate's
+    ``synchronized_generator``, each once, by its path from the torch loader
+    under it (``'generator'``, ``'batch_sampler.sampler.generator'``)."""
+    synchronized = getattr(loader, 'synchronized_generator', None)
+    seen = {id(synchronized)}
+    found = {}
+    # (object, its path): the loader, then its samplers, however nested
+    todo = [(accelerate_io.base_loader(loader), '')]
+    while todo:
+        obj, path = todo.pop(0)
+        generator = getattr(obj, 'generator', None)
+        if isinstance(generator, torch.Generator) and id(generator) not in seen:
+            seen.add(id(generator))
+            found[f'{path}generator'] = generator
+        if path.count('.') < 8:
+            for name in ('batch_sampler', 'sampler'):
+                inner = getattr(obj, name, None)
+                if inner is not None and inner is not obj:
+                    todo.append((inner, f'{path}{name}.'))
+    return found
+
+
 def loader_state(loader: DataLoader | None) -> dict[str, Any]:
     """The shuffling state of a training loader (None: of none), in the form
     :func:`apply_loader_state` takes: its epoch counter
-    (``'loader_iteration'``) and its generator's state (``'generator'``, if
-    it has one)."""
-    state = {'loader_iteration': 0}
+    (``'loader_iteration'``), accelerate's generator's state (``'generator'``,
+    if it has one) and the states of the other generators it draws from
+    (``'generators'``: path -> state, see :func:`loader_generators`)."""
+    state = {'loader_iteration': 0, 'generators': {}}
     if loader is not None:
         state['loader_iteration'] = int(getattr(loader, 'iteration', 0))
         generator = getattr(loader, 'synchronized_generator', None)
         if generator is not None:
             state['generator'] = generator.get_state()
+        state['generators'] = {path: generator.get_state()
+                               for path, generator in loader_generators(loader).items()}
     return state
 
 
 def apply_loader_state(loader: DataLoader | None, state: Mapping[str, Any]) -> None:
-    """Give ``loader`` the state :func:`loader_state` returned."""
+    """Give ``loader`` the state :func:`loader_state` returned (a generator
+    the state does not name, as in a checkpoint of an older version, keeps
+    its own)."""
     if loader is None:
         return
     loader.iteration = state['loader_iteration']
     generator = getattr(loader, 'synchronized_generator', None)
     if generator is not None and 'generator' in state:
         generator.set_state(state['generator'])
+    saved = state.get('generators', {})
+    for path, generator in loader_generators(loader).items():
+        if path in saved:
+            generator.set_state(saved[path])
 
 
 # ---------------------------------------------------------------- reseeding

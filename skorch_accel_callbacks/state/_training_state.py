@@ -270,26 +270,38 @@ def find_train_loader(net: NeuralNet, dataset_train: Any) -> DataLoader | None:
     return None
 
 
-def save_rank_state(folder: str | os.PathLike, rank: int, loader: DataLoader | None) -> None:
-    """Save the shuffling state of this rank's training loader.
+def save_rank_state(folder: str | os.PathLike, rank: int, loader: DataLoader | None,
+                    workers_drew: bool = False) -> None:
+    """Save the shuffling state of this rank's training loader, and whether
+    its worker processes drew random numbers in this fit.
 
     With more than one process accelerate gives the sampler a generator of
     its own, seeded when the loader is prepared; ``save_state`` writes no
-    file for it with map-style data sets.
+    file for it with map-style data sets, nor for the generators of the
+    loader and of a user's sampler.
     """
     state = loader_state(loader)
     tensors = {'generator': state['generator']} if 'generator' in state else {}
-    metadata = {'loader_iteration': str(state['loader_iteration'])}
+    tensors.update({f'generators.{path}': generator
+                    for path, generator in state['generators'].items()})
+    metadata = {'loader_iteration': str(state['loader_iteration']),
+                'workers_drew': str(int(workers_drew))}
     # safetensors refuses an empty file
     tensors.setdefault('_', torch.zeros(0))
     save_file(tensors, f"{folder}/{rank_state_name(rank)}", metadata=metadata)
 
 
 def load_rank_state(folder: str | os.PathLike, rank: int) -> dict[str, Any]:
+    """What :func:`save_rank_state` saved: the loader state
+    (:func:`~skorch_accel_callbacks.state._rng_state.loader_state`'s form)
+    and ``'workers_drew'``."""
     path = f"{folder}/{rank_state_name(rank)}"
     with safe_open(path, framework='pt') as f:
         metadata = f.metadata() or {}
-        state = {'loader_iteration': int(metadata.get('loader_iteration', 0))}
+        state = {'loader_iteration': int(metadata.get('loader_iteration', 0)),
+                 'workers_drew': bool(int(metadata.get('workers_drew', 0))),
+                 'generators': {key.removeprefix('generators.'): f.get_tensor(key)
+                                for key in f.keys() if key.startswith('generators.')}}
         if 'generator' in f.keys():
             state['generator'] = f.get_tensor('generator')
     return state

@@ -27,6 +27,13 @@ Environment:
 - CKPT_OPTIONS: JSON of extra AccelerateCheckpoint arguments;
 - LOAD_OPTIONS: JSON of extra AccelerateLoadInitState arguments;
 - MAX_EPOCHS: the epochs to train in total, instead of the scenario's;
+- DATA: JSON of the training data pipeline (:func:`data_pipeline`): the
+  loader's ``num_workers``, ``persistent_workers``, ``pin_memory``,
+  ``prefetch_factor``, ``generator`` (a seed: the loader shuffles with a
+  generator of its own), ``sampler`` (``weighted``: a WeightedRandomSampler;
+  ``batch``: a BatchSampler over a RandomSampler) and ``augment`` (``torch``,
+  ``numpy``, ``python``: ``__getitem__`` adds noise drawn from that module's
+  global generator, as random augmentation does);
 - PER_NODE=1: ``save_on_each_node=True`` and a folder per node
   (``DIRNAME/node<k>``), as on machines without a shared filesystem;
   SHARED_PER_NODE=1: ``save_on_each_node=True`` with one shared folder (an error).
@@ -50,8 +57,9 @@ import numpy as np
 import torch
 from accelerate.utils import ProjectConfiguration
 from skorch.callbacks import Callback, EarlyStopping, EpochScoring, LRScheduler
-from skorch.dataset import ValidSplit
+from skorch.dataset import Dataset, ValidSplit
 from torch.optim.lr_scheduler import CyclicLR, ReduceLROnPlateau, StepLR
+from torch.utils.data import BatchSampler, RandomSampler, WeightedRandomSampler
 
 from common import (
     MLP,
@@ -261,6 +269,48 @@ class TwoModuleNet(FixedNet):
         return self.head2_(super().infer(x, **fit_params))
 
 
+class Augmented(Dataset):
+    """skorch's Dataset whose rows get noise drawn from a global generator
+    (``augment``: torch, numpy or python) each time they are read, as
+    random augmentation does (torchvision's transforms draw from torch's)."""
+
+    def __init__(self, X, y=None, length=None, augment='torch'):
+        super().__init__(X, y, length=length)
+        self.augment = augment
+
+    def __getitem__(self, i):
+        Xi, yi = super().__getitem__(i)
+        if self.augment == 'torch':
+            noise = torch.rand(Xi.shape).numpy()
+        elif self.augment == 'numpy':
+            noise = np.random.rand(*Xi.shape)
+        else:
+            noise = np.array([random.random() for _ in range(Xi.shape[0])])
+        return (Xi + 0.1 * noise).astype(np.float32), yi
+
+
+def data_pipeline(options, train_rows):
+    """The net's arguments for the training data pipeline that ``options``
+    (the DATA environment variable, decoded) describes."""
+    kwargs = {f'iterator_train__{key}': options[key] for key in
+              ('num_workers', 'persistent_workers', 'pin_memory', 'prefetch_factor')
+              if key in options}
+    if options.get('generator') is not None:
+        kwargs['iterator_train__generator'] = torch.Generator().manual_seed(options['generator'])
+    if options.get('sampler') == 'weighted':
+        weights = torch.linspace(0.2, 1.0, train_rows, dtype=torch.float64)
+        kwargs.update(iterator_train__shuffle=False, iterator_train__sampler=WeightedRandomSampler(
+            weights, train_rows, generator=kwargs.get('iterator_train__generator')))
+    elif options.get('sampler') == 'batch':
+        sampler = RandomSampler(range(train_rows),
+                                generator=kwargs.get('iterator_train__generator'))
+        kwargs.update(iterator_train__shuffle=False, iterator_train__batch_size=1,
+                      iterator_train__batch_sampler=BatchSampler(sampler, 32, drop_last=False))
+    if options.get('augment'):
+        kwargs.update(dataset=Augmented, dataset__augment=options['augment'])
+    return kwargs
+
+
 def build(dirname, scenario, ckpt_options):
     accelerator_kwargs = {}
     if os.environ.get('PER_NODE') == '1' or os.environ.get('SHARED_PER_NODE') == '1':
@@ -312,6 +362,8 @@ def build(dirname, scenario, ckpt_options):
         kwargs['criterion'] = plain_criterion
     if os.environ.get('MAX_EPOCHS'):
         kwargs['max_epochs'] = int(os.environ['MAX_EPOCHS'])
+    # ValidSplit(5) of the 320 rows main() fits
+    kwargs.update(data_pipeline(json.loads(os.environ.get('DATA', '{}')), train_rows=256))
     net = make_net(accelerator, net_cls=net_cls, callbacks=callbacks, **kwargs)
     return net, accelerator, cp
 
@@ -321,7 +373,11 @@ def main():
     scenario = os.environ.get('SCENARIO', 'basic')
     kill = os.environ.get('KILL', '')
     ckpt_options = json.loads(os.environ.get('CKPT_OPTIONS', '{}'))
+    # every global generator a data set may draw from (DATA's augment), the
+    # validation rows' too, which are read in this process
     torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
     net, accelerator, cp = build(dirname, scenario, ckpt_options)
     # written before training, so a launch that ends in an expected error
     # still shows how many processes it ran in

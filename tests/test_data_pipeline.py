@@ -1,0 +1,105 @@
+"""Exact resumes wherever the training data flows: loader workers (persistent
+or not, pinned, prefetching), shuffling with a generator of the loader's own,
+a user's samplers, and random augmentation in ``__getitem__`` drawing from
+torch's, numpy's or Python's global generator.
+
+Each case trains uninterrupted, then the same command SIGKILLed on every rank
+(at an epoch's end: after the first batch of epoch 4, resuming from epoch
+3's checkpoint; inside an epoch: after the batch that follows the step-27
+checkpoint of epoch 4 in 1 process, 8 batches an epoch, or the step-15 one in
+2, 4 batches an epoch on each rank) and
+launched again unchanged, right away (the killed job's workers may still
+run: the folder's lock is not theirs); every rank ends bit-identical to the
+uninterrupted run. Before these, a persistent loader's resume, a loader's
+own generator and augmentation inside an epoch (with or without workers)
+each resumed silently differently.
+"""
+
+import json
+
+import pytest
+
+from resume_runs import run
+from testutil import assert_identical, final_state
+
+# (name, processes, DATA of tests/workers/resume.py, kill, every_n_steps)
+CASES = [
+    ('persistent-epoch-end', 1, {'num_workers': 2, 'persistent_workers': True},
+     'batch:4:1', None),
+    ('persistent-pinned-prefetch-inside', 2,
+     {'num_workers': 2, 'persistent_workers': True, 'pin_memory': True,
+      'prefetch_factor': 3, 'generator': 11}, 'batch:4:4', 3),
+    ('persistent-epoch-end', 2, {'num_workers': 2, 'persistent_workers': True},
+     'batch:4:1', None),
+    ('augment-torch-in-process-inside', 1, {'augment': 'torch'}, 'batch:4:5', 3),
+    ('augment-numpy-in-process-inside', 2, {'augment': 'numpy'}, 'batch:4:4', 3),
+    ('augment-torch-workers-inside', 2, {'augment': 'torch', 'num_workers': 2},
+     'batch:4:4', 3),
+    ('augment-python-workers-inside', 1, {'augment': 'python', 'num_workers': 2},
+     'batch:4:5', 3),
+    ('augment-torch-workers-epoch-end', 2, {'augment': 'torch', 'num_workers': 2},
+     'batch:4:1', None),
+    ('loader-generator-inside', 1, {'generator': 5}, 'batch:4:5', 3),
+    ('loader-generator-epoch-end', 1, {'generator': 5, 'num_workers': 2}, 'batch:4:1', None),
+    ('weighted-sampler-augment-inside', 1,
+     {'sampler': 'weighted', 'generator': 3, 'augment': 'torch'}, 'batch:4:5', 3),
+    ('batch-sampler-inside', 2, {'sampler': 'batch', 'generator': 3}, 'batch:4:4', 3),
+]
+
+
+def case_param(case):
+    name, nproc, *_ = case
+    # one case of each kind of loader in the quick subset (make test-quick)
+    quick = name in ('persistent-epoch-end', 'augment-torch-in-process-inside') and nproc == 1
+    return pytest.param(case, id=f'{name}-{nproc}proc', marks=() if quick else pytest.mark.slow)
+
+
+@pytest.fixture(scope='module', params=[case_param(case) for case in CASES])
+def case(request, tmp_path_factory):
+    name, nproc, data, kill, every = request.param
+    folder = tmp_path_factory.mktemp(f'data-{name}-{nproc}')
+    env = dict(DATA=json.dumps(data),
+               CKPT_OPTIONS=json.dumps({'every_n_steps': every} if every else {}))
+    full = run(folder, 'full', nproc, dirname='full', **env)
+    killed = run(folder, 'killed', nproc, expect_ok=False, KILL=kill, **env)
+    resumed = run(folder, 'resumed', nproc, **env)
+    return dict(nproc=nproc, folder=folder, full=full, killed=killed, resumed=resumed,
+                inside=every is not None)
+
+
+def test_runs_are_really_distributed(case):
+    for res in case['full'] + case['resumed']:
+        assert res['num_processes'] == case['nproc']
+
+
+def test_the_kill_was_a_sigkill_on_every_rank(case):
+    assert case['killed'].returncodes == [-9] * case['nproc'], case['killed'].report()
+
+
+def test_resumed_from_where_it_was_killed(case):
+    for res in case['resumed']:
+        name = res['loaded_from'].rsplit('/', 1)[-1]
+        assert name.startswith('epoch-0003'), name
+        assert ('-step-' in name) == case['inside'], name
+
+
+def test_every_rank_ends_bit_identical(case):
+    assert_identical(final_state(case['folder'], 'full'),
+                     final_state(case['folder'], 'resumed'))
+    for full, resumed in zip(case['full'], case['resumed'], strict=True):
+        # each rank's own history (its losses of its own shard) and parameters
+        assert full['digest'] == resumed['digest']
+        assert full['history'] == resumed['history']
+
+
+def test_persistent_workers_that_draw_are_refused_at_the_first_batch(tmp_path):
+    data = {'augment': 'torch', 'num_workers': 2, 'persistent_workers': True}
+    result = run(tmp_path, 'refused', 2, expect_ok=False, DATA=json.dumps(data))
+    assert not result.ok
+    with open(tmp_path / 'refused-started-rank1.json') as f:
+        assert json.load(f)['num_processes'] == 2
+    for output in result.outputs:
+        assert 'persistent_workers=True keeps their generators' in output, result.report()
+        assert 'iterator_train__persistent_workers=False' in output
+    # before any step: nothing was saved
+    assert not list((tmp_path / 'ckpt').glob('epoch-*'))
