@@ -72,6 +72,7 @@ __all__ = [
     'shard_folders',
     'set_accumulation_step',
     'set_fsdp2_buffers',
+    'training_settings',
     'uses_automatic_naming',
     'write_large_state',
 ]
@@ -189,6 +190,30 @@ def accelerator_settings(accelerator: Accelerator) -> dict[str, Any]:
         'gradient_accumulation_plugin': GradientAccumulationPlugin(
             **accelerator.gradient_state.plugin_kwargs),
         'kwargs_handlers': [handler for handler in handlers if handler is not None],
+    }
+
+
+def training_settings(accelerator: Accelerator) -> dict[str, Any]:
+    """The settings of ``accelerator`` that change what is trained, by name:
+    its mixed precision, gradient accumulation, how it prepares data
+    loaders (``dataloader_config``) and the random states it synchronizes."""
+    config = accelerator.dataloader_config
+    accumulation = accelerator.gradient_state.plugin_kwargs
+    return {
+        'mixed_precision': str(accelerator.mixed_precision),
+        'gradient_accumulation_steps': int(accelerator.gradient_accumulation_steps),
+        'gradient_accumulation_adjust_scheduler': bool(accumulation.get('adjust_scheduler', True)),
+        'gradient_accumulation_sync_with_dataloader': bool(
+            accumulation.get('sync_with_dataloader', True)),
+        'gradient_accumulation_sync_each_batch': bool(accumulation.get('sync_each_batch', False)),
+        'split_batches': bool(config.split_batches),
+        'even_batches': bool(config.even_batches),
+        'dispatch_batches': config.dispatch_batches,
+        'use_seedable_sampler': bool(config.use_seedable_sampler),
+        'data_seed': config.data_seed,
+        'use_stateful_dataloader': bool(getattr(config, 'use_stateful_dataloader', False)),
+        'step_scheduler_with_optimizer': bool(accelerator.step_scheduler_with_optimizer),
+        'rng_types': [str(kind) for kind in accelerator.rng_types],
     }
 
 

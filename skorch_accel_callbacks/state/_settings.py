@@ -34,7 +34,8 @@ from skorch_accel_callbacks.state._fingerprint import describe
 __all__ = [
     'CALLBACKS_KEY', 'UNRECORDED_ATTRIBUTE', 'USERS_CALLBACKS_KEY', 'allowed', 'callback_params',
     'changed_callback_settings', 'check_epoch_settings', 'check_same_params', 'check_train_rows',
-    'epoch_end_advice', 'epoch_settings', 'train_batch_size', 'training_params']
+    'epoch_end_advice', 'epoch_settings', 'train_batch_size', 'training_params',
+    'accelerator_params', 'ACCELERATOR_PREFIX']
 
 
 # Net parameters that change nothing of what a resumed run trains: they
@@ -56,6 +57,9 @@ _UNCHECKED_PARAMS = frozenset({
 # callbacks have their own state in a checkpoint; names with a leading
 # underscore are skorch's bookkeeping (_params_to_validate)
 _UNCHECKED_PREFIXES = ('callbacks__', 'iterator_valid__', '_')
+#: the recorded settings of the net's Accelerator (accelerator_params)
+ACCELERATOR_PREFIX = 'accelerator.'
+
 
 
 def _checked(name: str) -> bool:
@@ -170,12 +174,25 @@ def callback_params(net: Any) -> dict[str, Any]:
     return params
 
 
+def accelerator_params(net: Any) -> dict[str, Any]:
+    """The settings of the net's ``Accelerator`` that change what is trained
+    (mixed precision, gradient accumulation, the data loader configuration),
+    as ``accelerator.<setting>``; none for a net without one."""
+    accelerator = getattr(net, 'accelerator', None)
+    if accelerator is None:
+        return {}
+    return {f'{ACCELERATOR_PREFIX}{name}': describe(value)
+            for name, value in accelerate_io.training_settings(accelerator).items()}
+
+
 def training_params(net: Any) -> dict[str, Any]:
     """The net's parameters that change what training does (``get_params``
-    without those in ``_UNCHECKED_PARAMS``) and its callbacks' settings
+    without those in ``_UNCHECKED_PARAMS``), its accelerator's settings
+    (:func:`accelerator_params`) and its callbacks' settings
     (:func:`callback_params`), described by :func:`describe`."""
     params = {name: describe(value) for name, value in sorted(net.get_params(deep=False).items())
               if _checked(name)}
+    params.update(accelerator_params(net))
     params.update(callback_params(net))
     return params
 
@@ -383,7 +400,14 @@ def _with_introduced(saved: dict[str, Any], manifest: dict[str, Any],
     """The recorded parameters, with those that a checkpoint written before
     they existed was trained as: without ``reduce_metrics`` each rank
     logged its own losses (False), which makes no difference in one
-    process (then as this run has it)."""
+    process (then as this run has it); without the accelerator's settings,
+    as this run has them."""
+    if not any(name.startswith(ACCELERATOR_PREFIX) for name in saved):
+        # written before the accelerator's settings were recorded: what they
+        # were cannot be told, and a checkpoint inside an epoch was checked
+        # for its gradient accumulation (epoch_settings)
+        saved = dict(saved, **{name: value for name, value in current.items()
+                               if name.startswith(ACCELERATOR_PREFIX)})
     if 'reduce_metrics' in saved or 'reduce_metrics' not in current:
         return saved
     one_process = manifest.get('world_size', 1) == 1
