@@ -75,11 +75,13 @@ def accelerator():
     state.distributed_type, state.fsdp_plugin = saved
 
 
-def refusal(accelerator, tmp_path, kind, plugin=None, **cp_kwargs):
+def refusal(accelerator, tmp_path, kind, plugin=None, net_kwargs=None, **cp_kwargs):
     """What AccelerateCheckpoint refuses when training begins on a net
-    prepared as usual whose accelerator then reports ``kind``."""
+    (with ``net_kwargs``) prepared as usual whose accelerator then reports
+    ``kind``."""
     cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'), **cp_kwargs)
-    net = make_net(accelerator, callbacks=[cp], max_epochs=1).initialize()
+    net = make_net(accelerator, callbacks=[cp], max_epochs=1,
+                   **(net_kwargs or {})).initialize()
     accelerator.state.distributed_type = kind
     accelerator.state.fsdp_plugin = plugin
     with pytest.raises(ValueError) as info:
@@ -117,6 +119,14 @@ def test_async_save_under_fsdp2_is_refused_when_training_begins(accelerator, tmp
         "AccelerateCheckpoint(async_save=True) cannot save in the background under FSDP2")
     assert message.endswith("use async_save=False")
     accelerate_io.check_plain_state(accelerator, 'AccelerateCheckpoint')
+
+
+def test_compiled_modules_under_fsdp2_are_refused_when_training_begins(accelerator, tmp_path):
+    message = refusal(accelerator, tmp_path, DistributedType.FSDP,
+                      FullyShardedDataParallelPlugin(fsdp_version=2),
+                      net_kwargs={'compile': True})
+    assert message.startswith(
+        "AccelerateCheckpoint does not checkpoint FSDP2 with compiled modules (compile=True)")
 
 
 def test_resume_under_fsdp1_is_refused_naming_fsdp2(accelerator, tmp_path):

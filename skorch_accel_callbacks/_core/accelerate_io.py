@@ -33,6 +33,7 @@ from accelerate.utils import (
     WEIGHTS_NAME,
     DistributedType,
     GradientAccumulationPlugin,
+    is_compiled_module,
     save,
 )
 from accelerate.utils.constants import FSDP_MODEL_NAME
@@ -73,6 +74,7 @@ __all__ = [
     'set_accumulation_step',
     'set_fsdp2_buffers',
     'training_settings',
+    'uncompiled',
     'uses_automatic_naming',
     'write_large_state',
 ]
@@ -134,6 +136,13 @@ def prune_registries(accelerator: Accelerator, keep: Callable[[Any, set[int]], b
         registry[:] = kept
 
 
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` without ``torch.compile``'s wrapper (skorch's
+    ``compile=True``): the module whose ``state_dict()`` has the module's
+    own names, without the ``_orig_mod.`` prefix, and shares its tensors."""
+    return model._orig_mod if is_compiled_module(model) else model
+
+
 def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, 'optimizer', optimizer)
 
@@ -145,8 +154,9 @@ def registries_of(
         own_optimizers: Iterable[torch.optim.Optimizer],
 ) -> Iterator[None]:
     """Inside the block, the accelerator's registries hold only these
-    models and optimizers (in registry order) and the schedulers of these
-    optimizers.
+    models (without ``torch.compile``'s wrapper, so that ``save_state`` and
+    ``load_state`` use the module's own names) and optimizers (in registry
+    order) and the schedulers of these optimizers.
 
     Several nets can share one ``Accelerator`` (two nets in a script; every
     ``sklearn.base.clone`` of a net, since ``Accelerator.__deepcopy__``
@@ -158,7 +168,7 @@ def registries_of(
     inner_ids = {id(_inner(optimizer)) for optimizer in own_optimizers}
     registries = (accelerator._models, accelerator._optimizers, accelerator._schedulers)
     saved = [list(registry) for registry in registries]
-    accelerator._models[:] = [m for m in saved[0] if id(m) in model_ids]
+    accelerator._models[:] = [uncompiled(m) for m in saved[0] if id(m) in model_ids]
     accelerator._optimizers[:] = [o for o in saved[1] if id(_inner(o)) in inner_ids]
     accelerator._schedulers[:] = [
         s for s in saved[2]

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from skorch import NeuralNet
 
 __all__ = ['bare_modules', 'check_plain', 'gathered', 'is_sharded', 'is_wrapped', 'net_optimizers',
-           'own_registries', 'unwrapped']
+           'own_registries', 'state_modules', 'unwrapped']
 
 # accelerate's unwrap with keep_fp32_wrapper=False (what skorch uses, so that
 # an unwrapped module pickles) replaces these instance attributes of the inner
@@ -120,6 +120,15 @@ def bare_modules(net: NeuralNet) -> dict[str, torch.nn.Module]:
     }
 
 
+def state_modules(net: NeuralNet) -> dict[str, torch.nn.Module]:
+    """Name -> the module of each module and criterion of ``net`` whose
+    state a checkpoint holds: bare, and without ``torch.compile``'s wrapper
+    (skorch's ``compile=True``), so that its parameters have the module's
+    own names, as a plain skorch net of the same module has them."""
+    return {name: accelerate_io.uncompiled(module)
+            for name, module in bare_modules(net).items()}
+
+
 def net_optimizers(net: NeuralNet) -> list[torch.optim.Optimizer]:
     """The optimizers of ``net`` (as prepared by accelerate, if they are)."""
     return [getattr(net, name + '_') for name in net._optimizers
@@ -196,10 +205,14 @@ def unwrapped(net: NeuralNet) -> Iterator[NeuralNet]:
         if not isinstance(wrapper, torch.nn.Module):
             continue
         wrappers[attr] = wrapper
-        inner = accelerator.unwrap_model(wrapper, keep_fp32_wrapper=True)
+        # without torch.compile's wrapper too: skorch's save_params and
+        # load_params then use the module's own parameter names
+        inner = accelerator.unwrap_model(wrapper, keep_fp32_wrapper=True,
+                                         keep_torch_compile=False)
         forwards[attr] = (inner, {
             key: inner.__dict__.get(key, _MISSING) for key in _FORWARD_ATTRS})
-        setattr(net, attr, accelerator.unwrap_model(wrapper, keep_fp32_wrapper=False))
+        setattr(net, attr, accelerator.unwrap_model(wrapper, keep_fp32_wrapper=False,
+                                                    keep_torch_compile=False))
     net._wrapped_with_accelerator = False
     try:
         yield net

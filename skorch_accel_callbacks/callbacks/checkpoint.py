@@ -48,7 +48,8 @@ def _check_checkpointable(net: NeuralNet, what: str, async_save: bool = False) -
     ``net`` cannot be checkpointed by ``AccelerateCheckpoint``: ``TypeError``
     without an accelerator, ``ValueError`` with
     ``automatic_checkpoint_naming`` (the callback names and retires its
-    folders itself) or a back-end it cannot save (``accelerate_io.check_plain_state``)."""
+    folders itself), a back-end it cannot save (``accelerate_io.check_plain_state``)
+    or FSDP2 with compiled modules."""
     if async_save:
         what += '(async_save=True)'
     accelerator = getattr(net, 'accelerator', None)
@@ -62,6 +63,11 @@ def _check_checkpointable(net: NeuralNet, what: str, async_save: bool = False) -
             "create the Accelerator without "
             "ProjectConfiguration(automatic_checkpoint_naming=True)")
     accelerate_io.check_plain_state(accelerator, what, async_save)
+    if accelerate_io.is_fsdp2(accelerator) and getattr(net, 'compile', False):
+        raise ValueError(
+            f"{what} does not checkpoint FSDP2 with compiled modules (compile=True): "
+            "no resume of that combination has been shown exact; train with "
+            "compile=False under FSDP2, or without FSDP2")
 
 
 class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):

@@ -16,7 +16,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
-from skorch_accel_callbacks._core.wrapping import bare_modules
+from skorch_accel_callbacks._core.wrapping import state_modules
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.format._readers import load_without_code, read_naming_fault
@@ -56,7 +56,7 @@ def model_layout(net: Any) -> list[list[Any]]:
     Raises :class:`CheckpointError` if a module of the net with trainable
     parameters was not prepared by the accelerator.
     """
-    modules = bare_modules(net)
+    modules = state_modules(net)
     by_id = {id(module): name for name, module in modules.items()}
     registered = accelerate_io.models(net.accelerator)
     registered_ids = {id(model) for model in registered}
@@ -132,7 +132,7 @@ def frozen_parameters(net: Any) -> dict[str, list[str]]:
     require no gradient: frozen (skorch's ``Freezer``) or built so."""
     return {name: sorted(key for key, param in module.named_parameters()
                          if not param.requires_grad)
-            for name, module in bare_modules(net).items()}
+            for name, module in state_modules(net).items()}
 
 
 def restore_frozen(net: Any, manifest: dict[str, Any]) -> None:
@@ -144,7 +144,7 @@ def restore_frozen(net: Any, manifest: dict[str, Any]) -> None:
     saved = manifest.get('frozen')
     if not isinstance(saved, dict):
         return
-    for name, module in bare_modules(net).items():
+    for name, module in state_modules(net).items():
         if name in saved:
             frozen = set(saved[name])
             for key, param in module.named_parameters():
