@@ -243,6 +243,8 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self._rng_by_pass = False
         self._skipped = 0
         self._storage: CheckpointStorage | None = None
+        # the net's checkpoint callback this loader resumes (_net_checkpoint)
+        self._followed: AccelerateCheckpoint | None = None
         # the fit/partial_fit call under way, counted from initialize
         self._call = -1
         # the calls the checkpoint read records: the last one continues it
@@ -252,18 +254,44 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     def __getstate__(self) -> dict:
         return dict(self.__dict__, _undo_skip=None)
 
-    def _checkpoint_storage(self, net: Any) -> CheckpointStorage:
-        """The storage of the checkpoint callback that trains with this net:
-        ``checkpoint``'s, or that of the callback of the net with the same
-        folder (a clone of the net holds a copy of ``checkpoint`` here and
-        another in its callbacks); else one of its own."""
-        wanted = os.path.realpath(self.checkpoint.dirname)
-        for _, callback in net.callbacks_:
-            if (isinstance(callback, AccelerateCheckpoint)
-                    and getattr(callback, 'folder_', None) is not None
-                    and os.path.realpath(callback.dirname) == wanted):
-                return callback.folder_
-        return self.checkpoint.open_storage()
+    def _net_checkpoint(self, net: Any) -> AccelerateCheckpoint:
+        """The net's checkpoint callback that this loader resumes from:
+        ``checkpoint`` itself, or, in a clone of the net (``sklearn.base.clone``
+        copies ``checkpoint`` here and in the net's callbacks apart, and
+        ``set_params(callbacks__<name>__dirname=...)`` changes the net's copy
+        only), the net's copy. Raises :class:`CheckpointError` naming the
+        folders if the net has none, or several and none equal to it."""
+        owner = type(self).__name__
+        own = [callback for _, callback in net.callbacks_
+               if isinstance(callback, AccelerateCheckpoint)]
+        if any(callback is self.checkpoint for callback in own):
+            return self.checkpoint
+        if len(own) == 1:
+            return own[0]
+        wanted = self.checkpoint.get_params(deep=False)
+        equal = [callback for callback in own if callback.get_params(deep=False) == wanted]
+        if len(equal) == 1:
+            return equal[0]
+        if not own:
+            raise CheckpointError(
+                f"{owner}'s checkpoint (dirname {self.checkpoint.dirname!r}) is not among "
+                "the net's callbacks: the net would train on without saving where it "
+                "resumes from. Add that AccelerateCheckpoint to the net's callbacks too "
+                "(callbacks=[AccelerateLoadInitState(cp), cp]); to start a new training "
+                "from another run's model, load its parameters instead (LoadInitParams, "
+                "or export's files and net.load_params)")
+        raise CheckpointError(
+            f"{owner}'s checkpoint (dirname {self.checkpoint.dirname!r}) is none of the "
+            "net's AccelerateCheckpoint callbacks (dirnames "
+            f"{', '.join(repr(callback.dirname) for callback in own)}) and equals none of "
+            "them: pass the one to resume from, AccelerateLoadInitState(cp) with cp one of "
+            "the net's callbacks")
+
+    def _checkpoint_storage(self) -> CheckpointStorage:
+        """The storage of the checkpoint callback this loader follows
+        (opened when the net initialized it)."""
+        storage = getattr(self._followed, 'folder_', None)
+        return storage if storage is not None else self._followed.open_storage()
 
     # pylint: disable=arguments-differ
     def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
@@ -275,7 +303,8 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             # blame the modules of a back-end that shards or wraps them itself
             accelerate_io.check_plain_state(accelerator, type(self).__name__)
         move_callback(net, self, 'first')
-        self._storage = self._checkpoint_storage(net)
+        self._followed = self._net_checkpoint(net)
+        self._storage = self._checkpoint_storage()
         # a job refused by the lock must not have read another job's checkpoint
         self._storage.claim(net)
         if not self.did_load_:
@@ -291,7 +320,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         """Read the checkpoint to resume from, if any: whether there was one."""
         chosen = restore.choose_checkpoint(net, self._storage, self.resume)
         if chosen is None:
-            say(net, self.sink, f"No checkpoint in {self.checkpoint.dirname}; "
+            say(net, self.sink, f"No checkpoint in {self._followed.dirname}; "
                                 "training from scratch.")
             return False
         restored = restore.read_checkpoint(net, chosen, restore.ResumeChecks(
@@ -334,7 +363,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             calls = [*self._fit_calls[:call], (begins, last)]
         self._last_epoch = last
         self.resumed_ = Resumed(
-            dirname=os.path.realpath(self.checkpoint.dirname), path=restored.path,
+            dirname=os.path.realpath(self._followed.dirname), path=restored.path,
             name=CheckpointStorage.name_of(restored.path), step=restored.step,
             # on another number of processes, the batches this run skips
             batches=restored.inside.batches if restored.inside else 0,
