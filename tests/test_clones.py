@@ -76,3 +76,32 @@ def test_a_loader_of_none_of_several_checkpoints_is_refused_naming_them(tmp_path
     for name in 'XAB':
         assert repr(str(tmp_path / name)) in message
     assert len(net.history) == 0
+
+
+# ---------------------------------------------------------------- skorch's own
+
+def test_skorch_s_load_init_state_on_an_accelerate_checkpoint_is_refused(tmp_path):
+    from skorch.callbacks import LoadInitState
+    X, y = make_data(n=96)
+    net_of(tmp_path / 'A').fit(X, y)
+    cp = AccelerateCheckpoint(dirname=str(tmp_path / 'A'))
+    net = net_of(tmp_path, max_epochs=3, callbacks=[LoadInitState(cp), cp])
+    with pytest.raises(CheckpointError) as refused:
+        net.fit(X, y)
+    message = str(refused.value)
+    assert "skorch's LoadInitState ('LoadInitState')" in message
+    assert 'Use AccelerateLoadInitState(cp) in its place' in message
+    assert checkpoints(tmp_path / 'A') == ['epoch-0001', 'epoch-0002']
+
+
+@pytest.mark.parametrize('kind', ['Checkpoint', 'TrainEndCheckpoint'])
+def test_skorch_s_checkpoint_for_an_accelerate_loader_is_refused(tmp_path, kind):
+    from skorch import callbacks
+    skorch_cp = getattr(callbacks, kind)(dirname=str(tmp_path / 'A'))
+    net = net_of(tmp_path, callbacks=[AccelerateLoadInitState(skorch_cp), skorch_cp])
+    with pytest.raises(TypeError) as refused:
+        net.initialize()
+    message = str(refused.value)
+    assert f"got skorch's {kind}" in message
+    assert 'use AccelerateCheckpoint(dirname=...)' in message
+    assert 'ParamsCheckpoint with LoadInitParams' in message

@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from skorch.callbacks import Callback
+from skorch.callbacks import Callback, LoadInitState
 from skorch.utils import noop
 
 from skorch_accel_callbacks._core import accelerate_io, base, sync
@@ -552,11 +552,25 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         # the back-end before the model layout, which would blame the
         # modules of a back-end that shards or wraps them itself
         _check_checkpointable(net, type(self).__name__, self.async_save)
+        self._check_no_skorch_loader(net)
         with own_registries(net):
             compat.model_layout(net)
             if not self._buffers_warned:
                 self._buffers_warned = True
                 fsdp_layout.warn_per_rank_buffers(net.accelerator, bare_modules(net))
+
+    def _check_no_skorch_loader(self, net: Any) -> None:
+        """Refuse skorch's own ``LoadInitState`` on this checkpoint: it loads
+        the parameters, optimizer and history only and trains on, without the
+        random states, the data position or the callbacks' state."""
+        for name, callback in net.callbacks_:
+            if isinstance(callback, LoadInitState) and callback.checkpoint is self:
+                raise CheckpointError(
+                    f"skorch's LoadInitState ({name!r}) on {type(self).__name__}(dirname="
+                    f"{self.dirname!r}) would load the parameters and history only and train "
+                    "on without the random states, the data position or the callbacks' "
+                    "state: the run would not go on as the interrupted one would have. Use "
+                    "AccelerateLoadInitState(cp) in its place")
 
     # ------------------------------------------------------------ saving
 

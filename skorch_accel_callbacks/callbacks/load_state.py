@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from skorch.callbacks import Callback
+from skorch.callbacks import Callback, Checkpoint as SkorchCheckpoint, TrainEndCheckpoint
 from skorch.utils import noop
 
 from skorch_accel_callbacks._core import accelerate_io, sync
@@ -207,6 +207,13 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     def initialize(self) -> AccelerateLoadInitState:
         owner = type(self).__name__
+        if isinstance(self.checkpoint, (SkorchCheckpoint, TrainEndCheckpoint)):
+            raise TypeError(
+                f"{owner} resumes an AccelerateCheckpoint, got skorch's "
+                f"{type(self.checkpoint).__name__}, which saves the parameters, optimizer "
+                "and history only: use AccelerateCheckpoint(dirname=...) for an exact "
+                "resume, or, for skorch's semantics (load those and train on), "
+                "ParamsCheckpoint with LoadInitParams")
         if not isinstance(self.checkpoint, AccelerateCheckpoint):
             raise TypeError(
                 f"{owner} needs an AccelerateCheckpoint, got {self.checkpoint!r}")
