@@ -402,3 +402,53 @@ def test_a_manifest_without_callback_settings_resumes_unchecked(tmp_path):
     net = build(tmp_path / 'ck', callbacks=[scheduler(gamma=0.3)])
     net.fit(*make_data(n=N_ROWS))
     assert loaded_from(net) == str(path) and len(net.history) == 2
+
+
+class KeepsACounter(Callback):
+    """A user's callback that keeps state in a plain public attribute."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_batch_end(self, net, **kwargs):
+        self.seen.append(len(self.seen))
+
+
+class KeepsFittedState(Callback):
+    """The same, kept as fitted state (the advice's remedy)."""
+
+    def initialize(self):
+        self.seen_ = []
+        return self
+
+    def on_batch_end(self, net, **kwargs):
+        self.seen_.append(len(self.seen_))
+
+
+def _fit_with(dirname, counter, max_epochs):
+    cp = AccelerateCheckpoint(dirname=str(dirname))
+    torch.manual_seed(0)
+    net = make_net(make_accelerator(), max_epochs=max_epochs,
+                   callbacks=[AccelerateLoadInitState(cp), cp, ('counter', counter)])
+    return net.fit(*make_data(n=320))
+
+
+def test_a_plain_attribute_s_refusal_says_first_how_to_keep_it_exact(tmp_path):
+    _fit_with(tmp_path, KeepsACounter(), 4)
+    with pytest.raises(CheckpointError) as refused:
+        _fit_with(tmp_path, KeepsACounter(), 5)
+    message = str(refused.value)
+    remedy = message.index("make it fitted state: a name ending in '_' ('seen' -> 'seen_')")
+    assert 'counter.seen is not an argument of the callback' in message
+    assert remedy < message.index('check_params=') < message.index('unrecorded_params = True')
+    assert 'not as it was saved' in message
+    # the saved list (40 numbers) is shortened
+    assert 'characters) in the checkpoint' in message
+
+
+def test_the_advice_s_remedy_resumes_exactly(tmp_path):
+    full = _fit_with(tmp_path / 'full', KeepsFittedState(), 3)
+    _fit_with(tmp_path / 'resumed', KeepsFittedState(), 2)
+    resumed = _fit_with(tmp_path / 'resumed', KeepsFittedState(), 3)
+    assert dict(resumed.callbacks_)['counter'].seen_ == dict(full.callbacks_)['counter'].seen_
+    assert torch.equal(resumed.module_.lin.weight, full.module_.lin.weight)

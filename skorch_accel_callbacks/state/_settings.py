@@ -12,6 +12,7 @@ them: the same in every run with the same value, without pickling.
 """
 
 import fnmatch
+import inspect
 import json
 import re
 from collections.abc import Collection, Iterable
@@ -221,7 +222,19 @@ def epoch_settings(net: Any, loader: Any = None) -> dict[str, Any]:
 _MISSING = object()
 
 
+# a value shown in a message is cut to about this many characters
+_SHOWN_CHARACTERS = 80
+
+
 def _show(description: Any) -> str:
+    """A description as a message shows it, a long one shortened."""
+    shown = _show_whole(description)
+    if len(shown) <= _SHOWN_CHARACTERS:
+        return shown
+    return f"{shown[:_SHOWN_CHARACTERS - 20]}... ({len(shown)} characters)"
+
+
+def _show_whole(description: Any) -> str:
     """A description as a message shows it."""
     if description is _MISSING:
         return 'not set'
@@ -359,6 +372,42 @@ def _of_users(changes: list[tuple[str, Any, Any]], saved: dict[str, Any],
     return names
 
 
+def _plain_state(changes: list[tuple[str, Any, Any]], net: Any) -> list[tuple[str, str]]:
+    """``(callback, attribute)`` of each change that is a callback's plain
+    public attribute rather than an argument of its ``__init__``: state kept
+    where skorch's ``get_params`` reports it as a setting (a counter)."""
+    callbacks = dict(getattr(net, 'callbacks_', ()))
+    plain = []
+    for name, _, _ in changes:
+        of = _callback_of(name)
+        callback = callbacks.get(of[0]) if of is not None and of[1] is not None else None
+        if callback is None or '__' in of[1]:
+            continue
+        try:
+            arguments = inspect.signature(type(callback).__init__).parameters
+        except (TypeError, ValueError):
+            continue
+        if of[1] not in arguments:
+            plain.append((of[0], of[1]))
+    return plain
+
+
+def _plain_state_advice(plain: list[tuple[str, str]]) -> str:
+    """How to keep the state of callbacks' plain attributes exact across a
+    resume, first, then the other ways and what each gives up."""
+    attributes = ', '.join(f"{callback}.{attr}" for callback, attr in plain)
+    renamed = ', '.join(f"{attr!r} -> {attr + '_'!r}" for _, attr in plain)
+    return (
+        f"{attributes} {'is' if len(plain) == 1 else 'are'} not an argument of the "
+        "callback's __init__ but state it keeps, which skorch's get_params reports as a "
+        "setting. To resume it exactly, make it fitted state: a name ending in '_' "
+        f"({renamed}), set in the callback's initialize(); a checkpoint holds it and a "
+        "resume restores it (or give the callback state_dict()/load_state_dict()). "
+        "Naming it in check_params or in the class's unrecorded_params lets the resume "
+        "through instead, but the resumed run then starts it as a new run sets it, not "
+        "as it was saved. ")
+
+
 def _of_library(kind: Any) -> bool:
     """Whether a callback's recorded class (:func:`describe`) is skorch's or
     this package's (a class it cannot tell counts as one: not the user's)."""
@@ -456,6 +505,9 @@ def check_same_params(net: Any, manifest: dict[str, Any], path: str,
         said, orders = _explained(refused, saved, current)
         message = f"{path} was trained with other hyper-parameters: " + '; '.join(
             [text for _, text in said] + orders) + '. '
+        plain = _plain_state(refused, net)
+        if plain:
+            message += _plain_state_advice(plain)
         if said:
             # with the names allowed already, if any
             names = tuple(dict.fromkeys(
