@@ -2,6 +2,7 @@
 the trained batches of an epoch costs at a resume.
 
 usage: python benchmarks/bench_mid_epoch.py [--repeats 5] [--rows 1000000]
+       [--resume-rows 16384]
 
 1. The checkpoint callback's batch hook (``on_batch_end``), timed call by
    call inside real training of small batches, in 1 and 2 processes (2 are
@@ -15,6 +16,13 @@ usage: python benchmarks/bench_mid_epoch.py [--repeats 5] [--rows 1000000]
    from restoring the epoch's start and setting the skip to the first
    batch of the rest, against iterating the trained batches (what a resume
    that consumes batches costs before computing anything).
+3. What a relaunch costs: the time from ``fit`` to the first trained batch
+   of a run resumed 10%, 50% and 90% into an epoch, beside that epoch's
+   training time in the uninterrupted run, for three data pipelines: loader
+   workers whose data set draws random numbers (the resume reads the
+   trained batches again through the workers), the same without random
+   draws (skipped by index), and the random data set read in the training
+   process (skipped by index, the read-ahead states given back).
 
 Each configuration runs in turn within each repeat, so that the load of a
 shared machine falls on all of them alike.
@@ -123,23 +131,23 @@ def bench_skip(rows, repeats):
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
 
-    from skorch_accel_callbacks._core import accelerate_io
     from skorch_accel_callbacks.state import _epoch_position as epoch_position
+    from skorch_accel_callbacks.state import _loader_pass as loader_pass
 
     dataset = TensorDataset(torch.from_numpy(np.random.rand(rows, 16).astype(np.float32)))
     accelerator = Accelerator(cpu=True)
     loader = accelerator.prepare(DataLoader(dataset, batch_size=32, shuffle=True))
     skip = int(0.9 * len(loader))
     start_state = epoch_position.EpochStart.capture(loader)
+    control = loader_pass.install(loader)
     times = {'by index': [], 'iterating': []}
     for _ in range(repeats):
         start_state.restore(loader)
         began = time.perf_counter()
-        undo = accelerate_io.skip_first_batches_once(loader, skip)
+        control.plan_resume(loader_pass.ResumePlan(skip=skip))
         iterator = iter(loader)
         next(iterator)
         times['by index'].append(time.perf_counter() - began)
-        undo()
         del iterator
         start_state.restore(loader)
         began = time.perf_counter()
@@ -149,6 +157,85 @@ def bench_skip(rows, repeats):
         times['iterating'].append(time.perf_counter() - began)
         del iterator
     return skip, len(loader), {kind: (min(v), statistics.median(v)) for kind, v in times.items()}
+
+
+RESUME_PIPELINES = {
+    'workers, random rows (read again)': dict(num_workers=2, augment=True),
+    'workers, fixed rows (by index)': dict(num_workers=2, augment=False),
+    'in process, random rows (by index)': dict(num_workers=0, augment=True),
+}
+RESUME_FRACTIONS = (0.1, 0.5, 0.9)
+
+
+def bench_resume(rows, repeats):
+    """Per pipeline and fraction of an epoch: the uninterrupted run's epoch
+    time and, over ``repeats`` relaunches, the seconds from ``fit`` to the
+    first trained batch."""
+    import shutil
+
+    from skorch.callbacks import Callback
+    from skorch.dataset import Dataset
+
+    from common import NotTrainingState, make_accelerator, make_data, make_net
+    from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+
+    class Augmented(Dataset):
+        def __init__(self, X, y=None, length=None, augment=True):
+            super().__init__(X, y, length=length)
+            self.augment = augment
+
+        def __getitem__(self, i):
+            Xi, yi = super().__getitem__(i)
+            if self.augment:
+                Xi = Xi + 0.01 * torch.rand(Xi.shape).numpy()
+            return Xi, yi
+
+    class FirstBatch(NotTrainingState, Callback):
+        """When the first training batch begins; then the relaunch stops."""
+
+        def initialize(self):
+            self.at = None
+            return self
+
+        def on_batch_begin(self, net, training=False, **kwargs):
+            if training and self.at is None:
+                self.at = time.perf_counter()
+                raise KeyboardInterrupt
+
+    X, y = make_data(n=rows, n_features=32)
+    batches = rows // 32
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for pipeline, options in RESUME_PIPELINES.items():
+            for fraction in RESUME_FRACTIONS:
+                folder = f'{tmp}/{len(results)}'
+                # saved once, inside epoch 2 at the fraction's batch
+                every = batches + round(fraction * batches)
+
+                def net_of(dirname, callbacks=(), resume='latest', _every=every,
+                           _options=options):
+                    cp = AccelerateCheckpoint(dirname=dirname, every_n_steps=_every)
+                    torch.manual_seed(0)
+                    return make_net(
+                        make_accelerator(), max_epochs=2, batch_size=32, train_split=None,
+                        module__n_in=32, dataset=Augmented, dataset__augment=_options['augment'],
+                        iterator_train__num_workers=_options['num_workers'],
+                        callbacks=[AccelerateLoadInitState(cp, resume=resume), cp, *callbacks])
+
+                full = net_of(f'{folder}/saved').fit(X, y)
+                saved = [name for name in dict(full.callbacks_)['AccelerateCheckpoint']
+                         .committed() if '-step-' in name]
+                times = []
+                for repeat in range(repeats):
+                    copy = f'{folder}/relaunch{repeat}'
+                    shutil.copytree(f'{folder}/saved', copy)
+                    first = FirstBatch()
+                    began = time.perf_counter()
+                    net_of(copy, [first], resume=saved[0]).fit(X, y)
+                    times.append(first.at - began)
+                results[(pipeline, fraction)] = (full.history[1]['dur'], min(times),
+                                                 statistics.median(times))
+    return batches, results
 
 
 def table(header, rows):
@@ -164,6 +251,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--rows', type=int, default=1_000_000)
+    parser.add_argument('--resume-rows', type=int, default=16384)
     parser.add_argument('--worker', nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -181,6 +269,15 @@ def main():
           "32): seconds to the first batch of the rest\n")
     print(table(['skipping', 'min s', 'median s'],
                 [[kind, f'{a:.3f}', f'{b:.3f}'] for kind, (a, b) in times.items()]))
+    batches, resumes = bench_resume(args.resume_rows, args.repeats)
+    print(f"\nRelaunch inside an epoch of {batches} batches ({args.resume_rows} rows, 1 "
+          "process): seconds from fit to the first trained batch, beside the epoch's "
+          "training time in the uninterrupted run\n")
+    print(table(['data pipeline', 'into the epoch', 'epoch s', 'min s', 'median s',
+                 'median / epoch'],
+                [[pipeline, f'{fraction:.0%}', f'{epoch:.2f}', f'{low:.2f}', f'{median:.2f}',
+                  f'{median / epoch:.2f}']
+                 for (pipeline, fraction), (epoch, low, median) in resumes.items()]))
 
 
 if __name__ == '__main__':
