@@ -131,8 +131,10 @@ def bench_skip(rows, repeats):
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
 
-    from skorch_accel_callbacks.state import _epoch_position as epoch_position
-    from skorch_accel_callbacks.state import _loader_pass as loader_pass
+    from skorch_accel_callbacks.state import (
+        _epoch_position as epoch_position,
+        _loader_pass as loader_pass,
+    )
 
     dataset = TensorDataset(torch.from_numpy(np.random.rand(rows, 16).astype(np.float32)))
     accelerator = Accelerator(cpu=True)
