@@ -1,7 +1,11 @@
 """The resume contract's fuzzer: Hypothesis strategies of configurations,
 the runners (in this process, or launched in 2 processes), and the oracle.
 
-A configuration (see tests/workers/contract_run.py, which runs one) is a
+A configuration (see tests/workers/contract_run.py, which runs one) draws
+the net, its callbacks, the saves, the script of fit calls, the
+interruption, a change between launches and the training data pipeline
+(:func:`data_pipelines`: loader workers, persistent or not, the loader's own
+generator, rows drawing random numbers as they are read). It is a
 plain JSON-able dict, so that a failure prints it as it is and
 ``CONTRACT_CONFIG='<json>'`` reruns it (test_contract_fuzz.py::test_replay).
 
@@ -277,7 +281,29 @@ def configs(draw, nproc=1, backend='none', interrupts=('none', 'sigterm', 'crash
         # after the relaunch, net.load_params(checkpoint=...) with the
         # newest checkpoint's model file damaged (issue 28's item 8)
         config['damage'] = draw(st.sampled_from(('none', 'grown', 'truncated')))
+    # drawn last, so that the examples drawn before it stay as they were
+    config['data'] = draw(data_pipelines())
     return config
+
+
+@st.composite
+def data_pipelines(draw):
+    """The training data pipeline (``common.data_pipeline``): loader workers,
+    persistent or not, the loader's own shuffling generator, and a data set
+    that draws random numbers as it reads a row (torch's, numpy's or
+    Python's generator)."""
+    workers = draw(st.sampled_from((0, 2)))
+    augment = draw(st.sampled_from((None, 'torch', 'numpy', 'python')))
+    pipeline = {'num_workers': workers}
+    # persistent workers that draw are refused at the first batch
+    # (tests/test_data_pipeline.py), not resumed
+    if workers and augment is None:
+        pipeline['persistent_workers'] = draw(st.booleans())
+    if augment is not None:
+        pipeline['augment'] = augment
+    if draw(st.booleans()):
+        pipeline['generator'] = draw(st.integers(0, 2 ** 16))
+    return pipeline
 
 
 # ------------------------------------------------------------------ running

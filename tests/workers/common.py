@@ -3,6 +3,7 @@
 import atexit
 import json
 import os
+import random
 import time
 from datetime import timedelta
 
@@ -14,7 +15,9 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import InitProcessGroupKwargs
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
+from skorch.dataset import Dataset
 from skorch.hf import AccelerateMixin
+from torch.utils.data import BatchSampler, RandomSampler, WeightedRandomSampler
 
 from skorch_accel_callbacks import AccelerateFixesMixin
 
@@ -96,6 +99,49 @@ def make_net(accelerator, net_cls=FixedNet, **kwargs):
     )
     params.update(kwargs)
     return net_cls(**params)
+
+
+class Augmented(Dataset):
+    """skorch's Dataset whose rows get noise drawn from a global generator
+    (``augment``: torch, numpy or python) each time they are read, as
+    random augmentation does (torchvision's transforms draw from torch's)."""
+
+    def __init__(self, X, y=None, length=None, augment='torch'):
+        super().__init__(X, y, length=length)
+        self.augment = augment
+
+    def __getitem__(self, i):
+        Xi, yi = super().__getitem__(i)
+        if self.augment == 'torch':
+            noise = torch.rand(Xi.shape).numpy()
+        elif self.augment == 'numpy':
+            noise = np.random.rand(*Xi.shape)
+        else:
+            noise = np.array([random.random() for _ in range(Xi.shape[0])])
+        return (Xi + 0.1 * noise).astype(np.float32), yi
+
+
+def data_pipeline(options, train_rows=None):
+    """The net's arguments for the training data pipeline that ``options``
+    (the DATA environment variable, decoded) describes; ``train_rows``, the
+    number of training rows, is needed by its samplers."""
+    kwargs = {f'iterator_train__{key}': options[key] for key in
+              ('num_workers', 'persistent_workers', 'pin_memory', 'prefetch_factor')
+              if key in options}
+    if options.get('generator') is not None:
+        kwargs['iterator_train__generator'] = torch.Generator().manual_seed(options['generator'])
+    if options.get('sampler') == 'weighted':
+        weights = torch.linspace(0.2, 1.0, train_rows, dtype=torch.float64)
+        kwargs.update(iterator_train__shuffle=False, iterator_train__sampler=WeightedRandomSampler(
+            weights, train_rows, generator=kwargs.get('iterator_train__generator')))
+    elif options.get('sampler') == 'batch':
+        sampler = RandomSampler(range(train_rows),
+                                generator=kwargs.get('iterator_train__generator'))
+        kwargs.update(iterator_train__shuffle=False, iterator_train__batch_size=1,
+                      iterator_train__batch_sampler=BatchSampler(sampler, 32, drop_last=False))
+    if options.get('augment'):
+        kwargs.update(dataset=Augmented, dataset__augment=options['augment'])
+    return kwargs
 
 
 class NotTrainingState:

@@ -57,7 +57,15 @@ from skorch.dataset import ValidSplit
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, ReduceLROnPlateau, StepLR
 
-from common import NotTrainingState, make_accelerator, make_data, make_net, rank, settle_gloo
+from common import (
+    NotTrainingState,
+    data_pipeline,
+    make_accelerator,
+    make_data,
+    make_net,
+    rank,
+    settle_gloo,
+)
 from fsdp_backend import fsdp_accelerator
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
@@ -278,6 +286,8 @@ def build(config, dirname, relaunch, accelerator):
     if config['batchnorm']:
         # a training batch of one row is an error of BatchNorm1d
         kwargs['iterator_train__drop_last'] = True
+    # workers, the loader's own generator, random rows (contract_fuzz.data_pipelines)
+    kwargs.update(data_pipeline(config.get('data', {})))
     net = make_net(
         accelerator, module=MLP, module__hidden=config['hidden'],
         module__batchnorm=config['batchnorm'], module__dropout=config['dropout'],

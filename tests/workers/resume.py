@@ -57,9 +57,8 @@ import numpy as np
 import torch
 from accelerate.utils import ProjectConfiguration
 from skorch.callbacks import Callback, EarlyStopping, EpochScoring, LRScheduler
-from skorch.dataset import Dataset, ValidSplit
+from skorch.dataset import ValidSplit
 from torch.optim.lr_scheduler import CyclicLR, ReduceLROnPlateau, StepLR
-from torch.utils.data import BatchSampler, RandomSampler, WeightedRandomSampler
 
 from common import (
     MLP,
@@ -67,6 +66,7 @@ from common import (
     FixedNet,
     NotTrainingState,
     StockNet,
+    data_pipeline,
     make_accelerator,
     make_data,
     make_net,
@@ -267,48 +267,6 @@ class TwoModuleNet(FixedNet):
 
     def infer(self, x, **fit_params):
         return self.head2_(super().infer(x, **fit_params))
-
-
-class Augmented(Dataset):
-    """skorch's Dataset whose rows get noise drawn from a global generator
-    (``augment``: torch, numpy or python) each time they are read, as
-    random augmentation does (torchvision's transforms draw from torch's)."""
-
-    def __init__(self, X, y=None, length=None, augment='torch'):
-        super().__init__(X, y, length=length)
-        self.augment = augment
-
-    def __getitem__(self, i):
-        Xi, yi = super().__getitem__(i)
-        if self.augment == 'torch':
-            noise = torch.rand(Xi.shape).numpy()
-        elif self.augment == 'numpy':
-            noise = np.random.rand(*Xi.shape)
-        else:
-            noise = np.array([random.random() for _ in range(Xi.shape[0])])
-        return (Xi + 0.1 * noise).astype(np.float32), yi
-
-
-def data_pipeline(options, train_rows):
-    """The net's arguments for the training data pipeline that ``options``
-    (the DATA environment variable, decoded) describes."""
-    kwargs = {f'iterator_train__{key}': options[key] for key in
-              ('num_workers', 'persistent_workers', 'pin_memory', 'prefetch_factor')
-              if key in options}
-    if options.get('generator') is not None:
-        kwargs['iterator_train__generator'] = torch.Generator().manual_seed(options['generator'])
-    if options.get('sampler') == 'weighted':
-        weights = torch.linspace(0.2, 1.0, train_rows, dtype=torch.float64)
-        kwargs.update(iterator_train__shuffle=False, iterator_train__sampler=WeightedRandomSampler(
-            weights, train_rows, generator=kwargs.get('iterator_train__generator')))
-    elif options.get('sampler') == 'batch':
-        sampler = RandomSampler(range(train_rows),
-                                generator=kwargs.get('iterator_train__generator'))
-        kwargs.update(iterator_train__shuffle=False, iterator_train__batch_size=1,
-                      iterator_train__batch_sampler=BatchSampler(sampler, 32, drop_last=False))
-    if options.get('augment'):
-        kwargs.update(dataset=Augmented, dataset__augment=options['augment'])
-    return kwargs
 
 
 def build(dirname, scenario, ckpt_options):
