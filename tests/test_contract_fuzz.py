@@ -195,6 +195,35 @@ def test_fsdp2_contract(batch):
     check_launched(batch)
 
 
+# the examples that found the data pipeline's divergences on the code before
+# they were fixed (every one differs_params there), shrunk: a SIGTERM inside
+# epoch 3 saves there (or a crash ends the run), the relaunch goes on
+DATA_EXAMPLE = {
+    'backend': 'none', 'batch_size': 8, 'batchnorm': True,
+    'callbacks': [{'kind': 'tally', 'name': 'tally', 'params': {'scale': 1.0}}],
+    'change': {'kind': 'none'}, 'damage': 'none', 'dropout': 0.2, 'hidden': 16,
+    'interrupt': {'batch': 19, 'kind': 'sigterm', 'who': 'all'}, 'lr': 0.05,
+    'max_epochs': 4, 'momentum': 0.9, 'nproc': 1, 'rows': 115,
+    'saves': {'async_save': False, 'every_n_epochs': 1, 'every_n_steps': None, 'keep_last': 3},
+    'script': 'fit', 'valid': False,
+}
+DATA_EXAMPLES = [
+    ({'num_workers': 2, 'persistent_workers': True}, 'sigterm'),
+    ({'num_workers': 2, 'augment': 'torch'}, 'sigterm'),
+    ({'num_workers': 0, 'augment': 'numpy'}, 'sigterm'),
+    ({'num_workers': 0, 'generator': 7}, 'sigterm'),
+    ({'num_workers': 2, 'augment': 'python', 'generator': 3}, 'crash'),
+]
+
+
+@pytest.mark.parametrize('data, interrupt', DATA_EXAMPLES,
+                         ids=[json.dumps(data) + '-' + kind for data, kind in DATA_EXAMPLES])
+def test_data_pipeline_examples(data, interrupt):
+    config = dict(DATA_EXAMPLE, data=data,
+                  interrupt=dict(DATA_EXAMPLE['interrupt'], kind=interrupt))
+    check_one_process(config)
+
+
 def replay(drawn):
     """Rerun the configuration (a dict) or launched batch (a list) that a
     failure printed, without Hypothesis (whose note() needs a test)."""

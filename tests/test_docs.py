@@ -96,7 +96,7 @@ SHELL = [source for blocks in BLOCKS.values() for language, _, _, source in bloc
 LEAVES = {
     'README.rst': ['checkpoints/latest.json', 'checkpoints/epoch-0008'],
     'quickstart.rst': ['checkpoints/latest.json', 'checkpoints/epoch-0008',
-                       'model/params.safetensors', 'checkpoints-fold1/latest.json'],
+                       'model/params.safetensors', 'search'],
     'mid_epoch.rst': ['checkpoints-steps/epoch-0001-step-00000005', 'checkpoints-steps/epoch-0002'],
     'params.rst': ['best/params.pt', 'final/train_end_params.pt', 'weights.pt'],
     'several_machines.rst': ['checkpoints-node0/epoch-0002'],

@@ -32,6 +32,7 @@ from skorch_accel_callbacks.state import (
     _fingerprint as fingerprint,
     _fsdp_layout as fsdp_layout,
     _loader_pass as loader_pass,
+    _settings as settings,
     _training_state as training_state,
 )
 from skorch_accel_callbacks.storage._interface import CheckpointStorage
@@ -40,7 +41,10 @@ from skorch_accel_callbacks.storage._open import open_storage
 if TYPE_CHECKING:
     from skorch import NeuralNet
 
-__all__ = ['AccelerateCheckpoint']
+__all__ = ['AccelerateCheckpoint', 'FIT_PLACEHOLDER']
+
+#: in ``dirname``, stands for the folder of each fit (:meth:`AccelerateCheckpoint.folder_for_fit`)
+FIT_PLACEHOLDER = '{fit}'
 
 
 def _check_checkpointable(net: NeuralNet, what: str, async_save: bool = False) -> None:
@@ -83,6 +87,11 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     ----------
     dirname : str or os.PathLike (default='checkpoints')
       Folder of the checkpoints, or a store's URL (``s3://bucket/run1``); one job at a time.
+      With ``{fit}`` in it (``'search/{fit}'``), each fit gets a folder of its own:
+      ``{fit}`` becomes a digest of the net's recorded settings, its
+      ``max_epochs`` and its training data, when the fit begins. The fits of a
+      ``GridSearchCV`` or ``cross_validate`` then never resume each other's, and
+      the same search relaunched resumes each of its own.
 
     monitor : str, callable or None (default=None)
       Which epochs are best: a boolean history column (``'valid_loss_best'``)
@@ -281,10 +290,11 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self._check_arguments()
         self.signals_ = check_signals(self.save_on_signal, type(self).__name__)
         self.close()
-        self.folder_: CheckpointStorage = self.open_storage()
-        writer = SyncWriter(self.folder_, Retention(self.keep_last, self.keep_best),
-                            self.durable, self.safe_serialization, self.sink)
-        self.writer_ = BackgroundWriter(writer) if self.async_save else writer
+        self.fit_dirname_ = None
+        self.folder_: CheckpointStorage | None = None
+        self.writer_ = None
+        if not self.per_fit_dirname:
+            self._open(os.fspath(self.dirname))
         self.last_saved_ = None
         self.global_step_ = 0
         self._poll = StepPoll(self.every_n_seconds)
@@ -342,13 +352,45 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
                                 self.every_n_seconds, self.keep_best)
         base.check_sink(self.sink, owner)
 
+    @property
+    def per_fit_dirname(self) -> bool:
+        """Whether ``dirname`` names a folder per fit (holds ``{fit}``)."""
+        return FIT_PLACEHOLDER in os.fspath(self.dirname)
+
     def open_storage(self) -> CheckpointStorage:
-        """A new storage object of ``dirname`` (with a store's URL, staged in
-        ``local_dir``, opened with ``storage_options``, as patient and with
-        a lease as ``outage_seconds`` and ``lease_seconds`` say)."""
-        return open_storage(self.dirname, self.local_dir, self.storage_options,
+        """A new storage object of ``dirname`` (of the fit under way, with
+        ``{fit}``; with a store's URL, staged in ``local_dir``, opened with
+        ``storage_options``, as patient and with a lease as
+        ``outage_seconds`` and ``lease_seconds`` say)."""
+        dirname = getattr(self, 'fit_dirname_', None) or os.fspath(self.dirname)
+        if FIT_PLACEHOLDER in dirname:
+            raise ValueError(
+                f"{type(self).__name__}(dirname={dirname!r}) names a folder per fit: which "
+                "folder is known once a fit begins; read a fit's checkpoints through its "
+                "fit_dirname_, or name the folder itself")
+        return open_storage(dirname, self.local_dir, self.storage_options,
                             outage_seconds=self.outage_seconds,
                             lease_seconds=self.lease_seconds)
+
+    def _open(self, dirname: str) -> None:
+        """Open the storage of ``dirname`` and its writer."""
+        self.fit_dirname_ = dirname
+        self.folder_ = self.open_storage()
+        writer = SyncWriter(self.folder_, Retention(self.keep_last, self.keep_best),
+                            self.durable, self.safe_serialization, self.sink)
+        self.writer_ = BackgroundWriter(writer) if self.async_save else writer
+
+    def folder_for_fit(self, net: Any, X: Any = None, y: Any = None) -> CheckpointStorage:
+        """The storage of the fit that begins with ``X`` and ``y``: of
+        ``dirname``, or with ``{fit}`` in it, of the folder of this fit's
+        settings and data (the one of the fit before is released first)."""
+        if self.per_fit_dirname:
+            wanted = os.fspath(self.dirname).replace(
+                FIT_PLACEHOLDER, settings.fit_id(net, fingerprint.data_fingerprint(X, y)))
+            if wanted != self.fit_dirname_:
+                self.close()
+                self._open(wanted)
+        return self.folder_
 
     def _reader(self) -> CheckpointStorage:
         # reading needs no initialize(): a script that only loads creates the callback
@@ -367,6 +409,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
 
     # pylint: disable=arguments-differ
     def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
+        self.folder_for_fit(net, X, y)
         self._check_net(net)
         base.move_callback(net, self, 'last')
         self.folder_.claim(net)
@@ -518,7 +561,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     def _take_resumed(self, net: Any) -> bool:
         """Count on from the checkpoint this fit resumed from, if it did (a
         ``partial_fit`` goes on without loading); return whether it did."""
-        record = base.find_resumed(net, self.dirname)
+        record = base.find_resumed(net, self.fit_dirname_)
         if record is None or record is self._resumed:
             return False
         self._resumed = record

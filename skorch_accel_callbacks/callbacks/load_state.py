@@ -294,11 +294,11 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             "them: pass the one to resume from, AccelerateLoadInitState(cp) with cp one of "
             "the net's callbacks")
 
-    def _checkpoint_storage(self) -> CheckpointStorage:
-        """The storage of the checkpoint callback this loader follows
-        (opened when the net initialized it)."""
-        storage = getattr(self._followed, 'folder_', None)
-        return storage if storage is not None else self._followed.open_storage()
+    def _checkpoint_storage(self, net: Any, X: Any, y: Any) -> CheckpointStorage:
+        """The storage of the checkpoint callback this loader follows, for
+        the fit that begins with ``X`` and ``y`` (its folder of this fit,
+        with ``{fit}`` in its ``dirname``)."""
+        return self._followed.folder_for_fit(net, X, y)
 
     # pylint: disable=arguments-differ
     def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
@@ -311,7 +311,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             accelerate_io.check_plain_state(accelerator, type(self).__name__)
         move_callback(net, self, 'first')
         self._followed = self._net_checkpoint(net)
-        self._storage = self._checkpoint_storage()
+        self._storage = self._checkpoint_storage(net, X, y)
         # a job refused by the lock must not have read another job's checkpoint
         self._storage.claim(net)
         if not self.did_load_:
@@ -327,7 +327,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         """Read the checkpoint to resume from, if any: whether there was one."""
         chosen = restore.choose_checkpoint(net, self._storage, self.resume)
         if chosen is None:
-            say(net, self.sink, f"No checkpoint in {self._followed.dirname}; "
+            say(net, self.sink, f"No checkpoint in {self._followed.fit_dirname_}; "
                                 "training from scratch.")
             return False
         restored = restore.read_checkpoint(net, chosen, restore.ResumeChecks(
@@ -370,7 +370,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             calls = [*self._fit_calls[:call], (begins, last)]
         self._last_epoch = last
         self.resumed_ = Resumed(
-            dirname=os.path.realpath(self._followed.dirname), path=restored.path,
+            dirname=os.path.realpath(self._followed.fit_dirname_), path=restored.path,
             name=CheckpointStorage.name_of(restored.path), step=restored.step,
             # on another number of processes, the batches this run skips
             batches=restored.inside.batches if restored.inside else 0,

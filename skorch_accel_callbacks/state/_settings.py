@@ -12,6 +12,7 @@ them: the same in every run with the same value, without pickling.
 """
 
 import fnmatch
+import hashlib
 import inspect
 import json
 import re
@@ -36,7 +37,7 @@ __all__ = [
     'CALLBACKS_KEY', 'UNRECORDED_ATTRIBUTE', 'USERS_CALLBACKS_KEY', 'allowed', 'callback_params',
     'changed_callback_settings', 'check_epoch_settings', 'check_same_params', 'check_train_rows',
     'epoch_end_advice', 'epoch_settings', 'train_batch_size', 'training_params',
-    'accelerator_params', 'ACCELERATOR_PREFIX']
+    'accelerator_params', 'ACCELERATOR_PREFIX', 'fit_id']
 
 
 # Net parameters that change nothing of what a resumed run trains: they
@@ -196,6 +197,17 @@ def training_params(net: Any) -> dict[str, Any]:
     params.update(accelerator_params(net))
     params.update(callback_params(net))
     return params
+
+
+def fit_id(net: Any, data: Any) -> str:
+    """A short digest of one fit: the net's recorded settings
+    (:func:`training_params`), its ``max_epochs`` (which the resume check
+    lets change, but which decides what a finished fit returns) and the
+    fingerprint of its training data, ``data``. The same for a clone fitted
+    on the same data, on every rank and in every run."""
+    described = {'params': training_params(net), 'max_epochs': net.max_epochs, 'data': data}
+    text = json.dumps(described, sort_keys=True, default=repr)
+    return hashlib.blake2b(text.encode(), digest_size=6).hexdigest()
 
 
 def train_batch_size(net: Any) -> Any:

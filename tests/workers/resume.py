@@ -147,10 +147,10 @@ def fail_save(failing_rank, epoch):
     """Make one rank's write fail as on a full disk."""
     original = training_state.save_rank_state
 
-    def no_space(folder, rank_, loader):
+    def no_space(folder, rank_, *args, **kwargs):
         if rank_ == failing_rank and folder.endswith(f'epoch-{epoch:04d}.partial'):
             raise OSError(errno.ENOSPC, 'No space left on device', folder)
-        return original(folder, rank_, loader)
+        return original(folder, rank_, *args, **kwargs)
 
     training_state.save_rank_state = no_space
 
