@@ -36,12 +36,18 @@ def start(script, *args):
                             env=env)
 
 
-def wait_for(path, proc):
+def wait_for_file(path, proc):
+    """Wait until ``path`` exists while the holder ``proc`` runs."""
     deadline = time.monotonic() + DEADLINE_S
     while not os.path.exists(path):
         assert proc.poll() is None, f"the holder ended with {proc.returncode}"
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.05)
+
+
+def wait_for(path, proc):
+    """The JSON the holder ``proc`` writes to ``path``, once it is there."""
+    wait_for_file(path, proc)
     with open(path) as f:
         return json.load(f)
 
@@ -153,11 +159,3 @@ def test_a_lock_whose_recorded_job_ended_is_waited_for_never_called_running(
     finally:
         orphan.kill()
         orphan.wait()
-
-
-def wait_for_file(path, proc):
-    deadline = time.monotonic() + DEADLINE_S
-    while not os.path.exists(path):
-        assert proc.poll() is None, f"the holder ended with {proc.returncode}"
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
