@@ -103,3 +103,29 @@ def test_persistent_workers_that_draw_are_refused_at_the_first_batch(tmp_path):
         assert 'iterator_train__persistent_workers=False' in output
     # before any step: nothing was saved
     assert not list((tmp_path / 'ckpt').glob('epoch-*'))
+
+
+def test_a_net_fitted_with_persistent_workers_pickles(tmp_path):
+    """skorch's AccelerateMixin makes PrintLog's sink the accelerator's
+    print: pickling it pickled the accelerator, whose registry holds the
+    loader of persistent workers, which torch cannot pickle."""
+    import pickle
+
+    import torch
+
+    from common import make_accelerator, make_data, make_net
+    from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+
+    cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'))
+    torch.manual_seed(0)
+    net = make_net(make_accelerator(), callbacks=[AccelerateLoadInitState(cp), cp],
+                   max_epochs=1, iterator_train__num_workers=2,
+                   iterator_train__persistent_workers=True)
+    X, y = make_data(n=96)
+    net.fit(X, y)
+    sink = dict(net.callbacks_)['print_log'].sink
+    again = pickle.loads(pickle.dumps(net))
+    assert (again.predict(X) == net.predict(X)).all()
+    # the net pickled keeps its own sink; the unpickled one prints as it did
+    assert dict(net.callbacks_)['print_log'].sink is sink
+    dict(again.callbacks_)['print_log'].sink('printed on the main process')

@@ -3,6 +3,7 @@ and how a net with an accelerator is pickled (:func:`dump_net`)."""
 
 from __future__ import annotations
 
+import copy
 import pickle
 import signal
 from collections.abc import Callable, Iterator
@@ -10,7 +11,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, BinaryIO, Self
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.optimizer import AcceleratedOptimizer
 from skorch.callbacks import Callback, EpochScoring, LRScheduler
 from skorch.hf import AccelerateMixin
@@ -35,6 +36,41 @@ class _ThisProcessAccelerator:
 
     def __reduce__(self) -> tuple[Callable[..., Accelerator], tuple[dict[str, Any]]]:
         return accelerate_io.accelerator_of_this_process, (self.settings,)
+
+
+class _MainProcessPrint:
+    """Stands for an accelerator's ``print`` (skorch's ``AccelerateMixin``
+    makes it ``PrintLog``'s sink) in a pickle: prints on the main process of
+    the process that unpickled it, as ``Accelerator.print`` does, without
+    pickling the accelerator (whose registry holds the training loaders, and
+    a loader of persistent workers cannot be pickled)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        PartialState().print(*args, **kwargs)
+
+
+def _print_of(value: Any, accelerator: Any) -> bool:
+    """Whether ``value`` is ``accelerator.print``, bound."""
+    return (accelerator is not None and getattr(value, '__self__', None) is accelerator
+            and getattr(value, '__func__', None) is getattr(type(accelerator), 'print', None))
+
+
+def _without_print_of(accelerator: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with :class:`_MainProcessPrint` for ``accelerator.print``
+    where a net's parameter or a callback's ``sink`` holds it (a copy of that
+    callback: the net pickled keeps its own)."""
+    state = {key: _MainProcessPrint() if _print_of(value, accelerator) else value
+             for key, value in state.items()}
+    callbacks = state.get('callbacks_')
+    if isinstance(callbacks, list):
+        replaced = []
+        for name, callback in callbacks:
+            if _print_of(getattr(callback, 'sink', None), accelerator):
+                callback = copy.copy(callback)
+                callback.sink = _MainProcessPrint()
+            replaced.append((name, callback))
+        state['callbacks_'] = replaced
+    return state
 
 
 class _NetPickler(pickle.Pickler):
@@ -244,7 +280,7 @@ class AccelerateFixesMixin:
     rank's own, as skorch does:
 
     >>> import torch
-    >>> from accelerate import Accelerator
+    >>> from accelerate import Accelerator, PartialState
     >>> from skorch.callbacks import EarlyStopping
     >>> net = AcceleratedNet(torch.nn.Linear, module__in_features=4,
     ...                      module__out_features=2, criterion=torch.nn.CrossEntropyLoss,
@@ -277,6 +313,7 @@ class AccelerateFixesMixin:
         state.pop('_accelerator_loaders', None)
         state.pop('_accelerator_registered', None)
         state.pop('_sigint_watch', None)
+        state = _without_print_of(state.get('accelerator'), state)
         if isinstance(state.get('accelerator'), Accelerator):
             state['accelerator'] = _ThisProcessAccelerator(state['accelerator'])
         return state
