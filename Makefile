@@ -3,7 +3,8 @@
 # (of the crash points, a seeded subset), `make test-crash` every crash point
 # and the kill suites that sample at their full length,
 # `make test-quick` its quick subset (1- and 2-process basics, no slow or fault
-# tests), `make fuzz` the resume contract's fuzzer at length (FUZZ_EXAMPLES
+# tests), `make test-extended` the cases of a suite beside those make test
+# runs, `make fuzz` the resume contract's fuzzer at length (FUZZ_EXAMPLES
 # in-process examples, FUZZ_LAUNCHED batches of 2-process ones each for DDP and
 # FSDP2), `make lint` ruff (configured in pyproject.toml), `make docs` the
 # Sphinx site of docs/ into docs/_build/html, warnings as errors; each sets up its own
@@ -13,7 +14,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-s3 test test-quick test-crash fuzz lint docs bench bench-s3 clean
+.PHONY: demo demo-s3 test test-quick test-extended test-crash fuzz lint docs bench bench-s3 clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,11 +30,16 @@ demo-s3: $(STAMP)
 	$(PY) examples/resume_demo.py --store s3 --out runs/demo-s3
 
 test: $(STAMP)
-	@echo "make test: about 25 minutes on 2 cores; at the start the fault suites print nothing for minutes"
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not crash" tests
+	@echo "make test: about 30 minutes on 2 cores; at the start the fault suites print nothing for minutes"
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not crash and not extended" tests
 
 test-quick: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not faults" tests
+
+# the cases of a suite beside those make test runs (the data pipeline's
+# other loader settings and processes)
+test-extended: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadfile -m extended tests
 
 # every crash point of a local save (1 and 2 processes) and of an upload,
 # killed and relaunched (tests/faults/test_crash_points.py; make test runs a

@@ -47,11 +47,20 @@ CASES = [
 ]
 
 
+# make test runs these: each mechanism once, in 1 and 2 processes (the
+# others: make test-extended); the first two also in make test-quick
+IN_MAKE_TEST = {('persistent-epoch-end', 1), ('augment-torch-in-process-inside', 1),
+                ('persistent-pinned-prefetch-inside', 2), ('augment-torch-workers-inside', 2),
+                ('loader-generator-inside', 1)}
+QUICK = {('persistent-epoch-end', 1), ('augment-torch-in-process-inside', 1)}
+
+
 def case_param(case):
     name, nproc, *_ = case
-    # one case of each kind of loader in the quick subset (make test-quick)
-    quick = name in ('persistent-epoch-end', 'augment-torch-in-process-inside') and nproc == 1
-    return pytest.param(case, id=f'{name}-{nproc}proc', marks=() if quick else pytest.mark.slow)
+    marks = [] if (name, nproc) in QUICK else [pytest.mark.slow]
+    if (name, nproc) not in IN_MAKE_TEST:
+        marks.append(pytest.mark.extended)
+    return pytest.param(case, id=f'{name}-{nproc}proc', marks=marks)
 
 
 @pytest.fixture(scope='module', params=[case_param(case) for case in CASES])
