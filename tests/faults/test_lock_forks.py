@@ -146,8 +146,9 @@ def test_a_lock_whose_recorded_job_ended_is_waited_for_never_called_running(
         monkeypatch.setattr(lock, '_ORPHAN_GRACE_S', 6.0)
         if hold_s < 6.0:
             taken = lock.FolderLock(folder).acquire()
-            # it was the orphan's exit that let it through
-            assert orphan.poll() == 0
+            # it was the orphan's exit that let it through (the flock is
+            # released as its files close, before its exit can be reaped)
+            assert orphan.wait(DEADLINE_S) == 0
             taken.release()
         else:
             with pytest.raises(FolderInUseError) as refused:
