@@ -140,10 +140,10 @@ def test_two_processes_to_one_and_back_to_two(tmp_path):
     for (res,) in ones:
         assert res['num_processes'] == 1
         assert res['loaded_from'].endswith('epoch-0002')
-    saved = final_state(tmp_path, 'two')
+    [saved, _] = final_state(tmp_path, 'two')
     for tag in ('one1', 'one2'):
         # model, optimizer and history loaded exactly
-        assert_identical(final_state(tmp_path, f'{tag}-resumed'), saved)
+        assert_identical(final_state(tmp_path, f'{tag}-resumed')[0], saved)
     assert ones[0][0]['at_resume'] == ones[1][0]['at_resume']
     assert_identical(final_state(tmp_path, 'one1'), final_state(tmp_path, 'one2'))
 
@@ -158,11 +158,11 @@ def test_two_processes_to_one_and_back_to_two(tmp_path):
         assert rng[0]['loader'] is not None and rng[0]['loader'] == rng[1]['loader']
         assert len({res['digest'] for res in ranks}) == 1
     assert [res['at_resume'] for res in twos[0]] == [res['at_resume'] for res in twos[1]]
-    one = final_state(tmp_path, 'one1')
+    [one] = final_state(tmp_path, 'one1')
     for tag in ('again1', 'again2'):
-        assert_identical(final_state(tmp_path, f'{tag}-resumed'), one)
+        assert_identical(final_state(tmp_path, f'{tag}-resumed')[0], one)
     assert_identical(final_state(tmp_path, 'again1'), final_state(tmp_path, 'again2'))
-    history = final_state(tmp_path, 'again1')['history']
+    history = final_state(tmp_path, 'again1')[0]['history']
     assert [row['epoch'] for row in history] == [1, 2, 3, 4, 5, 6]
     assert history[:4] == one['history']
     # the run saved its checkpoints as a 2-process run, resumable exactly

@@ -63,24 +63,42 @@ def edit_manifest(folder, edit=None, **changes):
 
 
 def final_state(folder, tag):
-    """What a job's rank 0 wrote to ``<TAG>-rank0.pt`` when training ended:
-    parameters, optimizer states and history, to compare bit for bit."""
-    return torch.load(os.path.join(folder, f'{tag}-rank0.pt'), weights_only=False)
+    """What every rank of a job wrote to ``<TAG>-rank<r>.pt`` when training
+    ended (:func:`common.write_final_state`), rank by rank: parameters,
+    optimizer states, history and random states, to compare bit for bit."""
+    states = []
+    while os.path.exists(path := os.path.join(folder, f'{tag}-rank{len(states)}.pt')):
+        states.append(torch.load(path, weights_only=False))
+    assert states, f"no rank of {tag!r} wrote its final state to {folder}"
+    return states
 
 
 def assert_identical(a, b):
-    """Bit-identical parameters and optimizer states, equal per-epoch losses."""
+    """Bit-identical parameters, optimizer states and random states, equal
+    per-epoch losses: of one rank (a state), or of every rank (the lists
+    :func:`final_state` returns)."""
+    if isinstance(a, dict):
+        a, b = [a], [b]
+    assert len(a) == len(b), f"{len(a)} ranks wrote a final state, then {len(b)}"
+    for rank, (state_a, state_b) in enumerate(zip(a, b, strict=True)):
+        _assert_rank_identical(state_a, state_b, f"rank {rank}: ")
+
+
+def _assert_rank_identical(a, b, rank):
     assert a['params'].keys() == b['params'].keys()
     for name in a['params']:
         for key, tensor in a['params'][name].items():
-            assert torch.equal(tensor, b['params'][name][key]), f"{name}.{key} differs"
+            assert torch.equal(tensor, b['params'][name][key]), f"{rank}{name}.{key} differs"
     assert a['optimizers'].keys() == b['optimizers'].keys()
     for name in a['optimizers']:
-        assert_nested_equal(a['optimizers'][name], b['optimizers'][name], name)
-    assert len(a['history']) == len(b['history'])
+        assert_nested_equal(a['optimizers'][name], b['optimizers'][name], f"{rank}{name}")
+    assert len(a['history']) == len(b['history']), rank
     for row_a, row_b in zip(a['history'], b['history'], strict=True):
         for key in ('train_loss', 'valid_loss', 'event_lr'):
-            assert row_a[key] == row_b[key], (row_a['epoch'], key, row_a[key], row_b[key])
+            assert row_a[key] == row_b[key], (rank, row_a['epoch'], key, row_a[key], row_b[key])
+    # a snapshot when the first resumed epoch began has none
+    if 'random' in a and 'random' in b:
+        assert_nested_equal(a['random'], b['random'], f"{rank}random states")
 
 
 def assert_nested_equal(a, b, where='state'):

@@ -97,6 +97,8 @@ def make_net(accelerator, net_cls=FixedNet, **kwargs):
         optimizer=torch.optim.SGD, optimizer__momentum=0.9,
         iterator_train__shuffle=True, accelerator=accelerator, verbose=0,
     )
+    if kwargs.get('optimizer', torch.optim.SGD) is not torch.optim.SGD:
+        del params['optimizer__momentum']  # SGD's
     params.update(kwargs)
     return net_cls(**params)
 
@@ -244,3 +246,39 @@ def params_digest(module):
     """A rank-comparable fingerprint of a module's parameters."""
     return float(sum(p.detach().double().sum() * (i + 1)
                      for i, p in enumerate(module.parameters())))
+
+
+def random_states(net):
+    """The states of every random generator training draws from: torch's,
+    numpy's and Python's global ones, and each ``torch.Generator`` among the
+    net's loader arguments (a loader's or a sampler's own), by argument."""
+    name, mt, pos, has_gauss, gauss = np.random.get_state()
+    states = {
+        'torch': torch.get_rng_state(),
+        'numpy': [name, torch.from_numpy(mt.copy()), pos, has_gauss, gauss],
+        'python': random.getstate(),
+    }
+    for key, value in net.get_params(deep=False).items():
+        if not key.startswith('iterator_'):
+            continue
+        # the generator itself, a sampler's, a batch sampler's sampler's
+        for path, obj in (('', value), ('.generator', getattr(value, 'generator', None)),
+                          ('.sampler.generator',
+                           getattr(getattr(value, 'sampler', None), 'generator', None))):
+            if isinstance(obj, torch.Generator):
+                states[key + path] = obj.get_state()
+    return states
+
+
+def write_final_state(net, tag, history_keys=('epoch', 'train_loss', 'valid_loss', 'event_lr')):
+    """This rank's parameters, optimizer states, history (its ``history_keys``)
+    and random states at the end of training, to RESULT_DIR's
+    ``<TAG>-rank<r>.pt`` (testutil.final_state reads every rank's)."""
+    accelerator = net.accelerator
+    torch.save({
+        'params': {name: accelerator.unwrap_model(getattr(net, name + '_')).state_dict()
+                   for name in net._modules},
+        'optimizers': {name: getattr(net, name + '_').state_dict() for name in net._optimizers},
+        'history': [{key: row.get(key) for key in history_keys} for row in net.history],
+        'random': random_states(net),
+    }, os.path.join(os.environ.get('RESULT_DIR', '.'), f'{tag}-rank{rank()}.pt'))

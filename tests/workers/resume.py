@@ -38,8 +38,8 @@ Environment:
   (``DIRNAME/node<k>``), as on machines without a shared filesystem;
   SHARED_PER_NODE=1: ``save_on_each_node=True`` with one shared folder (an error).
 
-Rank 0 writes ``<TAG>-rank0.pt`` (parameters, optimizer state, history) to
-RESULT_DIR when training ends, and every rank writes ``<TAG>-rank<r>.json``.
+Every rank writes ``<TAG>-rank<r>.pt`` (parameters, optimizer state, history,
+random states) and ``<TAG>-rank<r>.json`` to RESULT_DIR when training ends.
 A resumed run's rank 0 also writes ``<TAG>-resumed-rank0.pt``, the same when
 its first epoch begins, and every rank's JSON has the digests of its random
 states then (``at_resume``).
@@ -73,6 +73,7 @@ from common import (
     params_digest,
     plain_criterion,
     rank,
+    write_final_state,
     write_result,
 )
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, TrainingPreempted
@@ -233,11 +234,12 @@ class RecordResume(NotTrainingState, Callback):
             save_state(net, net.history[:-1], f'{self.tag}-resumed-rank0.pt')
 
 
+HISTORY_KEYS = ('epoch', 'train_loss', 'valid_loss', 'event_acp', 'event_lr', 'train_acc',
+                'train_batch_count')
+
+
 def history_rows(history):
-    return [{key: row.get(key) for key in
-             ('epoch', 'train_loss', 'valid_loss', 'event_acp', 'event_lr', 'train_acc',
-              'train_batch_count')}
-            for row in history]
+    return [{key: row.get(key) for key in HISTORY_KEYS} for row in history]
 
 
 def save_state(net, history, name):
@@ -386,8 +388,7 @@ def main():
         'max_epochs_after': net.max_epochs,
         'at_resume': at_resume.rng_,
     })
-    if rank() == 0:
-        save_state(net, net.history, f'{tag}-rank0.pt')
+    write_final_state(net, tag, HISTORY_KEYS)
 
 if __name__ == '__main__':
     main()

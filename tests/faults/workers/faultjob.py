@@ -8,15 +8,17 @@ of them wrongly would not end bit-identical.
 
 import json
 import os
+import random
 import signal
 import sys
 import time
 
+import numpy as np
 import torch
 from skorch.callbacks import Callback, LRScheduler
 from torch.optim.lr_scheduler import StepLR
 
-from common import make_accelerator, make_data, make_net, rank, write_result
+from common import make_accelerator, make_data, make_net, rank, write_final_state, write_result
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 
 EPOCHS = 3
@@ -46,7 +48,11 @@ def build(dirname, callbacks=(), resume='latest', async_save=False, **net_kwargs
     """The job's net and its checkpoint; the same in every test and launch."""
     accelerator = make_accelerator()
     cp = AccelerateCheckpoint(dirname=dirname, keep_last=1, async_save=async_save)
+    # every global generator, as a script that wants its runs repeatable
+    # seeds them: the tests compare the random states at the end too
     torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
     params = dict(max_epochs=EPOCHS, batch_size=16, train_split=None)
     params.update(net_kwargs)
     net = make_net(
@@ -95,20 +101,6 @@ class EpochTracker(Callback):
 
     def on_epoch_begin(self, net, **kwargs):
         type(self).epoch = len(net.history)
-
-
-def write_final_state(net, tag):
-    """Rank 0's parameters, optimizer state and history, for bit-comparison."""
-    if rank() != 0:
-        return
-    accelerator = net.accelerator
-    torch.save({
-        'params': {'module': accelerator.unwrap_model(net.module_).state_dict()},
-        'optimizers': {'optimizer': net.optimizer_.state_dict()},
-        'history': [{key: row.get(key) for key in
-                     ('epoch', 'train_loss', 'valid_loss', 'event_lr')}
-                    for row in net.history],
-    }, os.path.join(os.environ.get('RESULT_DIR', '.'), f'{tag}-rank0.pt'))
 
 
 def loaded_from(net):

@@ -15,7 +15,7 @@ Environment:
   EPOCH, as a hung node would, instead of dying.
 
 Every rank writes ``<TAG>-rank<r>.json`` (the folder it resumed from), and
-rank 0 ``<TAG>-rank0.pt`` (final state) when training ends; each rank writes
+every rank ``<TAG>-rank<r>.pt`` (final state) when training ends; each rank writes
 ``resumed-<TAG>-rank<r>.json`` (the folder it resumed from, the epoch, the
 number of processes) as soon as its first epoch begins.
 """

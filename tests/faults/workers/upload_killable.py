@@ -16,8 +16,8 @@ Every rank writes ``resumed-<TAG>-rank<r>.json`` (the folder it resumed
 from, the number of processes) when its first epoch begins, then
 ``<TAG>-rank<r>.json``: the folder it resumed from, the epochs, the
 optimizer steps it took, the number of processes and the error it ended
-with (its type and message, or None); rank 0 ``<TAG>-rank0.pt`` (final
-state) when training ends.
+with (its type and message, or None); every rank ``<TAG>-rank<r>.pt``
+(final state) when training ends.
 Each epoch begins once the uploads queued before it ended, so that every
 checkpoint is uploaded, one at a time (none is superseded in the queue).
 """
