@@ -211,7 +211,9 @@ def changes(draw, config, kind):
                  'batch_size': draw(st.sampled_from(
                      [b for b in BATCH_SIZES if b != config['batch_size']])),
                  'momentum': 0.5 if config['momentum'] else 0.9}[param]
-        name = 'optimizer__momentum' if param == 'momentum' else param
+        name = param
+        if param == 'momentum':
+            name = 'optimizer__betas' if config['optimizer'] == 'adam' else 'optimizer__momentum'
         return {'kind': 'net', 'param': param, 'name': name, 'value': value, 'allow': allow}
     if kind == 'callback':
         candidates = [i for i, spec in enumerate(specs) if changeable(spec)]
@@ -235,6 +237,16 @@ def changes(draw, config, kind):
             return {'kind': 'reorder', 'order': draw(st.sampled_from(options))}
     if kind == 'world_size':
         return {'kind': 'world_size'}
+    if kind == 'accelerator' and config.get('accelerator'):
+        param = draw(st.sampled_from(sorted(config['accelerator'])))
+        if param == 'gradient_accumulation_steps':
+            value = 3 - config['accelerator'][param]  # 1 <-> 2
+        else:
+            value = 'no' if config['accelerator'][param] == 'bf16' else 'bf16'
+        return {'kind': 'accelerator', 'param': param, 'name': f'accelerator.{param}',
+                'value': value, 'allow': allow}
+    if kind == 'clone':
+        return {'kind': 'clone'}
     return {'kind': 'none'}
 
 
@@ -249,9 +261,12 @@ def train_batches(config, nproc):
 
 @st.composite
 def configs(draw, nproc=1, backend='none', interrupts=('none', 'sigterm', 'crash', 'sigint'),
-            change_kinds=('none', 'net', 'scheduled_lr', 'callback', 'reorder'),
-            scripts=('fit', 'fit+partial_fit', 'warm_start')):
-    """A configuration of one example (see the module docstring)."""
+            change_kinds=('none', 'net', 'scheduled_lr', 'callback', 'reorder', 'accelerator',
+                          'clone'),
+            scripts=('fit', 'fit+partial_fit', 'warm_start'), compile_modes=(False,)):
+    """A configuration of one example (see the module docstring);
+    ``compile_modes`` (False, True) draws torch.compile too (``make fuzz``:
+    each compiled launch spends seconds compiling)."""
     valid = draw(st.booleans())
     change_kind = draw(st.sampled_from(change_kinds))
     config = {
@@ -260,6 +275,7 @@ def configs(draw, nproc=1, backend='none', interrupts=('none', 'sigterm', 'crash
         'batchnorm': draw(st.booleans()), 'dropout': draw(st.sampled_from((0.0, 0.2))),
         'lr': draw(st.sampled_from((0.05, 0.02, 0.1))),
         'momentum': draw(st.sampled_from((0.9, 0.0))),
+        'optimizer': draw(st.sampled_from(('sgd', 'adam'))),
         'batch_size': draw(st.sampled_from(BATCH_SIZES)),
         'max_epochs': draw(st.integers(2, 5)), 'valid': valid,
         'script': draw(st.sampled_from(scripts)),
@@ -269,6 +285,9 @@ def configs(draw, nproc=1, backend='none', interrupts=('none', 'sigterm', 'crash
                   # FSDP2 saves synchronously (the package refuses async_save there)
                   'async_save': draw(st.booleans()) if backend != 'fsdp2' else False,
                   'keep_last': draw(st.integers(1, 3))},
+        'data': draw(data_pipelines()),
+        'accelerator': draw(accelerator_settings(backend)),
+        'compile': draw(st.sampled_from(compile_modes)) and backend != 'fsdp2',
     }
     calls = 1 if config['script'] == 'fit' else 2
     total = calls * config['max_epochs'] * train_batches(config, nproc)
@@ -276,14 +295,23 @@ def configs(draw, nproc=1, backend='none', interrupts=('none', 'sigterm', 'crash
     config['interrupt'] = {'kind': kind, 'batch': draw(st.integers(1, total)),
                            'who': draw(st.sampled_from(('all', 'rank0')))
                            if kind == 'sigterm' and nproc > 1 else 'all'}
-    config['change'] = draw(changes(config, change_kind))
     if nproc == 1:
         # after the relaunch, net.load_params(checkpoint=...) with the
         # newest checkpoint's model file damaged (issue 28's item 8)
         config['damage'] = draw(st.sampled_from(('none', 'grown', 'truncated')))
-    # drawn last, so that the examples drawn before it stay as they were
-    config['data'] = draw(data_pipelines())
+    config['change'] = draw(changes(config, change_kind))
     return config
+
+
+@st.composite
+def accelerator_settings(draw, backend):
+    """The Accelerator's settings that change what is trained: gradient
+    accumulation and mixed precision (bf16 runs on CPU); FSDP2's
+    Accelerator is the forced back-end's, with neither."""
+    if backend == 'fsdp2':
+        return {}
+    return {'gradient_accumulation_steps': draw(st.sampled_from((1, 2))),
+            'mixed_precision': draw(st.sampled_from(('no', 'bf16')))}
 
 
 @st.composite
@@ -347,6 +375,7 @@ def run_in_process(config, where):
     facts = folder_facts(where / 'B')
     relaunch = run(config, str(where / 'B'), 'relaunch')
     results = {'reference': [reference], 'first': {'outcomes': [first], 'returncodes': [0]},
+               'folder': str(where / 'B'),
                'facts': facts, 'relaunch': [relaunch], 'where': str(where),
                'after': folder_facts(where / 'B')}
     committed = results['after']['committed']
@@ -383,7 +412,7 @@ def run_launched(batch, where):
     where = Path(where)
     out = where / 'results'
     out.mkdir(parents=True, exist_ok=True)
-    results = [{'where': str(where)} for _ in batch]
+    results = [{'where': str(where), 'folder': str(where / f'{i}-B')} for i in range(len(batch))]
     launches = []
     shared = []
     for i, config in enumerate(batch):
@@ -410,7 +439,9 @@ def run_launched(batch, where):
                 'tag': f'first{i}'}
         result, outcomes = _launch_runs([spec], 2, out, _per_run_timeout(batch[i]))
         fired = [(out / f'first{i}-fired-rank{r}.json').exists() for r in range(2)]
+        killed = [(out / f'first{i}-killed-rank{r}.json').exists() for r in range(2)]
         results[i]['first'] = {'outcomes': outcomes[f'first{i}'], 'fired': fired,
+                               'killed': killed, 'launcher_killed': result.killed,
                                'returncodes': result.returncodes, 'report': result.report()}
     for i in range(len(batch)):
         results[i]['facts'] = folder_facts(where / f'{i}-B')
@@ -494,12 +525,7 @@ def check_first(config, first):
     """The first launch ended as its interruption says."""
     kind = config['interrupt']['kind']
     if kind in ('sigkill', 'sigkill_in_save'):
-        fired = first.get('fired', [])
-        if any(fired) and -9 not in first['returncodes']:
-            fail(f"the {kind} fired but no rank died of it: {first['returncodes']}\n"
-                 f"{first.get('report', '')}")
-        if not any(fired):
-            _no_error(first['outcomes'], 'the first launch (its SIGKILL never fired)')
+        check_sigkill(kind, first)
         return
     _no_error(first['outcomes'], 'the first launch')
     for rank, outcome in enumerate(first['outcomes']):
@@ -518,6 +544,26 @@ def check_first(config, first):
                  f"({kind} {'fired' if outcome['fired'] else 'did not fire'})")
 
 
+def check_sigkill(kind, first):
+    """A SIGKILL killed the rank that sent it, by itself (not the launch's
+    end): every rank that armed a ``sigkill`` sent it at once; a
+    ``sigkill_in_save`` is sent by the rank that commits the next save,
+    if a save comes after it was armed. A run it never killed ends without
+    an error."""
+    fired, killed = first['fired'], first['killed']
+    for rank, sent in enumerate(killed):
+        if sent and (first['returncodes'][rank] != -9 or rank in first['launcher_killed']):
+            fail(f"rank {rank} sent itself the {kind}, but exited "
+                 f"{first['returncodes'][rank]} (ranks the launch had to kill: "
+                 f"{first['launcher_killed']})\n{first['report']}")
+    if kind == 'sigkill' and fired != killed:
+        fail(f"the sigkill armed on ranks {fired} was sent by ranks {killed}\n{first['report']}")
+    if kind == 'sigkill_in_save' and any(killed) and killed != [True, False]:
+        fail(f"the kill inside a save was sent by ranks {killed}, not by the committer, rank 0")
+    if not any(killed):
+        _no_error(first['outcomes'], f'the first launch (its {kind} never killed a rank)')
+
+
 def check_advice(message, folder, facts):
     """Every path a refusal names exists; advice to resume an epoch's end
     has one to resume."""
@@ -532,15 +578,40 @@ def check_advice(message, folder, facts):
                  f"folder has none ({facts['committed']}): {message}")
 
 
-def check_exact(reference, relaunch, config):
+# EpochScoring's scratch space of the epoch under way, emptied when an epoch
+# begins: a relaunch of a finished run trains no epoch, and has it empty
+SCRATCH_ATTRS = ('y_trues_', 'y_preds_')
+
+
+def compared(state, config, first):
+    """What of a rank's final state the contract holds exact, given how the
+    first launch ended: the history's ``event_acp`` aside where a signal's
+    save was an extra checkpoint, EpochScoring's scratch space aside where
+    the relaunch trained nothing."""
+    state = dict(state)
+    signalled = config['interrupt']['kind'] in ('sigterm', 'sigint') and any(
+        outcome['fired'] for outcome in first['outcomes'] if outcome)
+    if signalled:
+        state['history'] = [{k: v for k, v in row.items() if k != 'event_acp'}
+                            for row in state['history']]
+    interrupted = any(first.get('killed', ())) or any(
+        outcome['status'] != 'finished' for outcome in first['outcomes'] if outcome)
+    if not interrupted:
+        state['callbacks'] = {name: {k: v for k, v in attrs.items() if k not in SCRATCH_ATTRS}
+                              for name, attrs in state['callbacks'].items()}
+    return state
+
+
+def check_exact(reference, relaunch, config, first):
     for rank, (ref, got) in enumerate(zip(reference, relaunch, strict=True)):
         if ref['status'] != 'finished':
             fail(f"the uninterrupted run, rank {rank}: {ref['status']} {ref.get('message')}")
         if got['status'] != 'finished':
             fail(f"the relaunch, rank {rank}, without a change: {got['status']}: "
                  f"{got.get('message')}")
-        a, b = ref['state'], got['state']
-        for part in ('params', 'optimizer', 'buffers', 'history', 'callbacks', 'global_step'):
+        a, b = compared(ref['state'], config, first), compared(got['state'], config, first)
+        for part in ('params', 'optimizer', 'buffers', 'history', 'callbacks', 'global_step',
+                     'random'):
             if config['backend'] == 'fsdp2' and rank > 0 and part in ('params', 'optimizer'):
                 continue  # gathered on rank 0 only
             try:
@@ -573,10 +644,25 @@ def check_finishes(config, relaunch, first_nproc):
                 not stops and len(epochs) != expected_epochs(config)):
             fail(f"relaunch, rank {rank}: {len(epochs)} epochs, the script trains "
                  f"{expected_epochs(config)}")
-        steps = sum(row['train_batch_count'] for row in state['history'])
-        if state['global_step'] != steps:
+        # an optimizer step every `accumulation` batches and at an epoch's
+        # end; epochs of the first launch and of a relaunch that changed
+        # the accumulation ran with either
+        counts = [row['train_batch_count'] for row in state['history']]
+        low, high = (sum(math.ceil(count / steps) for count in counts)
+                     for steps in (max(accumulations(config)), min(accumulations(config))))
+        if not low <= state['global_step'] <= high:
             fail(f"relaunch, rank {rank}: {state['global_step']} optimizer steps counted, "
-                 f"the history's epochs have {steps} batches")
+                 f"the history's epochs have {sum(counts)} batches, accumulated over "
+                 f"{sorted(accumulations(config))}: {low} to {high} steps")
+
+
+def accumulations(config):
+    """The gradient accumulations the example's launches ran with."""
+    found = {config.get('accelerator', {}).get('gradient_accumulation_steps', 1)}
+    change = config['change']
+    if change['kind'] == 'accelerator' and change['param'] == 'gradient_accumulation_steps':
+        found.add(change['value'])
+    return found
 
 
 def _close(a, b):
@@ -605,9 +691,17 @@ def check_in_force(config, relaunch):
                              f"at {group['lr']}")
             else:
                 for group in settings['groups']:
-                    if not _close(group[key], new):
+                    # Adam's momentum is its beta1
+                    got = group['betas'][0] if 'betas' in group and key == 'momentum' \
+                        else group[key]
+                    if not _close(got, new):
                         fail(f"rank {rank}: {key}={new} let through, the optimizer runs "
-                             f"at {group[key]}")
+                             f"at {got}")
+        if change['kind'] == 'accelerator':
+            got = settings['accelerator'][change['param']]
+            if got != change['value']:
+                fail(f"rank {rank}: {change['name']}={change['value']!r} let through, the "
+                     f"accelerator runs with {got!r}")
         if change['kind'] == 'callback':
             entry = settings['callbacks'][change['index']]
             old = config['callbacks'][change['index']]['params']
@@ -657,6 +751,18 @@ def check_retention(config, before, after):
              f"{names}")
 
 
+def check_resumed_own(folder, facts, relaunch):
+    """A relaunch on a folder with checkpoints resumed from one of them on
+    every rank: a run trained from scratch again would end where the
+    uninterrupted run ended (the same seeds), and pass for a resume."""
+    for rank, outcome in enumerate(relaunch):
+        loaded = outcome.get('loaded_from')
+        if loaded is None or os.path.dirname(loaded) != folder or (
+                os.path.basename(loaded) not in facts['committed']):
+            fail(f"relaunch, rank {rank}: resumed from {loaded}, not from a checkpoint of "
+                 f"its folder {folder} ({facts['committed']})")
+
+
 def check_load_params(loaded, after):
     """``net.load_params(checkpoint=...)`` with the newest checkpoint
     damaged says so once, and loads the one before it if there is one."""
@@ -679,6 +785,8 @@ def _refusal_names(config, facts):
         return None if change['allow'] else [change['name']]
     if change['kind'] == 'callback':
         return None if change['allow'] else change['names']
+    if change['kind'] == 'accelerator':
+        return None if change['allow'] else [change['name']]
     return None
 
 
@@ -746,6 +854,7 @@ def check_example(config, results):
                 fail(f"epoch {row['epoch']} after the 2 -> 1 resume trained "
                      f"{row['train_batch_count']} batches, one process has {one_process}")
         return
+    check_resumed_own(results['folder'], facts, relaunch)
     must_name = _refusal_names(config, facts)
     if must_name is not None:
         fail(f"the change {change} was not refused (names {must_name} expected in a "
@@ -757,8 +866,8 @@ def check_example(config, results):
     check_retention(config, facts, results['after'])
     if 'load_params' in results:
         check_load_params(results['load_params'], results['after'])
-    if change['kind'] in ('none', 'reorder'):
-        check_exact(results['reference'], relaunch, config)
+    if change['kind'] in ('none', 'reorder', 'clone'):
+        check_exact(results['reference'], relaunch, config, results['first'])
         return
     check_finishes(config, relaunch, config['nproc'])
     check_in_force(config, relaunch)

@@ -34,6 +34,8 @@ class LaunchResult:
     timed_out: bool
     duration: float
     args: list = field(default_factory=list)
+    # the ranks still running at the end, which the launch killed
+    killed: list = field(default_factory=list)
 
     def report(self):
         parts = [f"launch of {self.args} (timed out: {self.timed_out}, "
@@ -55,12 +57,15 @@ class LaunchResult:
 
 
 def _kill(proc):
-    if proc.poll() is None:
+    """End ``proc``'s process group; whether it was still running."""
+    running = proc.poll() is None
+    if running:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     proc.wait()
+    return running
 
 
 def _wait(procs, deadline, grace):
@@ -148,8 +153,7 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
         finally:
             # also when a rank failed to start or the test was interrupted:
             # no rank outlives its launch
-            for proc in procs:
-                _kill(proc)
+            killed = [rank for rank, proc in enumerate(procs) if _kill(proc)]
             for log in logs:
                 log.close()
         outputs = [(logdir / f'rank{rank}.log').read_text(errors='replace')
@@ -157,7 +161,7 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
     result = LaunchResult(
         returncodes=[proc.returncode for proc in procs], outputs=outputs,
         timed_out=timed_out, duration=time.monotonic() - start,
-        args=[script.name, *args])
+        args=[script.name, *args], killed=killed)
     port_clash = any('EADDRINUSE' in out or 'address already in use' in out
                      for out in outputs)
     if not result.ok and port_clash and _retries > 0:

@@ -107,17 +107,24 @@ def chosen(variable, default, every):
 
 
 INTERRUPTS = ('none', 'sigterm', 'crash', 'sigint', 'sigkill', 'sigkill_in_save')
-# scheduled_lr: a new lr that check_params lets through, with an LR scheduler
-CHANGES = ('none', 'net', 'scheduled_lr', 'callback', 'reorder', 'world_size')
+# scheduled_lr: a new lr that check_params lets through, with an LR scheduler;
+# accelerator: another gradient accumulation or mixed precision; clone: the
+# relaunch's net a clone whose folder set_params set
+CHANGES = ('none', 'net', 'scheduled_lr', 'callback', 'reorder', 'accelerator', 'clone',
+           'world_size')
+# torch.compile costs seconds a launch: drawn where FUZZ_COMPILE=1 (make fuzz)
+COMPILE_MODES = (False, True) if os.environ.get('FUZZ_COMPILE') == '1' else (False,)
 
 
 # SIGKILLs only where a launch can die of them
 ONE_PROCESS_INTERRUPTS = chosen('FUZZ_INTERRUPTS', INTERRUPTS[:4], INTERRUPTS)
 LAUNCHED_INTERRUPTS = chosen('FUZZ_INTERRUPTS', INTERRUPTS, INTERRUPTS)
 # another number of processes: from 2 DDP processes to 1
-ONE_PROCESS_CHANGES = chosen('FUZZ_CHANGES', CHANGES[:5], CHANGES)
+ONE_PROCESS_CHANGES = chosen('FUZZ_CHANGES', CHANGES[:-1], CHANGES)
 DDP_CHANGES = chosen('FUZZ_CHANGES', CHANGES, CHANGES)
-FSDP2_CHANGES = chosen('FUZZ_CHANGES', CHANGES[:5], CHANGES)
+# the forced FSDP2 back-end's Accelerator has no settings drawn
+FSDP2_CHANGES = chosen('FUZZ_CHANGES', tuple(c for c in CHANGES[:-1] if c != 'accelerator'),
+                       CHANGES)
 SCRIPTS = chosen('FUZZ_SCRIPTS', ('fit', 'fit+partial_fit', 'warm_start'),
                  ('fit', 'fit+partial_fit', 'warm_start'))
 
@@ -151,8 +158,11 @@ def deadline(seconds):
 
 
 def check_one_process(config):
+    """Run and check one in-process example; its results."""
     with temp_folder() as where, deadline(IN_PROCESS_DEADLINE):
-        check_example(config, run_in_process(config, where))
+        results = run_in_process(config, where)
+        check_example(config, results)
+        return results
 
 
 def check_launched(batch):
@@ -164,12 +174,13 @@ def check_launched(batch):
                   for o in result.get('reference') or [] if o and 'num_processes' in o]
         assert all(count == 2 for count in counts), counts
         check_batch(batch, results, launches)
+        return results
 
 
 @pytest.mark.slow
 @bounded(EXAMPLES)
 @given(config=configs(interrupts=ONE_PROCESS_INTERRUPTS, change_kinds=ONE_PROCESS_CHANGES,
-                      scripts=SCRIPTS))
+                      scripts=SCRIPTS, compile_modes=COMPILE_MODES))
 def test_one_process_contract(config):
     note(reproduction(config))
     check_one_process(config)
@@ -178,7 +189,8 @@ def test_one_process_contract(config):
 @pytest.mark.slow
 @bounded(LAUNCHED)
 @given(batch=st.lists(configs(nproc=2, backend='ddp', interrupts=LAUNCHED_INTERRUPTS,
-                              change_kinds=DDP_CHANGES, scripts=SCRIPTS),
+                              change_kinds=DDP_CHANGES, scripts=SCRIPTS,
+                              compile_modes=COMPILE_MODES),
                       min_size=BATCH, max_size=BATCH))
 def test_ddp_contract(batch):
     note(reproduction(batch))
@@ -222,6 +234,56 @@ def test_data_pipeline_examples(data, interrupt):
     config = dict(DATA_EXAMPLE, data=data,
                   interrupt=dict(DATA_EXAMPLE['interrupt'], kind=interrupt))
     check_one_process(config)
+
+
+# every interruption kind, each inside an epoch and checked bit for bit
+# against the uninterrupted run, with the settings the draws may miss in a
+# short run: Adam, gradient accumulation, bf16, a clone's relaunch
+INTERRUPTED = dict(DATA_EXAMPLE, batchnorm=False, data={'num_workers': 0},
+                   saves=dict(DATA_EXAMPLE['saves'], every_n_steps=3))
+ONE_PROCESS_INTERRUPTED = {
+    'sigterm-adam-accumulation-bf16': dict(
+        INTERRUPTED, optimizer='adam',
+        accelerator={'gradient_accumulation_steps': 2, 'mixed_precision': 'bf16'}),
+    'sigint': dict(INTERRUPTED, interrupt=dict(INTERRUPTED['interrupt'], kind='sigint')),
+    'crash-clone': dict(INTERRUPTED, interrupt=dict(INTERRUPTED['interrupt'], kind='crash'),
+                        change={'kind': 'clone'}),
+}
+# 2 processes: 8 batches a rank and epoch; batch 11 is the third of epoch 2
+LAUNCHED_INTERRUPTED = {
+    'sigkill': dict(INTERRUPTED, nproc=2, backend='ddp', damage='none', optimizer='adam',
+                    interrupt={'batch': 11, 'kind': 'sigkill', 'who': 'all'}),
+    'sigkill_in_save': dict(INTERRUPTED, nproc=2, backend='ddp', damage='none',
+                            interrupt={'batch': 11, 'kind': 'sigkill_in_save', 'who': 'all'}),
+    'sigterm-rank0': dict(INTERRUPTED, nproc=2, backend='ddp', damage='none',
+                          accelerator={'gradient_accumulation_steps': 2},
+                          interrupt={'batch': 11, 'kind': 'sigterm', 'who': 'rank0'}),
+}
+
+
+@pytest.mark.parametrize('name', ONE_PROCESS_INTERRUPTED)
+def test_every_interruption_resumes_exactly_in_one_process(name):
+    results = check_one_process(ONE_PROCESS_INTERRUPTED[name])
+    # it fired, and the relaunch resumed inside the epoch it stopped in
+    assert results['first']['outcomes'][0]['fired']
+    assert results['facts']['newest_inside'], results['facts']
+
+
+@pytest.mark.slow
+def test_every_interruption_resumes_exactly_in_two_processes():
+    batch = list(LAUNCHED_INTERRUPTED.values())
+    results = check_launched(batch)
+    for name, result in zip(LAUNCHED_INTERRUPTED, results, strict=True):
+        first = result['first']
+        if name.startswith('sigkill'):
+            # check_sigkill: the SIGKILL was sent, and killed the rank sending
+            # it; the relaunch resumed inside the epoch, from step 9
+            assert any(first['killed']), (name, first['killed'])
+            assert result['facts']['newest_inside'], (name, result['facts'])
+        else:
+            # where the ranks agree on the signal (every 0.5 s) decides
+            # whether its save is inside an epoch
+            assert first['outcomes'][0]['fired'], name
 
 
 def replay(drawn):

@@ -42,6 +42,7 @@ import warnings
 import numpy as np
 import torch
 import torch.distributed as dist
+from sklearn.base import clone
 from skorch.callbacks import (
     BatchScoring,
     Callback,
@@ -63,6 +64,7 @@ from common import (
     make_accelerator,
     make_data,
     make_net,
+    random_states,
     rank,
     settle_gloo,
 )
@@ -81,14 +83,11 @@ from skorch_accel_callbacks.state import _training_state as training_state
 # what arms the interruption of the run under way: {'kind', 'batch', 'who'}
 # or None; set by run(), never part of a net's settings
 ARMED = None
-# history columns that differ between an interrupted and an uninterrupted
-# run by construction: wall-clock time, and whether the checkpoint callback
-# saved in that epoch (a SIGTERM's or Ctrl-C's save is an extra one)
-UNCOMPARED_COLUMNS = frozenset({'dur', 'event_acp'})
-# EpochScoring's scratch space of the epoch under way (emptied when an
-# epoch begins): after a relaunch of a finished run, which trains no epoch,
-# it is empty by construction
-SCRATCH_ATTRS = frozenset({'y_trues_', 'y_preds_'})
+# the armed run's tag and interruption, kept for a kill inside a save, which
+# happens after the batch that armed it
+ARMED_TAG = ARMED_KIND = None
+# the history's wall-clock time, which differs between any two runs
+UNCOMPARED_COLUMNS = frozenset({'dur'})
 
 
 class FuzzCrash(RuntimeError):
@@ -105,7 +104,9 @@ class MLP(torch.nn.Module):
 
     def forward(self, X):
         hidden = self.drop(torch.relu(self.norm(self.lin(X))))
-        return torch.softmax(self.out(hidden), dim=-1)
+        # in float32 under bf16 autocast too: skorch's predict converts the
+        # output to numpy, which has no bfloat16
+        return torch.softmax(self.out(hidden).float(), dim=-1)
 
 
 def decay(epoch):
@@ -154,11 +155,11 @@ class Interrupt(NotTrainingState, Callback):
         self.fired_ = True
         kind = ARMED['kind']
         everyone = ARMED.get('who', 'all') == 'all'
-        write_marker(kind)
+        write_marker('fired', kind)
         if kind == 'crash':
             raise FuzzCrash(f"fuzz crash after training batch {self.seen_}")
         if kind == 'sigkill':
-            os.kill(os.getpid(), signal.SIGKILL)
+            die_now()
         if kind == 'sigkill_in_save':
             arm_kill_in_save()
         if kind == 'sigterm' and (everyone or rank() == 0):
@@ -180,13 +181,23 @@ class Recorder(NotTrainingState, Callback):
         self.loader_batches_.append(None if loader is None else len(loader))
 
 
-def write_marker(kind):
-    """Proof that the interruption fired, for a launched run that dies by it."""
+def write_marker(what, kind):
+    """Proof for a launched run that dies by its interruption: ``fired``
+    when it is armed, ``killed`` when this rank sends itself the SIGKILL
+    (written through to the disk first, so that the test can tell a rank
+    that died of its own SIGKILL from one the launcher killed)."""
     out = os.environ.get('RESULT_DIR')
-    tag = (ARMED or {}).get('tag')
+    tag = ARMED_TAG
     if out and tag:
-        with open(os.path.join(out, f'{tag}-fired-rank{rank()}.json'), 'w') as f:
+        with open(os.path.join(out, f'{tag}-{what}-rank{rank()}.json'), 'w') as f:
             json.dump({'kind': kind}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def die_now():
+    write_marker('killed', ARMED_KIND)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def arm_kill_in_save():
@@ -195,7 +206,7 @@ def arm_kill_in_save():
     original = _manifest.write
 
     def commit_then_die(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGKILL)
+        die_now()
         return original(*args, **kwargs)
 
     _manifest.write = commit_then_die
@@ -257,51 +268,81 @@ def net_settings(config, relaunch):
 
 def check_params(config):
     change = config['change']
-    if change.get('allow') and change['kind'] == 'net':
+    if change.get('allow') and change['kind'] in ('net', 'accelerator'):
         return (change['name'],)
     if change.get('allow') and change['kind'] == 'callback':
         return tuple(change['names'])
     return True
 
 
+def optimizer_arguments(config, momentum):
+    """The net's optimizer and its arguments: SGD with ``momentum``, or Adam
+    with it as beta1 (Adam's momentum), which keeps two moments a parameter
+    and a step count."""
+    if config.get('optimizer', 'sgd') == 'adam':
+        return {'optimizer': torch.optim.Adam, 'optimizer__betas': (momentum, 0.999)}
+    return {'optimizer': torch.optim.SGD, 'optimizer__momentum': momentum}
+
+
 def build(config, dirname, relaunch, accelerator):
-    """The net of one launch of the config's script, and its callbacks by spec index."""
+    """The net of one launch of the config's script, and its callbacks by
+    spec index. A relaunch whose change is ``clone`` builds the net on
+    another folder, clones it (sklearn's ``clone``, as a search does) and
+    sets the folder through ``set_params``, as skorch changes a callback."""
+    cloned = relaunch and config['change']['kind'] == 'clone'
     saves = config['saves']
-    cp = AccelerateCheckpoint(dirname=dirname, every_n_epochs=saves['every_n_epochs'],
+    cp = AccelerateCheckpoint(dirname=dirname + '-other' if cloned else dirname,
+                              every_n_epochs=saves['every_n_epochs'],
                               every_n_steps=saves['every_n_steps'],
                               async_save=saves['async_save'], keep_last=saves['keep_last'])
     reseed = relaunch and config['change']['kind'] == 'world_size'
     load = AccelerateLoadInitState(
         cp, check_params=check_params(config) if relaunch else True,
         on_world_size_change='reseed' if reseed else 'raise')
-    by_index = {}
+    indices = []
     callbacks = [cp, load]
     for spec in callback_specs(config, relaunch):
         callback = make_callback(spec, dirname)
-        by_index[spec['index']] = callback
+        indices.append(spec['index'])
         callbacks.append((spec['name'], callback) if spec['name'] else callback)
     callbacks += [Interrupt(), Recorder()]
     settings = net_settings(config, relaunch)
-    kwargs = {}
+    kwargs = optimizer_arguments(config, settings['momentum'])
     if config['batchnorm']:
         # a training batch of one row is an error of BatchNorm1d
         kwargs['iterator_train__drop_last'] = True
+    if config.get('compile'):
+        kwargs['compile'] = True
     # workers, the loader's own generator, random rows (contract_fuzz.data_pipelines)
     kwargs.update(data_pipeline(config.get('data', {})))
     net = make_net(
         accelerator, module=MLP, module__hidden=config['hidden'],
         module__batchnorm=config['batchnorm'], module__dropout=config['dropout'],
         lr=settings['lr'], batch_size=settings['batch_size'],
-        optimizer__momentum=settings['momentum'], max_epochs=settings['max_epochs'],
+        max_epochs=settings['max_epochs'],
         train_split=ValidSplit(5) if config['valid'] else None,
         warm_start=config['script'] == 'warm_start', callbacks=callbacks, **kwargs)
-    return net, cp, by_index
+    if cloned:
+        net = clone(net).set_params(callbacks__AccelerateCheckpoint__dirname=dirname)
+    built = [cb[1] if isinstance(cb, tuple) else cb for cb in net.callbacks]
+    by_index = dict(zip(indices, built[2:2 + len(indices)], strict=True))
+    return net, built[0], by_index
 
 
-def accelerator_for(config, nproc):
+def accelerator_for(config, nproc, relaunch=False):
     if config.get('backend') == 'fsdp2' and nproc > 1:
         return fsdp_accelerator()
-    return make_accelerator()
+    return make_accelerator(**accelerator_settings(config, relaunch))
+
+
+def accelerator_settings(config, relaunch=False):
+    """The Accelerator's arguments of this phase (the drawn ones, a
+    changed one in the relaunch)."""
+    settings = dict(config.get('accelerator', {}))
+    change = config['change']
+    if relaunch and change['kind'] == 'accelerator':
+        settings[change['param']] = change['value']
+    return settings
 
 
 def seed_everything():
@@ -322,14 +363,15 @@ def script_calls(config, net):
 def run(config, dirname, phase, nproc=1, tag=None):
     """One launch of the config's script in this process (every rank calls
     it): its outcome and this rank's final state (:func:`final_state`)."""
-    global ARMED
+    global ARMED, ARMED_TAG, ARMED_KIND
     relaunch = phase == 'relaunch'
     seed_everything()
-    accelerator = accelerator_for(config, nproc)
+    accelerator = accelerator_for(config, nproc, relaunch)
     net, cp, by_index = build(config, dirname, relaunch, accelerator)
     X, y = make_data(n=config['rows'], seed=config.get('data_seed', 0))
     ARMED = dict(config['interrupt'], tag=tag) if phase == 'first' \
         and config['interrupt']['kind'] != 'none' else None
+    ARMED_TAG, ARMED_KIND = (tag, ARMED['kind']) if ARMED else (None, None)
     outcome = {'status': 'finished', 'phase': phase}
     try:
         for call in script_calls(config, net):
@@ -353,6 +395,8 @@ def run(config, dirname, phase, nproc=1, tag=None):
     outcome['fired'] = fired(net)
     outcome['num_processes'] = sync.num_processes(net) if net.initialized_ else nproc
     outcome['callback_names'] = callback_names(net, by_index)
+    outcome['loaded_from'] = next((cb.loaded_from_ for _, cb in getattr(net, 'callbacks_', [])
+                                   if isinstance(cb, AccelerateLoadInitState)), None)
     outcome['state'] = final_state(net, cp, by_index) if outcome['status'] in (
         'finished', 'interrupted') else None
     return outcome
@@ -375,8 +419,9 @@ def callback_names(net, by_index):
 
 # ---------------------------------------------------------------- state
 
-def plain(value, where=''):
-    """A fitted attribute as torch.equal and == compare it."""
+def plain(value, where='', depth=0):
+    """A fitted attribute as torch.equal and == compare it: an object of
+    another class by its class and attributes, a callable by its name."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone()
     if isinstance(value, np.ndarray):
@@ -385,15 +430,21 @@ def plain(value, where=''):
         return value.item()
     if isinstance(value, (bool, int, float, str)) or value is None:
         return value
+    if depth > 6:
+        raise ValueError(f"{where}: nested too deep to compare")
     if isinstance(value, dict):
-        return {key: plain(item, f'{where}.{key}') for key, item in value.items()}
+        return {str(key): plain(item, f'{where}.{key}', depth + 1)
+                for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [plain(item, f'{where}[{i}]') for i, item in enumerate(value)]
+        return [plain(item, f'{where}[{i}]', depth + 1) for i, item in enumerate(value)]
     if hasattr(value, 'state_dict') and not isinstance(value, type):
-        return {'state_dict': plain(value.state_dict(), where)}
-    if callable(value):
-        return f'<callable {getattr(value, "__name__", type(value).__name__)}>'
-    return f'<{type(value).__name__}>'
+        return {'state_dict': plain(value.state_dict(), where, depth + 1)}
+    if callable(value) or isinstance(value, type):
+        return f'<callable {getattr(value, "__qualname__", type(value).__qualname__)}>'
+    if hasattr(value, '__dict__'):
+        return {'class': type(value).__qualname__,
+                **plain(vars(value), where, depth + 1)}
+    return f'<{type(value).__qualname__} {value!r}>'
 
 
 def history_rows(net):
@@ -416,8 +467,7 @@ def callback_states(net):
             continue
         states[name] = {attr: plain(value, f'{name}.{attr}')
                         for attr, value in vars(callback).items()
-                        if attr.endswith('_') and not attr.startswith('_')
-                        and attr not in SCRATCH_ATTRS}
+                        if attr.endswith('_') and not attr.startswith('_')}
     return states
 
 
@@ -449,7 +499,10 @@ def settings_in_force(net, by_index):
             entry['scheduler'] = {key: plain(value) for key, value in vars(scheduler).items()
                                   if not key.startswith('_') and key != 'optimizer'}
         callbacks[index] = entry
-    return {'groups': groups, 'callbacks': callbacks, 'batch_size': net.batch_size}
+    accelerator = {'mixed_precision': str(net.accelerator.mixed_precision),
+                   'gradient_accumulation_steps': net.accelerator.gradient_accumulation_steps}
+    return {'groups': groups, 'callbacks': callbacks, 'batch_size': net.batch_size,
+            'accelerator': accelerator}
 
 
 def final_state(net, cp, by_index):
@@ -458,6 +511,7 @@ def final_state(net, cp, by_index):
     recorder = next(cb for _, cb in net.callbacks_ if isinstance(cb, Recorder))
     return {
         'params': params, 'optimizer': optimizer, 'buffers': buffers,
+        'random': plain(random_states(net)),
         'history': history_rows(net), 'callbacks': callback_states(net),
         'settings': settings_in_force(net, by_index),
         'global_step': cp.global_step_, 'loader_batches': list(recorder.loader_batches_),
