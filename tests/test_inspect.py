@@ -448,6 +448,11 @@ def test_verify_intact_then_damaged_names_each_file(tmp_path, trained):
             "code: SafetensorError") in out
     assert out.splitlines()[-1] == "3 checkpoints: 1 intact, 2 damaged"
     assert tree(folder) == before
+    # list says so by its exit code too
+    listed = cli('list', folder)
+    assert listed.returncode == 1, listed.stdout + listed.stderr
+    assert "epoch-0001 is DAMAGED" in listed.stdout
+    assert tree(folder) == before
 
     one = cli('verify', folder, 'epoch-0002')
     assert one.returncode == 0 and one.stdout.startswith(f"{folder}/epoch-0002: intact")
@@ -491,8 +496,17 @@ def test_export_command_then_load_params(tmp_path, trained):
     damaged = copy_folder(trained['dirname'], tmp_path / 'ck')
     model = os.path.join(damaged, 'epoch-0003', 'model.safetensors')
     flip_header_byte(model)
-    # its checksum tells: 'latest' skips it as a resume does, a name refuses it
-    proc = cli('export', damaged, tmp_path / 'out2')
+    # its checksum tells: without a name a damaged newest checkpoint is
+    # refused, naming the one that could be taken; --allow-older takes it,
+    # as a resume does; a name refuses it
+    proc = cli('export', damaged, tmp_path / 'out1')
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"{model} has checksum" in proc.stderr
+    assert (f"export: the newest checkpoint, {damaged}/epoch-0003, cannot be exported (see "
+            "the warning above); the newest that can is epoch-0002: name it, or pass "
+            "--allow-older to take it") in proc.stderr
+    assert not (tmp_path / 'out1').exists()
+    proc = cli('export', damaged, tmp_path / 'out2', '--allow-older')
     assert proc.returncode == 0, proc.stderr
     assert f"{model} has checksum" in proc.stderr
     assert f"exported the model(s) of {damaged}/epoch-0002 into" in proc.stdout

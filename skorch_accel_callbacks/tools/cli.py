@@ -8,9 +8,11 @@ into a temporary folder). ``list`` and ``verify`` only read the folder;
 ``export`` only writes into ``OUT``.
 
 Exit codes, the same for every command: 0 done (``verify``: intact), 1 a
-checkpoint is damaged or cannot be used (``verify`` names each damaged file;
-``export`` the model file it could not read) or the command failed (``OUT``
-not writable), 2 a usage error: a wrong argument (``OUT`` a file), no such
+checkpoint is damaged or cannot be used (``list`` lists it as DAMAGED,
+``verify`` names each damaged file, ``export`` the model file it could not
+read; ``export`` without a name refuses a damaged newest checkpoint unless
+``--allow-older``) or the command failed (``OUT`` not writable), 2 a usage
+error: a wrong argument (``OUT`` a file), no such
 folder or checkpoint (``best`` where no checkpoint is the best one).
 """
 
@@ -78,14 +80,15 @@ def _list(args: argparse.Namespace, out: TextIO) -> int:
                          f"it, or verify {storage.dirname}")
     if not storage.exists():
         raise UsageError(f"no such folder: {storage.dirname}")
-    _print_rows(storage.dirname, inspection.describe(storage), out)
+    rows = inspection.describe(storage)
+    _print_rows(storage.dirname, rows, out)
     print('pointers: ' + '; '.join(
         f"{pointer_name(which)} -> {storage.pointed(which) or 'none'}"
         for which in POINTERS), file=out)
     if os.path.isdir(storage.dirname):
         # what a job leaves beside its checkpoints: a local folder's own
         _print_leftovers_and_lock(storage.dirname, out)
-    return OK
+    return DAMAGED if any(row['problem'] for row in rows) else OK
 
 
 def _print_leftovers_and_lock(dirname: str, out: TextIO) -> None:
@@ -229,7 +232,7 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         try:
-            source, files = _export_from(args.dir, args.name, args.out)
+            source, files = _export_from(args.dir, args.name, args.out, args.allow_older)
         finally:
             # export warns again about the checkpoint it was given
             for message in dict.fromkeys(str(warning.message) for warning in caught):
@@ -242,10 +245,12 @@ def _export(args: argparse.Namespace, out: TextIO) -> int:
     return OK
 
 
-def _export_from(source: str, name: str | None, out_dir: str) -> tuple[str, dict[str, str]]:
+def _export_from(source: str, name: str | None, out_dir: str,
+                 allow_older: bool) -> tuple[str, dict[str, str]]:
     """Export checkpoint ``name`` of ``source`` (one of a store downloaded
     into a temporary folder, exported, and removed); where it was and the
-    files written."""
+    files written. Without a name, the newest checkpoint, or with
+    ``allow_older`` the newest that can be exported."""
     with tempfile.TemporaryDirectory(prefix='skorch-accel-export-') as staging:
         storage, which = _open(source, name, staging)
         which = which or 'latest'
@@ -253,6 +258,12 @@ def _export_from(source: str, name: str | None, out_dir: str) -> tuple[str, dict
             # a usage error, not the CheckpointError of a folder without a best one
             storage.named(which)
         path = exporting.find_exportable(storage.dirname, which, staging)
+        newest = next(iter(storage.newest_first()), None) if which == 'latest' else None
+        if newest is not None and os.path.basename(path) != newest and not allow_older:
+            raise CheckpointError(
+                f"the newest checkpoint, {storage.url(newest)}, cannot be exported (see the "
+                f"warning above); the newest that can is {os.path.basename(path)}: name it, "
+                "or pass --allow-older to take it")
         files = exporting.export(path, out_dir)
     return storage.url(os.path.basename(path)), files
 
@@ -312,7 +323,8 @@ def _add_export(commands: Any) -> None:
                     "net.load_params(f_params=..., use_safetensors=True) reads. A "
                     "checkpoint whose model files are intact is exported even if an "
                     "optimizer or random-state file is missing (a warning names it). "
-                    "Exit 0 if exported, 1 if a model file is damaged, 2 for a usage "
+                    "Exit 0 if exported, 1 if a model file is damaged (without NAME: "
+                    "the newest checkpoint's, unless --allow-older), 2 for a usage "
                     "error (no such folder or checkpoint, no best one, OUT a file).")
     exporting_.add_argument('dir', metavar='DIR',
                             help="an AccelerateCheckpoint's dirname, or one checkpoint folder")
@@ -322,6 +334,10 @@ def _add_export(commands: Any) -> None:
     exporting_.add_argument('out', metavar='OUT',
                             help="the folder to write into (created if needed; files of "
                                  "an earlier export are replaced)")
+    exporting_.add_argument('--allow-older', action='store_true',
+                            help="without NAME, where the newest checkpoint is damaged, "
+                                 "export the newest one that is not (by default a "
+                                 "damaged newest checkpoint is an error, exit 1)")
     exporting_.set_defaults(run=_export)
 
 
