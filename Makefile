@@ -14,7 +14,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-s3 test test-quick test-extended test-crash fuzz lint docs bench bench-s3 clean
+.PHONY: demo demo-s3 test test-quick test-extended test-crash compat wheel release-check fuzz lint docs bench bench-s3 clean
 
 $(STAMP): requirements-dev.txt setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,15 +31,32 @@ demo-s3: $(STAMP)
 
 test: $(STAMP)
 	@echo "make test: about 30 minutes on 2 cores; at the start the fault suites print nothing for minutes"
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not crash and not extended" tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not crash and not extended and not release" tests
 
 test-quick: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not faults" tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not slow and not faults and not release" tests
 
 # the cases of a suite beside those make test runs (the data pipeline's
 # other loader settings and processes)
 test-extended: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadfile -m extended tests
+
+# the support matrix's oldest and newest combinations (noxfile.py), each
+# installed in a virtual environment of its own, running the quick subset
+# (nox -s compat: every combination)
+compat: $(STAMP)
+	$(PY) -m nox -s "compat(stack='oldest')" "compat(stack='newest')"
+
+# the release files (sdist and wheel) into dist/, checked by twine
+wheel: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist .
+	$(PY) -m twine check --strict dist/*
+
+# the release, built and installed into a fresh virtual environment, running
+# the quick start there (plain and with [s3]): tests/test_release.py
+release-check: $(STAMP)
+	$(PY) -m pytest -m release tests/test_release.py
 
 # every crash point of a local save (1 and 2 processes) and of an upload,
 # killed and relaunched (tests/faults/test_crash_points.py; make test runs a

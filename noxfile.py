@@ -1,0 +1,70 @@
+"""The support matrix: each combination of the releases the package supports,
+installed in a virtual environment of its own, runs the quick test subset.
+
+``nox -s compat`` runs every combination, ``nox -s "compat(stack='oldest')"``
+one of them (``make compat`` runs the oldest and the newest, as CI does). The
+package is installed from this checkout with its dependencies resolved by
+pip against setup.cfg, so a combination that setup.cfg refuses fails here.
+
+What bounds the matrix on the machines we test on: the package registry has
+a CPU build of torch 2.13.0 for Python 3.11 only (newer torch releases on it
+are CUDA builds, which run on the CPU too but weigh several GB each: 2.14.1
+is the newest that installs here), so the Python axis is 3.11. The pins of
+the test tools are requirements-dev.txt's.
+"""
+
+import nox
+
+nox.options.default_venv_backend = 'venv'
+nox.options.reuse_existing_virtualenvs = False
+
+# name: the releases of that combination (setup.cfg's ranges are the span of
+# these; skorch_accel_callbacks/_core/accelerate_io.py's TESTED the same)
+STACKS = {
+    'oldest': {'python': '3.11', 'torch': '2.13.0', 'accelerate': '1.13.0', 'skorch': '1.3.1'},
+    'accelerate-1.14': {'python': '3.11', 'torch': '2.13.0', 'accelerate': '1.14.0',
+                        'skorch': '1.4.0'},
+    'pinned': {'python': '3.11', 'torch': '2.13.0', 'accelerate': '1.15.0', 'skorch': '1.4.0'},
+    'newest': {'python': '3.11', 'torch': '2.14.1', 'accelerate': '1.16.0', 'skorch': '1.4.0'},
+}
+# what the quick subset needs beside the package (versions of requirements-dev.txt)
+TEST_TOOLS = ('pytest', 'pytest-xdist', 'hypothesis', 'scikit-learn')
+
+
+def pinned(names: tuple[str, ...]) -> list[str]:
+    """``name==version`` of requirements-dev.txt for each of ``names``."""
+    pins = {}
+    with open('requirements-dev.txt') as f:
+        for line in f:
+            line = line.split('#')[0].strip()
+            if '==' in line:
+                pins[line.split('==')[0].split('[')[0].lower()] = line
+    return [pins[name] for name in names]
+
+
+@nox.session(python=False)
+@nox.parametrize('stack', list(STACKS))
+def compat(session: nox.Session, stack: str) -> None:
+    """Install one combination in a fresh virtual environment and run the
+    quick subset (``make test-quick``'s selection) in it."""
+    releases = STACKS[stack]
+    venv = f'.nox/compat-{stack}'
+    session.run('python' + releases['python'], '-m', 'venv', '--clear', venv, external=True)
+    python = f'{venv}/bin/python'
+    session.run(python, '-m', 'pip', 'install', '--quiet', f"torch=={releases['torch']}",
+                f"accelerate=={releases['accelerate']}", f"skorch=={releases['skorch']}",
+                '.', *pinned(TEST_TOOLS), external=True)
+    session.run(python, '-m', 'pip', 'check', external=True)
+    session.run(python, '-c', VERSIONS.format(**releases), external=True)
+    session.run(python, '-m', 'pytest', '-n', '2', '--dist', 'loadfile',
+                '--no-loadscope-reorder', '-q', '-p', 'no:cacheprovider',
+                '-m', 'not slow and not faults and not release', 'tests', external=True)
+
+
+# the environment holds the combination asked for, not what pip preferred
+VERSIONS = """
+import accelerate, skorch, torch
+got = (torch.__version__.split('+')[0], accelerate.__version__, skorch.__version__)
+assert got == ('{torch}', '{accelerate}', '{skorch}'), got
+print('torch', got[0], 'accelerate', got[1], 'skorch', got[2])
+"""
