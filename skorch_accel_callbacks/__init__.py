@@ -37,6 +37,7 @@ from skorch_accel_callbacks.errors import (
 from skorch_accel_callbacks.params.checkpoint import ParamsCheckpoint
 from skorch_accel_callbacks.params.load import LoadInitParams
 from skorch_accel_callbacks.params.train_end import TrainEndParamsCheckpoint
+from skorch_accel_callbacks.tools.export import export
 
 __all__ = [
     'AccelerateCheckpoint',
@@ -52,7 +53,8 @@ __all__ = [
     'StoreUnavailableError',
     'TrainEndParamsCheckpoint',
     'TrainingPreempted',
+    'export',
     'unwrapped',
 ]
 
-__version__ = '0.1.0'
+__version__ = '0.2.0'

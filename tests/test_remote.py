@@ -245,9 +245,20 @@ def test_a_second_job_on_the_url_is_refused_by_the_lease(s3_bucket, tmp_path):
     assert len(resumed.history) == 2
 
 
-def test_a_missing_protocol_package_is_refused_before_training(s3_bucket):
-    url = 'az://bucket/run'  # adlfs is not installed
-    with pytest.raises(CheckpointError, match=f'cannot open {url}.*adlfs'):
+def test_a_missing_protocol_package_is_refused_before_training(s3_bucket, monkeypatch):
+    # gcsfs made unimportable, as where the [gcs] extra is not installed
+    monkeypatch.setitem(sys.modules, 'gcsfs', None)
+    url = 'gs://bucket/run'
+    hint = r"\(pip install gcsfs: the package's \[gcs\] extra\)"
+    with pytest.raises(CheckpointError, match=f"cannot open {url}: .*gcsfs.* {hint}"):
+        fit(url, max_epochs=1)
+
+
+@pytest.mark.parametrize('url', ['az://bucket/run', 'ftp://host/run', 'http://host/run'])
+def test_an_untested_store_is_refused_when_training_begins_naming_the_tested(url):
+    with pytest.raises(ValueError, match=(
+            f"dirname='{url}' is in a {url.split(':')[0]}:// store, which this package is not "
+            "tested with; the tested stores are s3://, gs://, gcs://, memory:// and local")):
         fit(url, max_epochs=1)
 
 
@@ -289,9 +300,10 @@ def test_list_and_verify_a_url(s3_bucket):
     damaged = command('verify', url, 'epoch-0001')
     assert damaged.returncode == 1, damaged.stdout + damaged.stderr
     assert f'{url}/epoch-0001: DAMAGED' in damaged.stdout
-    # same-size garbage: its checksum, as a local folder's list says (issue 30 item 6)
+    # same-size garbage: its checksum, as a local folder's list says (issue 30
+    # item 6), and exits 1
     listed = command('list', url)
-    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert listed.returncode == 1, listed.stdout + listed.stderr
     rows = {line.split()[0]: line.split()[-1] for line in listed.stdout.splitlines()
             if line.split()[:1] in (['epoch-0001'], ['epoch-0002']) and ' is ' not in line}
     assert rows == {'epoch-0001': 'DAMAGED', 'epoch-0002': 'ok'}, listed.stdout

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -34,6 +35,7 @@ from accelerate.utils import (
     DistributedType,
     GradientAccumulationPlugin,
     is_compiled_module,
+    load_fsdp_model,
     save,
 )
 from accelerate.utils.constants import FSDP_MODEL_NAME
@@ -56,6 +58,7 @@ __all__ = [
     'gradients_applied',
     'is_fsdp2',
     'leave_loader',
+    'load_sharded_models',
     'load_state',
     'model_file',
     'models',
@@ -404,6 +407,25 @@ def save_state(
 
 def load_state(accelerator: Accelerator, folder: str | os.PathLike) -> None:
     accelerator.load_state(folder)
+
+
+_FSDP_MODEL_FILE = re.compile(rf'^{re.escape(FSDP_MODEL_NAME)}(?:_(\d+))?(?:\.bin)?$')
+
+
+def load_sharded_models(accelerator: Accelerator, models: Mapping[str, torch.nn.Module],
+                        folder: str | os.PathLike, files: Sequence[tuple[str, str]]) -> None:
+    """Load the model files of FSDP checkpoint ``folder`` into the prepared
+    ``models`` (by module name), as ``Accelerator.load_state`` loads its
+    models, without the optimizers, schedulers or random states; every rank
+    calls it. ``files``: ``(module name, file name)``, accelerate's names
+    (``pytorch_model_fsdp_0``, ``pytorch_model_fsdp.bin``), whose index is
+    the model's."""
+    for name, file in files:
+        match = _FSDP_MODEL_FILE.match(file)
+        if match is None:
+            raise ValueError(f"{os.path.join(folder, file)} is no FSDP model file of accelerate's")
+        load_fsdp_model(accelerator.state.fsdp_plugin, accelerator, models[name],
+                        os.fspath(folder), int(match.group(1) or 0))
 
 
 def accumulation_step(accelerator: Accelerator) -> int:

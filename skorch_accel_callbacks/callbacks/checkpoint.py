@@ -10,14 +10,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from skorch.callbacks import Callback, LoadInitState
+from skorch.hf import AccelerateMixin
 from skorch.utils import noop
 
-from skorch_accel_callbacks._core import accelerate_io, base, sync
-from skorch_accel_callbacks._core.base import FolderStateCallback
+from skorch_accel_callbacks._core import accelerate_io, base, releases, sync
+from skorch_accel_callbacks._core.base import FolderStateCallback, keyword_suggestions
 from skorch_accel_callbacks._core.wrapping import bare_modules, own_registries
 from skorch_accel_callbacks.callbacks import _triggers as triggers
 from skorch_accel_callbacks.callbacks._loadable import LoadableCheckpoint
 from skorch_accel_callbacks.callbacks._preemption import StepPoll, check_signals
+from skorch_accel_callbacks.callbacks.mixin import AccelerateFixesMixin
+from skorch_accel_callbacks.engine import _restore as restore
 from skorch_accel_callbacks.engine._writer import (
     BackgroundWriter,
     Retention,
@@ -36,7 +39,7 @@ from skorch_accel_callbacks.state import (
     _training_state as training_state,
 )
 from skorch_accel_callbacks.storage._interface import CheckpointStorage
-from skorch_accel_callbacks.storage._open import open_storage
+from skorch_accel_callbacks.storage._open import check_tested_store, open_storage
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
@@ -45,6 +48,19 @@ __all__ = ['AccelerateCheckpoint', 'FIT_PLACEHOLDER']
 
 #: in ``dirname``, stands for the folder of each fit (:meth:`AccelerateCheckpoint.folder_for_fit`)
 FIT_PLACEHOLDER = '{fit}'
+
+
+def _warn_without_fixes(net: Any, owner: str) -> None:
+    """Warn about an accelerate net of skorch's without this package's
+    ``AccelerateFixesMixin``, which the checkpoints rely on."""
+    if isinstance(net, AccelerateMixin) and not isinstance(net, AccelerateFixesMixin):
+        warnings.warn(
+            f"{type(net).__name__} is a skorch AccelerateMixin net without "
+            f"AccelerateFixesMixin, which {owner} relies on: without it each save_params or "
+            "load_params prepares the module once more, a criterion without parameters is "
+            "wrapped in DDP, and in several processes each rank decides on its own metrics "
+            "(EarlyStopping, monitor). Put it first: class Net(AccelerateFixesMixin, "
+            "AccelerateMixin, NeuralNetClassifier)", UserWarning, stacklevel=4)
 
 
 def _check_checkpointable(net: NeuralNet, what: str, async_save: bool = False) -> None:
@@ -74,6 +90,20 @@ def _check_checkpointable(net: NeuralNet, what: str, async_save: bool = False) -
             "compile=False under FSDP2, or without FSDP2")
 
 
+# skorch's Checkpoint's arguments for its files, which a checkpoint of the
+# whole state does not have: what to do instead
+_FILES_ADVICE = (
+    "skorch's Checkpoint names its files; AccelerateCheckpoint saves the whole training "
+    "state into <dirname>/epoch-NNNN under fixed names (the models as safetensors). Leave "
+    "it out; for skorch's own files beside the checkpoints, add ParamsCheckpoint({arg}=...) "
+    "to the callbacks (docs: From skorch's Checkpoint and LoadInitState)")
+_SKORCH_FILE_ARGUMENTS = {
+    arg: _FILES_ADVICE.format(arg=arg) for arg in (
+        'f_params', 'f_optimizer', 'f_criterion', 'f_history', 'f_pickle', 'fn_prefix',
+        'use_safetensors')}
+
+
+@keyword_suggestions(advice=_SKORCH_FILE_ARGUMENTS)
 class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     """Checkpoint the whole training state with ``accelerator.save_state``.
 
@@ -121,6 +151,14 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     keep_best : int or None (default=None)
       With ``monitor``: save every epoch for resuming, and keep the
       ``keep_best`` newest best ones besides the ``keep_last`` newest.
+
+    load_best : bool (default=False)
+      When training ends, load the model(s) of the newest checkpoint that
+      ``monitor`` marked best into the net, on every rank (FSDP2 too), as
+      skorch's ``Checkpoint(load_best=True)`` loads its best parameters. The
+      optimizers, the history and the random states stay the last epoch's;
+      a fit that saved no best one keeps its last model, and ``sink`` says
+      so. Needs ``monitor``.
 
     event_name : str or None (default='event_acp')
       History column that records whether a checkpoint was saved.
@@ -224,6 +262,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     ...         max_epochs=2, callbacks=[cp, AccelerateLoadInitState(cp)])
     >>> cp = AccelerateCheckpoint(dirname='run1')
     >>> net = make_net(cp).fit(X, y)  # killed? run it again to resume  # doctest: +ELLIPSIS
+    No checkpoint in run1; training from scratch.
       epoch    train_loss...
     >>> cp.committed()
     ['epoch-0001', 'epoch-0002']
@@ -239,6 +278,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
 
     >>> cp = AccelerateCheckpoint(dirname='run3', monitor='valid_loss_best', keep_best=2)
     >>> net = make_net(cp).fit(X, y)  # doctest: +ELLIPSIS
+    No checkpoint in run3; training from scratch.
       epoch    train_loss...
     >>> plain = NeuralNetClassifier(
     ...     torch.nn.Linear, module__in_features=4, module__out_features=2,
@@ -258,6 +298,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         every_n_seconds: float | None = None,
         save_on_signal: tuple[str | signal.Signals, ...] = ('SIGTERM',),
         keep_best: int | None = None,
+        load_best: bool = False,
         event_name: str | None = 'event_acp',
         sink: Callable[[str], object] = noop,
         safe_serialization: bool = True,
@@ -281,12 +322,14 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self.every_n_seconds = every_n_seconds
         self.save_on_signal = save_on_signal
         self.keep_best = keep_best
+        self.load_best = load_best
         self.local_dir = local_dir
         self.storage_options = storage_options
         self.outage_seconds = outage_seconds
         self.lease_seconds = lease_seconds
 
     def initialize(self) -> AccelerateCheckpoint:
+        releases.warn_if_untested()
         self._check_arguments()
         self.signals_ = check_signals(self.save_on_signal, type(self).__name__)
         self.close()
@@ -321,14 +364,17 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self._workers_checked = None
         self._data = None
         self._epoch_end_seen = None
-        # the warning of per-rank buffers under FSDP2, once after initialize
+        # the warnings of per-rank buffers under FSDP2 and of a net without
+        # AccelerateFixesMixin, once after initialize
         self._buffers_warned = False
+        self._fixes_warned = False
         return self
 
     def _check_arguments(self) -> None:
         owner = type(self).__name__
         if not isinstance(self.dirname, (str, os.PathLike)) or not str(self.dirname):
             raise ValueError(f"{owner}: dirname must be a folder path, got {self.dirname!r}")
+        check_tested_store(self.dirname, owner)
         if type(self.keep_last) is not int or self.keep_last < 1:
             raise ValueError(f"{owner}: keep_last must be an int >= 1, got {self.keep_last!r}")
         for name in ('durable', 'async_save', 'safe_serialization'):
@@ -350,6 +396,12 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
                 f"{owner}: event_name must be a string or None, got {self.event_name!r}")
         triggers.check_triggers(owner, self.monitor, self.every_n_epochs, self.every_n_steps,
                                 self.every_n_seconds, self.keep_best)
+        if not isinstance(self.load_best, bool):
+            raise ValueError(f"{owner}: load_best must be True or False, got {self.load_best!r}")
+        if self.load_best and self.monitor is None:
+            raise ValueError(
+                f"{owner}: load_best=True loads the best checkpoint when training ends, and "
+                "monitor (None) marks none best: give monitor, e.g. 'valid_loss_best'")
         base.check_sink(self.sink, owner)
 
     @property
@@ -518,12 +570,23 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
                 self._save_at_train_end(net)
             self.wait_for_saves(net)
             received = self._poll.at_train_end(net)
+            if received is None and self.load_best:
+                self._load_best(net)
             if received is not None:
                 saved = self.last_saved_ or self.resumed_from_
                 self._stop(net, received, saved and self.folder_.url(saved))
         finally:
             loader_pass.uninstall(self._train_loader)
             self.close()
+
+    def _load_best(self, net: Any) -> None:
+        """``load_best``: the best checkpoint's model(s) into the net, as
+        skorch's ``Checkpoint(load_best=True)`` loads its best parameters."""
+        loaded = restore.load_best_models(net, self.folder_)
+        base.say(net, self.sink,
+                 f"Loaded the model(s) of the best checkpoint, {loaded}" if loaded else
+                 f"load_best: no checkpoint in {self.folder_.dirname} is marked best "
+                 f"(monitor={self.monitor!r} never chose one): the net keeps its last model")
 
     # ------------------------------------------------------------ policy
 
@@ -596,6 +659,9 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         # modules of a back-end that shards or wraps them itself
         _check_checkpointable(net, type(self).__name__, self.async_save)
         self._check_no_skorch_loader(net)
+        if not self._fixes_warned:
+            self._fixes_warned = True
+            _warn_without_fixes(net, type(self).__name__)
         with own_registries(net):
             compat.model_layout(net)
             if not self._buffers_warned:

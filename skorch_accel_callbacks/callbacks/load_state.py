@@ -8,16 +8,18 @@ from collections.abc import Callable
 from typing import Any
 
 from skorch.callbacks import Callback, Checkpoint as SkorchCheckpoint, TrainEndCheckpoint
-from skorch.utils import noop
 
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.base import (
     FolderStateCallback,
     Resumed,
+    check_one_of,
     check_sink,
+    keyword_suggestions,
     move_callback,
     processes,
     say,
+    suggestion,
 )
 from skorch_accel_callbacks._core.wrapping import net_optimizers
 from skorch_accel_callbacks.callbacks.checkpoint import AccelerateCheckpoint
@@ -36,8 +38,11 @@ from skorch_accel_callbacks.storage._interface import CheckpointStorage
 __all__ = ['AccelerateLoadInitState']
 
 WORLD_SIZE_CHANGES = ('raise', 'reseed')
+# what resume= names besides a checkpoint's name or folder
+RESUME_POINTERS = ('latest', 'best')
 
 
+@keyword_suggestions
 class AccelerateLoadInitState(FolderStateCallback, Callback):
     """Resume training from the checkpoints of an :class:`AccelerateCheckpoint`.
 
@@ -77,10 +82,14 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     resume : str or os.PathLike (default='latest')
       ``'latest'`` (the newest complete checkpoint), ``'best'`` (the newest
-      the checkpoint's ``monitor`` marked best) or a checkpoint folder's path.
+      the checkpoint's ``monitor`` marked best), a checkpoint's name
+      (``'epoch-0003'``) or a checkpoint folder's path. A bare word that is
+      none of these is refused at ``initialize`` (``'lastest'``).
 
-    sink : callable (default=noop)
-      Where to say what was resumed (main process only), e.g. ``print``.
+    sink : callable (default=print)
+      Where to say what was resumed, or that there was nothing to resume:
+      on the main process only, and with ``print`` only when the net is
+      verbose, as skorch's callbacks do; ``skorch.utils.noop`` says nothing.
 
     check_data : bool (default=True)
       Refuse a checkpoint trained on other data than this ``fit``'s (e.g.
@@ -163,6 +172,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     ...         max_epochs=max_epochs, callbacks=[cp, AccelerateLoadInitState(cp)])
     ...     return net.fit(X, y)
     >>> net = fit(max_epochs=1)  # doctest: +ELLIPSIS
+    No checkpoint in run1; training from scratch.
       epoch    train_loss...
           1 ...
 
@@ -170,6 +180,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     the epochs not yet done:
 
     >>> net = fit(max_epochs=2)  # doctest: +ELLIPSIS
+    Resumed from run1/epoch-0001 after epoch 1; training 1 more epoch(s).
       epoch    train_loss...
           2 ...
     >>> len(net.history)
@@ -193,7 +204,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         checkpoint: AccelerateCheckpoint,
         *,
         resume: str | os.PathLike[str] = 'latest',
-        sink: Callable[[str], object] = noop,
+        sink: Callable[[str], object] = print,
         check_data: bool = True,
         on_world_size_change: str = 'raise',
         check_params: bool | tuple[str, ...] = True,
@@ -204,6 +215,24 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self.check_data = check_data
         self.on_world_size_change = on_world_size_change
         self.check_params = check_params
+
+    def _check_resume(self, owner: str) -> None:
+        """``resume`` is 'latest', 'best', a checkpoint's name or a path: a
+        bare word that is none of them is a misspelling, refused now rather
+        than looked for as a folder when training begins."""
+        if not isinstance(self.resume, (str, os.PathLike)) or not str(self.resume):
+            raise ValueError(f"{owner}: resume must be 'latest', 'best', a checkpoint's name "
+                             f"or a folder, got {self.resume!r}")
+        resume = os.fspath(self.resume)
+        looks_like_a_path = (os.sep in resume or '://' in resume or resume.startswith('.')
+                             or os.path.exists(resume))
+        if resume in RESUME_POINTERS or _manifest.is_checkpoint_name(resume) or looks_like_a_path:
+            return
+        raise ValueError(
+            f"{owner}: resume={resume!r} is neither 'latest' nor 'best', no checkpoint's "
+            f"name (epoch-NNNN, epoch-NNNN-step-SSSSSSSS) and no path"
+            f"{suggestion(resume, RESUME_POINTERS)}; for a folder of that name in the "
+            f"working directory, write './{resume}'")
 
     def initialize(self) -> AccelerateLoadInitState:
         owner = type(self).__name__
@@ -217,17 +246,13 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         if not isinstance(self.checkpoint, AccelerateCheckpoint):
             raise TypeError(
                 f"{owner} needs an AccelerateCheckpoint, got {self.checkpoint!r}")
-        if not isinstance(self.resume, (str, os.PathLike)) or not str(self.resume):
-            raise ValueError(
-                f"{owner}: resume must be 'latest', 'best' or a folder, got {self.resume!r}")
+        self._check_resume(owner)
         check_sink(self.sink, owner)
         if not isinstance(self.check_data, bool):
             raise ValueError(
                 f"{owner}: check_data must be True or False, got {self.check_data!r}")
-        if self.on_world_size_change not in WORLD_SIZE_CHANGES:
-            raise ValueError(
-                f"{owner}: on_world_size_change must be one of {WORLD_SIZE_CHANGES}, "
-                f"got {self.on_world_size_change!r}")
+        check_one_of(owner, 'on_world_size_change', self.on_world_size_change,
+                     WORLD_SIZE_CHANGES)
         if not (isinstance(self.check_params, bool) or (
                 isinstance(self.check_params, (tuple, list))
                 and all(isinstance(name, str) for name in self.check_params))):

@@ -21,7 +21,8 @@ from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.base import processes
-from skorch_accel_callbacks._core.wrapping import net_optimizers, own_registries
+from skorch_accel_callbacks._core.wrapping import net_optimizers, own_registries, state_modules
+from skorch_accel_callbacks.engine import _consolidate as consolidate
 from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.format._manifest import POINTERS, is_checkpoint_name
@@ -38,6 +39,7 @@ from skorch_accel_callbacks.state import (
 from skorch_accel_callbacks.storage._interface import CheckpointStorage, is_committer
 
 __all__ = ['Chosen', 'InsideEpoch', 'ResumeChecks', 'Restored', 'choose_checkpoint',
+           'load_best_models',
            'read_checkpoint']
 
 
@@ -154,6 +156,28 @@ def choose_checkpoint(net: Any, storage: CheckpointStorage,
     if which in POINTERS or is_checkpoint_name(os.fspath(which)):
         return Chosen(storage.path(chosen))
     return Chosen(os.fspath(which))
+
+
+def load_best_models(net: Any, storage: CheckpointStorage) -> str | None:
+    """Load the model(s) of the checkpoint of ``storage`` marked best into
+    ``net`` on every rank (its modules and criteria with parameters; not
+    the optimizers, the history nor the random states): the path loaded,
+    or None where no checkpoint is marked best."""
+    marked = sync.broadcast(net, storage.pointed('best') if is_committer(net) else None)
+    if marked is None:
+        return None
+    chosen = choose_checkpoint(net, storage, 'best')
+    manifest = chosen.manifest or _manifest.read(chosen.path)
+    files = consolidate.model_files(manifest, chosen.path)
+    modules = state_modules(net)
+    with sync.agree(net, f"loading the best checkpoint's model(s), {chosen.path}"):
+        if accelerate_io.is_fsdp2(net.accelerator):
+            accelerate_io.load_sharded_models(net.accelerator, modules, chosen.path, files)
+        else:
+            for name, file in files:
+                modules[name].load_state_dict(
+                    consolidate.read_model(os.path.join(chosen.path, file)))
+    return chosen.path
 
 
 def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = None,

@@ -13,7 +13,7 @@ from typing import Any, Self
 from skorch.callbacks import Checkpoint, LoadInitState, TrainEndCheckpoint
 
 from skorch_accel_callbacks._core import sync
-from skorch_accel_callbacks._core.base import InitParamsOnly
+from skorch_accel_callbacks._core.base import InitParamsOnly, keyword_suggestions
 from skorch_accel_callbacks._core.wrapping import check_plain, unwrapped
 from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.format._readers import first_unloadable
@@ -22,6 +22,7 @@ from skorch_accel_callbacks.params.checkpoint import File, ParamsCheckpoint
 __all__ = ['LoadInitParams']
 
 
+@keyword_suggestions
 class LoadInitParams(InitParamsOnly, LoadInitState):
     """Load a checkpoint into the net when training begins, on every rank.
 

@@ -11,9 +11,12 @@ from skorch_accel_callbacks.storage._interface import CheckpointStorage
 from skorch_accel_callbacks.storage._local import CheckpointFolder
 from skorch_accel_callbacks.storage._remote import RemoteStorage
 
-__all__ = ['is_remote', 'open_storage']
+__all__ = ['TESTED_STORES', 'check_tested_store', 'is_remote', 'open_storage']
 
 _LOCAL_PROTOCOLS = ('file', 'local')
+#: the stores the tests run against (a local S3 server, a local GCS server,
+#: fsspec's memory store), by URL scheme
+TESTED_STORES = ('s3', 'gs', 'gcs', 'memory')
 
 
 def is_remote(dirname: str | os.PathLike[str]) -> bool:
@@ -34,6 +37,30 @@ def is_remote(dirname: str | os.PathLike[str]) -> bool:
         _refuse_mistyped_url(dirname)
         return False
     return protocol.lower() not in _LOCAL_PROTOCOLS
+
+
+def check_tested_store(dirname: str | os.PathLike[str], owner: str) -> None:
+    """Refuse the URL of a store the package is not tested with, naming the
+    tested ones, before training: an untested store (``ftp://``, ``http://``)
+    would fail at the first save, deep in its fsspec package. A chained URL
+    (``simplecache::s3://...``) counts by its last store, a scheme with a
+    transport (``s3+https``) by its store.
+
+    Raises
+    ------
+    ValueError
+      ``dirname`` is the URL of an untested store, or a mistyped URL.
+    """
+    if not is_remote(dirname):
+        return
+    target = os.fspath(dirname).rsplit('::', 1)[-1]
+    protocol = (split_protocol(target)[0] or '').lower().split('+')[0]
+    if protocol not in TESTED_STORES:
+        tested = ', '.join(f'{name}://' for name in TESTED_STORES)
+        raise ValueError(
+            f"{owner}: dirname={os.fspath(dirname)!r} is in a {protocol}:// store, which this "
+            f"package is not tested with; the tested stores are {tested} and local folders "
+            "(a path, or file://)")
 
 
 def _refuse_mistyped_url(path: str) -> None:

@@ -14,7 +14,7 @@ own disks (``save_on_each_node``) upload a part each
 (:mod:`~skorch_accel_callbacks.storage._node_upload`).
 
 fsspec (and the protocol's package, s3fs for ``s3://``) is imported only
-when a store is used: ``pip install skorch-accel-callbacks[s3]``. The
+when a store is used (``s3fs``: the ``[s3]`` extra). The
 credentials and endpoint come from ``storage_options`` or the protocol's
 usual configuration (for s3fs the ``AWS_*`` variables, ``AWS_ENDPOINT_URL``
 included).
@@ -60,6 +60,10 @@ def default_staging(url: str) -> str:
     process of a machine, and another for each URL."""
     digest = hashlib.sha1(url.encode()).hexdigest()[:12]
     return os.path.join(tempfile.gettempdir(), 'skorch-accel-staging', digest)
+
+
+# the fsspec package of each store the package's extras install: (extra, package)
+_EXTRAS = {'s3': ('s3', 's3fs'), 'gs': ('gcs', 'gcsfs'), 'gcs': ('gcs', 'gcsfs')}
 
 
 class RemoteStorage(CheckpointStorage):
@@ -210,9 +214,11 @@ class RemoteStorage(CheckpointStorage):
         try:
             store = self._store()
         except (ImportError, ValueError) as exc:
-            raise CheckpointError(
-                f"cannot open {self.dirname}: {exc} (pip install "
-                "skorch-accel-callbacks[s3] for s3://)") from exc
+            scheme = self.dirname.partition('://')[0]
+            extra = _EXTRAS.get(scheme)
+            hint = (f" (pip install {extra[1]}: the package's [{extra[0]}] extra)"
+                    if extra else "")
+            raise CheckpointError(f"cannot open {self.dirname}: {exc}{hint}") from exc
         transfer.check_reachable(store)
 
     def _finish_upload(self, net: Any) -> None:

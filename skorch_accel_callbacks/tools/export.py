@@ -265,15 +265,15 @@ def export(
     files of an earlier export into ``out`` are replaced, the checkpoint
     is only read. A checkpoint whose model files and history are intact
     is exported even if another of its files (an optimizer or random state)
-    is missing or damaged, with a warning naming it (:func:`find_exportable`).
+    is missing or damaged, with a warning naming it.
     A model that FSDP2 saved sharded is merged in this process, which must
     be one on its own (no job of several processes).
 
     Parameters
     ----------
     source : str or path-like
-      A folder of checkpoints or one checkpoint folder (see
-      :func:`find_checkpoint`), or the URL of checkpoints in an object store
+      A folder of checkpoints or one checkpoint folder (a folder that holds
+      a ``manifest.json``), or the URL of checkpoints in an object store
       (``s3://bucket/run1``): the checkpoint is downloaded into a temporary
       folder, checked (every file of it must be intact), exported and removed.
 
