@@ -27,19 +27,24 @@ STACKS = {
     'pinned': {'python': '3.11', 'torch': '2.13.0', 'accelerate': '1.15.0', 'skorch': '1.4.0'},
     'newest': {'python': '3.11', 'torch': '2.14.1', 'accelerate': '1.16.0', 'skorch': '1.4.0'},
 }
-# what the quick subset needs beside the package (versions of requirements-dev.txt)
-TEST_TOOLS = ('pytest', 'pytest-xdist', 'hypothesis', 'scikit-learn')
+# requirements-dev.txt's pins but the stack under test and the tools no
+# test imports (lint, docs, release): what the quick subset needs besides
+STACK = ('torch', 'accelerate', 'skorch')
+NOT_FOR_TESTS = ('ruff', 'sphinx', 'pydata-sphinx-theme', 'nox', 'build',
+                 'twine', 'matplotlib')
 
 
-def pinned(names: tuple[str, ...]) -> list[str]:
-    """``name==version`` of requirements-dev.txt for each of ``names``."""
-    pins = {}
+def test_requirements() -> list[str]:
+    """``name==version`` of requirements-dev.txt for the quick subset, less
+    :data:`STACK` and :data:`NOT_FOR_TESTS`."""
+    found = []
     with open('requirements-dev.txt') as f:
         for line in f:
             line = line.split('#')[0].strip()
-            if '==' in line:
-                pins[line.split('==')[0].split('[')[0].lower()] = line
-    return [pins[name] for name in names]
+            name = line.split('==')[0].split('[')[0].lower()
+            if '==' in line and name not in STACK + NOT_FOR_TESTS:
+                found.append(line)
+    return found
 
 
 @nox.session(python=False)
@@ -53,7 +58,7 @@ def compat(session: nox.Session, stack: str) -> None:
     python = f'{venv}/bin/python'
     session.run(python, '-m', 'pip', 'install', '--quiet', f"torch=={releases['torch']}",
                 f"accelerate=={releases['accelerate']}", f"skorch=={releases['skorch']}",
-                '.', *pinned(TEST_TOOLS), external=True)
+                '.', *test_requirements(), external=True)
     session.run(python, '-m', 'pip', 'check', external=True)
     session.run(python, '-c', VERSIONS.format(**releases), external=True)
     session.run(python, '-m', 'pytest', '-n', '2', '--dist', 'loadfile',

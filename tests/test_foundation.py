@@ -6,7 +6,9 @@ import shutil
 import subprocess
 import sys
 
+import accelerate
 import pytest
+from packaging.version import Version
 
 from launcher import REPO, WORKERS, launch
 from testutil import read_results
@@ -83,12 +85,14 @@ def test_parameters_loaded_inside_block_are_in_sync_and_train(foundation):
 
 
 def test_upstream_save_params_grows_registry(foundation):
-    """Documents skorch 1.4's behaviour that ``unwrapped`` avoids."""
+    """Documents skorch's behaviour that ``unwrapped`` avoids."""
     nproc, results = foundation
     models = results[0]['stock_models_per_save']
     growth = [b - a for a, b in itertools.pairwise(models)]
-    # one more registered model per save under DDP; a single process re-uses it
-    assert growth == ([1, 1, 1] if nproc == 2 else [0, 0, 0])
+    # one more registered model per save under DDP; a single process re-uses
+    # it from accelerate 1.14 on (1.13 registers it again in one process too)
+    reuses = Version(accelerate.__version__) >= Version('1.14') and nproc == 1
+    assert growth == ([0, 0, 0] if reuses else [1, 1, 1])
 
 
 def test_fixed_save_params_does_not_grow_registries(foundation):
