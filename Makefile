@@ -65,11 +65,12 @@ test-crash: $(STAMP)
 	FAULTS_AT_LENGTH=1 $(PY) -m pytest -n 2 --dist load -m crash tests/faults/test_crash_points.py
 	FAULTS_AT_LENGTH=1 $(PY) -m pytest -n 2 --dist loadfile tests/faults/test_random_kills.py tests/faults/test_mid_epoch_kills.py
 
-# 500 examples in 1 process and 56 in 2 (28 DDP, 28 FSDP2), seeded: the same every run
+# 500 examples in 1 process and 56 in 2 (28 DDP, 28 FSDP2), seeded: the same
+# every run; torch.compile drawn too (make test's seeded subset leaves it out)
 FUZZ_EXAMPLES ?= 500
 FUZZ_LAUNCHED ?= 14
 fuzz: $(STAMP)
-	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_LAUNCHED=$(FUZZ_LAUNCHED) FUZZ_BATCH=2 \
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_LAUNCHED=$(FUZZ_LAUNCHED) FUZZ_BATCH=2 FUZZ_COMPILE=1 \
 		$(PY) -m pytest -n 2 --dist load tests/test_contract_fuzz.py
 
 lint: $(STAMP)

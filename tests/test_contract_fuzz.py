@@ -14,9 +14,11 @@ uninterrupted run on every rank.
   ``on_world_size_change='reseed'`` (DDP).
 
 Bounds, from the environment (``make test``: the defaults; ``make fuzz``:
-``FUZZ_EXAMPLES=500 FUZZ_LAUNCHED=14 FUZZ_BATCH=2``): FUZZ_EXAMPLES (25)
+``FUZZ_EXAMPLES=500 FUZZ_LAUNCHED=14 FUZZ_BATCH=2 FUZZ_COMPILE=1``):
+FUZZ_EXAMPLES (25)
 in-process examples, FUZZ_LAUNCHED (2) launched batches of FUZZ_BATCH (1)
-examples for each of DDP and FSDP2. The runs are derandomized (the same examples every run);
+examples for each of DDP and FSDP2, FUZZ_COMPILE=1 drawing torch.compile
+too. The runs are derandomized (the same examples every run);
 FUZZ_SEED draws others. FUZZ_INTERRUPTS, FUZZ_CHANGES and FUZZ_SCRIPTS
 (comma-separated kinds) focus a run on some kinds. A failure prints its
 shrunk configuration(s) and a command line that reruns them (:func:`replay`).
