@@ -172,3 +172,49 @@ def test_the_readme_links_to_pages_that_exist():
     # every page but the site's own index is linked, and nothing else under docs/
     assert links == {f'docs/{page.name}' for page in DOCS.glob('*.rst')} - {'docs/index.rst'}
     assert len(text.splitlines()) < 300
+
+
+# the command lines of the pages' shell blocks, as a user types them
+CLI = [line.split('#')[0].strip() for source in SHELL for line in source.splitlines()
+       if line.strip().startswith('python -m skorch_accel_callbacks ')]
+
+
+def best_at_epoch_3(net):
+    return len(net.history) == 3
+
+
+@pytest.fixture(scope='module')
+def checkpoints_folder(tmp_path_factory):
+    """A working folder whose ``checkpoints`` holds what the pages' command
+    lines name: epochs 1 to 4, epoch 3 the best."""
+    from common import make_accelerator, make_data, make_net
+    from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+    where = tmp_path_factory.mktemp('cli')
+    cp = AccelerateCheckpoint(dirname=str(where / 'checkpoints'), monitor=best_at_epoch_3,
+                              keep_best=1, keep_last=4)
+    make_net(make_accelerator(), max_epochs=4,
+             callbacks=[cp, AccelerateLoadInitState(cp)]).fit(*make_data(n=64))
+    return where
+
+
+def test_the_pages_have_command_lines():
+    assert len(CLI) >= 4, CLI
+    assert {line.split()[3] for line in CLI} == {'list', 'verify', 'export'}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('line', CLI)
+def test_each_command_line_of_the_pages_runs_as_written(checkpoints_folder, line):
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get('PYTHONPATH', '')]))
+    proc = subprocess.run([sys.executable, *line.split()[1:]], cwd=checkpoints_folder, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{line}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+
+
+def test_the_wheel_the_pages_name_is_this_version_s():
+    from skorch_accel_callbacks import __version__
+    named = {name for page in PAGES
+             for name in re.findall(r'skorch_accel_callbacks-[\w.]+-py3-none-any\.whl',
+                                    page.read_text())}
+    assert named == {f'skorch_accel_callbacks-{__version__}-py3-none-any.whl'}, named
