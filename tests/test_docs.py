@@ -202,7 +202,10 @@ def test_the_pages_have_command_lines():
     assert {line.split()[3] for line in CLI} == {'list', 'verify', 'export'}
 
 
+# each line starts an interpreter that imports torch: make test-extended
+# (which CI runs), to keep make test within its 30 minutes
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize('line', CLI)
 def test_each_command_line_of_the_pages_runs_as_written(checkpoints_folder, line):
     env = dict(os.environ,
