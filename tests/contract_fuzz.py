@@ -287,8 +287,12 @@ def configs(draw, nproc=1, backend='none', interrupts=('none', 'sigterm', 'crash
                   'keep_last': draw(st.integers(1, 3))},
         'data': draw(data_pipelines()),
         'accelerator': draw(accelerator_settings(backend)),
-        'compile': draw(st.sampled_from(compile_modes)) and backend != 'fsdp2',
     }
+    # skorch's compile=True beside accelerate's bf16 fails in a later fit
+    # with or without this package (TypeError: forward() takes 2 positional
+    # arguments but 3 were given, skorch 1.4, accelerate 1.15): not drawn
+    config['compile'] = (draw(st.sampled_from(compile_modes)) and backend != 'fsdp2'
+                         and config['accelerator'].get('mixed_precision') != 'bf16')
     calls = 1 if config['script'] == 'fit' else 2
     total = calls * config['max_epochs'] * train_batches(config, nproc)
     kind = draw(st.sampled_from(interrupts))
@@ -786,6 +790,12 @@ def _refusal_names(config, facts):
     if change['kind'] == 'callback':
         return None if change['allow'] else change['names']
     if change['kind'] == 'accelerator':
+        if change['allow'] and change['param'] == 'gradient_accumulation_steps' \
+                and facts['newest_inside']:
+            # what a resume inside an epoch skips depends on it: refused even
+            # where check_params lets it through (a new batch size likewise)
+            return ['accumulation_steps: 1 in the checkpoint, 2 now'
+                    if change['value'] == 2 else 'accumulation_steps: 2 in the checkpoint, 1 now']
         return None if change['allow'] else [change['name']]
     return None
 
