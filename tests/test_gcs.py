@@ -13,7 +13,10 @@ folder; deleting that folder is a new machine that has only the bucket.
 
 import os
 import shutil
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -23,7 +26,10 @@ from checkpointed import fit, state
 from skorch_accel_callbacks import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.storage._open import open_storage
+from skorch_accel_callbacks.storage._transfer import REACHABLE_SECONDS
 from testutil import assert_identical
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope='module')
@@ -134,3 +140,51 @@ def test_a_download_whose_bytes_differ_is_refused_naming_the_url(gcs, tmp_path):
     with pytest.warns(UserWarning, match=f'skipping checkpoint {url}/epoch-0002: {refused}'):
         assert storage.find_checkpoint('latest').manifest['epoch'] == 1
     assert not os.path.exists(tmp_path / 'new-machine' / 'epoch-0002')
+
+
+NO_NETWORK_FIT = '''
+import sys
+import numpy as np
+import torch
+from accelerate import Accelerator
+from skorch import NeuralNetClassifier
+from skorch.hf import AccelerateMixin
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateFixesMixin
+
+class Net(AccelerateFixesMixin, AccelerateMixin, NeuralNetClassifier):
+    pass
+
+X, y = np.zeros((8, 4), dtype='float32'), np.arange(8) % 2
+module = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Softmax(-1))
+Net(module, accelerator=Accelerator(cpu=True), max_epochs=1,
+    callbacks=[AccelerateCheckpoint(dirname=sys.argv[1], local_dir=sys.argv[2])]).fit(X, y)
+'''
+
+
+@pytest.mark.slow
+def test_a_job_without_network_is_refused_within_the_bound_in_one_message(tmp_path):
+    # a network namespace of its own (user namespaces: no root needed) has
+    # a loopback and nothing else: DNS, the metadata server and GCS fail
+    # as on a machine whose network is down
+    if shutil.which('unshare') is None:
+        assert not os.environ.get('CI'), 'CI has unshare (util-linux)'
+        pytest.skip('needs unshare (util-linux)')
+    script = tmp_path / 'fit.py'
+    script.write_text(NO_NETWORK_FIT)
+    done = subprocess.run(
+        ['unshare', '--map-root-user', '--net', sys.executable, str(script), 'gs://bucket/run',
+         str(tmp_path / 'staging')],
+        capture_output=True, text=True, timeout=180, cwd=REPO,
+        env={**os.environ, 'PYTHONPATH': str(REPO)})
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()
+    # the bound gave up, not gcsfs: without it, gcsfs's ClientConnectorDNSError
+    # after 88 s
+    assert last[-2] == ('skorch_accel_callbacks.errors.CheckpointError: cannot save into '
+                        f'gs://bucket/run: the store did not answer within '
+                        f'{REACHABLE_SECONDS:g} s (no network, a name that does not resolve, '
+                        'or an endpoint that does not answer); check the network and the '
+                        'endpoint'), done.stderr[-3000:]
+    assert last[-1] == 'while opening gs://bucket/run (rank 0)'
+    # gcsfs's logged tracebacks of each failed attempt are not among them
+    assert done.stderr.count('Traceback') == 1, done.stderr[-3000:]

@@ -211,6 +211,7 @@ class RemoteStorage(CheckpointStorage):
         self._claimed = True
 
     def _check_reachable(self) -> None:
+        began = time.monotonic()
         try:
             store = self._store()
         except (ImportError, ValueError) as exc:
@@ -219,7 +220,10 @@ class RemoteStorage(CheckpointStorage):
             hint = (f" (pip install {extra[1]}: the package's [{extra[0]}] extra)"
                     if extra else "")
             raise CheckpointError(f"cannot open {self.dirname}: {exc}{hint}") from exc
-        transfer.check_reachable(store)
+        # opening a store may take long (gcsfs looks for credentials on the
+        # network), and counts toward the same bound
+        transfer.check_reachable(
+            store, transfer.REACHABLE_SECONDS - (time.monotonic() - began))
 
     def _finish_upload(self, net: Any) -> None:
         """Finish the upload of the checkpoint that a job of this machine

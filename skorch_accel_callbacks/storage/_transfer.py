@@ -40,11 +40,32 @@ from skorch_accel_callbacks.format import _manifest
 
 T = TypeVar('T')
 
-__all__ = ['S3FS_RETRIES', 'S3_CLIENT_DEFAULTS', 'Store', 'abort_uploads', 'check_reachable',
-           'check_remote', 'client_options', 'deadline', 'download', 'holds', 'holds_manifest',
-           'is_s3', 'open_filesystem', 'point', 'put_files', 'remove_checkpoint',
-           'remove_manifest',
-           'remove_unsealed', 'same_files', 'seal', 'send', 'staged_manifest', 'upload']
+__all__ = [
+    'REACHABLE_SECONDS',
+    'S3FS_RETRIES',
+    'S3_CLIENT_DEFAULTS',
+    'Store',
+    'abort_uploads',
+    'check_reachable',
+    'check_remote',
+    'client_options',
+    'deadline',
+    'download',
+    'holds',
+    'holds_manifest',
+    'is_s3',
+    'open_filesystem',
+    'point',
+    'put_files',
+    'remove_checkpoint',
+    'remove_manifest',
+    'remove_unsealed',
+    'same_files',
+    'seal',
+    'send',
+    'staged_manifest',
+    'upload',
+]
 
 
 #: the errors of a request that sending it again cannot mend: a file or the
@@ -240,16 +261,32 @@ def _verified(fs: Any) -> dict[str, str]:
     return {'ChecksumAlgorithm': 'CRC32'} if is_s3(fs) else {}
 
 
-def check_reachable(store: Store) -> None:
+#: how long opening a store and its first request may take before a job
+#: that cannot reach it is refused: without network, gcsfs spent 18 s
+#: looking for credentials and then sent the request 6 times with pauses of
+#: up to 17 s, 88 s in all, printing its tracebacks; s3's client settings
+#: (:data:`S3_CLIENT_DEFAULTS`) give up sooner
+REACHABLE_SECONDS = 30.0
+
+
+def check_reachable(store: Store, seconds: float = REACHABLE_SECONDS) -> None:
     """Check that the folder's bucket exists and the credentials are
-    accepted; else raise :class:`CheckpointError` naming the URL."""
+    accepted, within ``seconds`` (what opening ``store`` left of
+    :data:`REACHABLE_SECONDS`, at least 1); else raise
+    :class:`CheckpointError` naming the URL."""
+    from fsspec.exceptions import FSTimeoutError
     bucket = store.root.split('/', 1)[0]
     try:
         store.fs.invalidate_cache()
-        store.fs.info(bucket)
+        store.fs.info(bucket, **deadline(store.fs, max(seconds, 1.0)))
     except FileNotFoundError as exc:
         raise CheckpointError(
             f"cannot save into {store.dirname}: the bucket {bucket} does not exist") from exc
+    except FSTimeoutError:
+        raise CheckpointError(
+            f"cannot save into {store.dirname}: the store did not answer within "
+            f"{REACHABLE_SECONDS:g} s (no network, a name that does not resolve, or an "
+            "endpoint that does not answer); check the network and the endpoint") from None
     except Exception as exc:
         # refused credentials are a PermissionError, missing ones botocore's
         # NoCredentialsError, an endpoint out of reach EndpointConnectionError
