@@ -4,15 +4,19 @@ release newer than the range is let through with one warning naming it."""
 
 import ast
 import configparser
+import re
 import warnings
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
+from skorch import NeuralNet
+from skorch.hf import AccelerateMixin
 
-from skorch_accel_callbacks import AccelerateCheckpoint
-from skorch_accel_callbacks._core import releases
+from common import make_accelerator, make_net
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateFixesMixin
+from skorch_accel_callbacks._core import releases, skorch_io
 from testutil import parse_source
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,3 +74,48 @@ def test_an_older_release_is_no_concern_of_the_warning(monkeypatch, project):
     installed = Version(releases.metadata.version(project))
     monkeypatch.setitem(releases.TESTED, project, (minor(str(installed)), '99.0'))
     assert releases.untested() == []
+
+
+# the package's reads of skorch's private attributes, outside skorch_io
+# (accelerate's registries are accelerator._optimizers & co., accelerate_io's)
+SKORCH_PRIVATE = re.compile(
+    r'(?<!accelerator)\.(_modules|_criteria|_optimizers|_wrapped_with_accelerator)\b')
+
+
+def test_every_internal_of_skorch_the_package_uses_is_there():
+    # run by every stack of noxfile.py's matrix, as the quick subset is
+    assert skorch_io.missing_internals() == []
+
+
+def test_skorch_internals_are_read_in_skorch_io_alone():
+    package = REPO / 'skorch_accel_callbacks'
+    uses = [f'{path.relative_to(REPO)}:{number}: {line.strip()}'
+            for path in sorted(package.rglob('*.py')) if path.name != 'skorch_io.py'
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            if SKORCH_PRIVATE.search(line.split('#')[0])]
+    assert uses == []
+
+
+def test_every_private_method_of_skorch_the_mixin_overrides_is_gated():
+    # an override of a method skorch renamed would never run: each is in
+    # OVERRIDDEN, which check_internals checks at initialize
+    overridden = {
+        name for name in vars(AccelerateFixesMixin)
+        if name.startswith('_') and not name.startswith('__')
+        and any(name in vars(cls) for cls in (NeuralNet, AccelerateMixin))}
+    gated = {name for names in skorch_io.OVERRIDDEN.values() for name in names}
+    assert overridden == gated
+
+
+def test_a_skorch_that_moved_an_internal_is_refused_at_initialize_naming_it(monkeypatch,
+                                                                            tmp_path):
+    monkeypatch.delattr(AccelerateMixin, '_unwrap_accelerator')
+    net = make_net(make_accelerator(), max_epochs=1,
+                   callbacks=[AccelerateCheckpoint(dirname=str(tmp_path / 'ck'))])
+    installed = releases.metadata.version('skorch')
+    oldest, newest = releases.TESTED['skorch']
+    with pytest.raises(RuntimeError) as info:
+        net.initialize()
+    assert str(info.value).startswith(
+        f"FixedNet: skorch {installed} has no AccelerateMixin._unwrap_accelerator, which "
+        f"this package uses (tested with skorch {oldest} to {newest}); install a tested skorch")

@@ -6,7 +6,7 @@ names, and the body of ``Accelerator.save_state``, run here (and split in
 two for saves in the background: the small files now, the model and
 optimizer files later), with the optimizer files written by torch's own
 archive writer without CRC-32 (``torch.serialization._save``, the one use
-of torch's internals). Tested against accelerate 1.15 and torch 2.13;
+of torch's internals), tested on every release of :mod:`.releases`;
 ``tests/test_accelerate_io.py`` checks that a save through
 :func:`save_state` writes the same files with the same contents as
 ``Accelerator.save_state``, so an accelerate upgrade that moves these

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks._core import accelerate_io, skorch_io
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
@@ -40,7 +40,7 @@ _MISSING = object()
 
 def is_wrapped(net: NeuralNet) -> bool:
     """Whether the net's modules are currently prepared by accelerate."""
-    return bool(getattr(net, '_wrapped_with_accelerator', False))
+    return skorch_io.is_wrapped(net)
 
 
 def is_sharded(net: NeuralNet) -> bool:
@@ -60,7 +60,7 @@ def check_plain(net: NeuralNet, needs: str, instead: str) -> None:
     load into"``.
     """
     if is_sharded(net):
-        names = ', '.join(f'net.{name}_' for name in net._modules)
+        names = ', '.join(f'net.{name}_' for name in skorch_io.module_names(net))
         raise ValueError(
             f"{needs}, and {names} is sharded by FSDP2 (each rank holds a shard of its "
             f"parameters): {instead}")
@@ -92,7 +92,8 @@ def gathered(net: NeuralNet) -> Iterator[NeuralNet]:
     if not is_sharded(net):
         yield net
         return
-    sharded: dict[str, Any] = {name + '_': getattr(net, name + '_') for name in net._modules}
+    sharded: dict[str, Any] = {
+        name + '_': getattr(net, name + '_') for name in skorch_io.module_names(net)}
     for attr, module in sharded.items():
         if isinstance(module, torch.nn.Module):
             setattr(net, attr, _FullParameters(net.accelerator.get_state_dict(module)))
@@ -104,7 +105,7 @@ def gathered(net: NeuralNet) -> Iterator[NeuralNet]:
 
 
 def _module_names(net: NeuralNet) -> list[str]:
-    return [name + '_' for name in list(net._modules) + list(net._criteria)]
+    return [name + '_' for name in skorch_io.module_names(net) + skorch_io.criterion_names(net)]
 
 
 def bare_modules(net: NeuralNet) -> dict[str, torch.nn.Module]:
@@ -131,7 +132,7 @@ def state_modules(net: NeuralNet) -> dict[str, torch.nn.Module]:
 
 def net_optimizers(net: NeuralNet) -> list[torch.optim.Optimizer]:
     """The optimizers of ``net`` (as prepared by accelerate, if they are)."""
-    return [getattr(net, name + '_') for name in net._optimizers
+    return [getattr(net, name + '_') for name in skorch_io.optimizer_names(net)
             if getattr(net, name + '_', None) is not None]
 
 
@@ -149,7 +150,7 @@ def unwrapped(net: NeuralNet) -> Iterator[NeuralNet]:
 
     Inside the block ``net.module_`` (and every other module and criterion) is
     the bare ``torch.nn.Module``, without DDP wrapper and without the
-    ``module.`` key prefix, and ``net._wrapped_with_accelerator`` is False, so
+    ``module.`` key prefix, and skorch takes the net for not wrapped, so
     skorch's ``save_params``/``load_params`` take their plain path. On exit,
     also when the block raises, the net gets back the very same wrapper
     objects it had; nothing is prepared again and no collective is run.
@@ -213,7 +214,7 @@ def unwrapped(net: NeuralNet) -> Iterator[NeuralNet]:
             key: inner.__dict__.get(key, _MISSING) for key in _FORWARD_ATTRS})
         setattr(net, attr, accelerator.unwrap_model(wrapper, keep_fp32_wrapper=False,
                                                     keep_torch_compile=False))
-    net._wrapped_with_accelerator = False
+    skorch_io.set_wrapped(net, False)
     try:
         yield net
     finally:
@@ -225,4 +226,4 @@ def unwrapped(net: NeuralNet) -> Iterator[NeuralNet]:
                     inner.__dict__[key] = value
         for attr, wrapper in wrappers.items():
             setattr(net, attr, wrapper)
-        net._wrapped_with_accelerator = True
+        skorch_io.set_wrapped(net, True)

@@ -13,7 +13,7 @@ from skorch.callbacks import Callback, LoadInitState
 from skorch.hf import AccelerateMixin
 from skorch.utils import noop
 
-from skorch_accel_callbacks._core import accelerate_io, base, releases, sync
+from skorch_accel_callbacks._core import accelerate_io, base, releases, skorch_io, sync
 from skorch_accel_callbacks._core.base import FolderStateCallback, keyword_suggestions
 from skorch_accel_callbacks._core.wrapping import bare_modules, own_registries
 from skorch_accel_callbacks.callbacks import _triggers as triggers
@@ -330,6 +330,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
 
     def initialize(self) -> AccelerateCheckpoint:
         releases.warn_if_untested()
+        skorch_io.check_internals(type(self).__name__)
         self._check_arguments()
         self.signals_ = check_signals(self.save_on_signal, type(self).__name__)
         self.close()

@@ -16,7 +16,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from skorch.callbacks import Callback, EpochScoring, LRScheduler
 from skorch.hf import AccelerateMixin
 
-from skorch_accel_callbacks._core import accelerate_io, sync
+from skorch_accel_callbacks._core import accelerate_io, skorch_io, sync
 from skorch_accel_callbacks._core.wrapping import bare_modules, check_plain, gathered, unwrapped
 from skorch_accel_callbacks.callbacks import _preemption as preemption
 from skorch_accel_callbacks.errors import DivergedDecisionError, RankError
@@ -103,7 +103,7 @@ def _bare_optimizers(net: NeuralNet) -> Iterator[None]:
     """Inside, the net's optimizers are the torch optimizers that accelerate's
     ``AcceleratedOptimizer`` wraps (which carry the process state)."""
     wrappers = {}
-    for name in net._optimizers:
+    for name in skorch_io.optimizer_names(net):
         optimizer = getattr(net, name + '_', None)
         if isinstance(optimizer, AcceleratedOptimizer):
             wrappers[name + '_'] = optimizer
@@ -119,7 +119,7 @@ def _bare_optimizers(net: NeuralNet) -> Iterator[None]:
 # clone passed them to a new net's __init__ as parameters (and refused a net
 # left wrapped by an exception in fit: __init__ sets the first one to False)
 _TRAINING_ATTRIBUTES = frozenset(
-    {'_wrapped_with_accelerator', '_accelerator_loaders', '_accelerator_registered',
+    {skorch_io.WRAPPED, '_accelerator_loaders', '_accelerator_registered',
      '_sigint_watch'})
 
 # the hooks after which, with several processes, every rank says whether a
@@ -298,7 +298,8 @@ class AccelerateFixesMixin:
         self.reduce_metrics = reduce_metrics
 
     def initialize(self) -> Self:
-        self._wrapped_with_accelerator = False
+        skorch_io.check_internals(type(self).__name__)
+        skorch_io.set_wrapped(self, False)
         return super().initialize()
 
     def _validate_params(self) -> None:
@@ -342,20 +343,15 @@ class AccelerateFixesMixin:
         return sync.gather_for_metrics(self, output)
 
     def _initialize_accelerator(self) -> Self:
-        if self._wrapped_with_accelerator:
+        if skorch_io.is_wrapped(self):
             return self
         if accelerate_io.is_fsdp2(self.accelerator):
             self._prepare_for_fsdp2()
         else:
-            all_criteria = self._criteria
-            self._criteria = [
-                name for name in all_criteria
-                if self._place_or_keep_criterion(getattr(self, name + '_'))
-            ]
-            try:
+            trained = [name for name in skorch_io.criterion_names(self)
+                       if self._place_or_keep_criterion(getattr(self, name + '_'))]
+            with skorch_io.criteria_limited_to(self, trained):
                 super()._initialize_accelerator()
-            finally:
-                self._criteria = all_criteria
         self._prune_accelerator_registries()
         return self
 
@@ -363,11 +359,11 @@ class AccelerateFixesMixin:
         """Prepare the one module and its optimizer in one call, as FSDP2
         needs (``fully_shard`` replaces the parameters the optimizer holds);
         skorch prepares them one at a time, which accelerate refuses."""
-        modules = [name for name in self._modules
+        modules = [name for name in skorch_io.module_names(self)
                    if isinstance(getattr(self, name + '_'), torch.nn.Module)]
-        optimizers = [name for name in self._optimizers
+        optimizers = [name for name in skorch_io.optimizer_names(self)
                       if isinstance(getattr(self, name + '_'), torch.optim.Optimizer)]
-        trained_criteria = [name for name in self._criteria
+        trained_criteria = [name for name in skorch_io.criterion_names(self)
                             if self._place_or_keep_criterion(getattr(self, name + '_'))]
         if len(modules) != 1 or len(optimizers) != 1 or trained_criteria:
             raise ValueError(
@@ -384,7 +380,7 @@ class AccelerateFixesMixin:
         for _, callback in self.callbacks_:
             if isinstance(callback, LRScheduler):
                 callback.policy_ = self.accelerator.prepare(callback.policy_)
-        self._wrapped_with_accelerator = True
+        skorch_io.set_wrapped(self, True)
 
     def _unwrap_accelerator(self) -> None:
         # fully_shard turns the module itself into the sharded one: nothing
@@ -405,7 +401,7 @@ class AccelerateFixesMixin:
 
     def _prepared_objects(self) -> list[Any]:
         objects = list(bare_modules(self).values())
-        for name in self._optimizers:
+        for name in skorch_io.optimizer_names(self):
             objects.append(getattr(self, name + '_', None))
         return objects
 
@@ -556,7 +552,7 @@ class AccelerateFixesMixin:
         return scoring.use_caching if self.use_caching == 'auto' else self.use_caching
 
     def on_train_begin(self, net: NeuralNet, X: Any = None, y: Any = None, **kwargs: Any) -> None:
-        if self.initialized_ and not self._wrapped_with_accelerator:
+        if self.initialized_ and not skorch_io.is_wrapped(self):
             self._initialize_accelerator()
         return super().on_train_begin(net, X=X, y=y, **kwargs)
 

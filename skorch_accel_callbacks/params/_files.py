@@ -24,6 +24,7 @@ import string
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from skorch_accel_callbacks._core import skorch_io
 from skorch_accel_callbacks._core.wrapping import check_plain, is_sharded
 from skorch_accel_callbacks.errors import CorruptCheckpointError, FolderInUseError
 from skorch_accel_callbacks.format import _atomic as atomic
@@ -140,7 +141,7 @@ def check_sharding(owner: str, net: Any, f_kwargs: Mapping[str, Any], load_best:
         return
     into_new_net = "the saved parameters load into a new net"
     for key, val in sorted(f_kwargs.items()):
-        if val is not None and key[2:] in net._optimizers:
+        if val is not None and key[2:] in skorch_io.optimizer_names(net):
             check_plain(net, f"{owner}: {key}={val!r} needs the optimizer state of a plain "
                         "module", f"set {key}=None; AccelerateCheckpoint and "
                         "AccelerateLoadInitState save and resume the optimizer sharded")

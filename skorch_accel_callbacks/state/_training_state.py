@@ -51,7 +51,7 @@ from skorch.callbacks import (
 )
 from skorch.history import History
 
-from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks._core import accelerate_io, skorch_io
 from skorch_accel_callbacks.format._manifest import (
     PER_RANK_ITEMS,
     buffers_name,
@@ -175,7 +175,8 @@ def keep_new_optimizer_settings(
     ``<optimizer>__<key>`` that optimizer's ``key``, and
     ``<optimizer>__param_groups`` all its settings. An LR scheduler's view
     of a new lr follows in :func:`keep_new_base_lrs`."""
-    present = [name for name in net._optimizers if getattr(net, name + '_', None) is not None]
+    present = [name for name in skorch_io.optimizer_names(net)
+               if getattr(net, name + '_', None) is not None]
     for optimizer, new_groups, old_groups in zip(present, fresh, saved, strict=True):
         keys = _new_keys(optimizer, names)
         for new, old in zip(new_groups, old_groups, strict=True):
@@ -202,7 +203,8 @@ def keep_new_base_lrs(net: NeuralNet, names: Collection[str]) -> None:
     ``CosineAnnealingLR`` with ``eta_min=0``...). ``ReduceLROnPlateau`` keeps
     no base lr: the new lr is the lr from now on, reduced further on
     plateaus."""
-    present = [name for name in net._optimizers if getattr(net, name + '_', None) is not None]
+    present = [name for name in skorch_io.optimizer_names(net)
+               if getattr(net, name + '_', None) is not None]
     changed = [getattr(net, name + '_') for name in present
                if {'lr', 'param_groups'} & _new_keys(name, names)]
     for _, callback in net.callbacks_:
