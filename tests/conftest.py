@@ -8,6 +8,7 @@ tests/faults has one of its own).
 """
 
 import logging
+import signal
 import tempfile
 import uuid
 
@@ -15,6 +16,15 @@ import pytest
 
 from launcher import launch
 from testutil import read_results
+
+
+def pytest_configure(config):
+    # a shell starts a background job (make test &, nohup) with SIGINT
+    # ignored, which its children inherit through exec: the tests' Ctrl-C
+    # would then interrupt nothing. Python's own handler is what an
+    # interactive run has, and exec resets a handled signal for a child
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

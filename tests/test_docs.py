@@ -7,13 +7,16 @@ one after the other into one session). A page with the comment
 first Python block of ``docs/quickstart.rst`` runs before its own, as its
 text says. A block with ``:name: <file>.py`` is a script the page tells to
 save and launch: it is written to that file and run in 2 CPU processes,
-twice, as the resume story does. Shell blocks are not run; the ``make``
+twice, as the resume story does. The command lines of shell blocks run
+too (make test-extended), and a transcript (``$ <command>`` and what it
+printed) must be what the command prints, numbers aside; the ``make``
 targets and files that any page names must exist.
 """
 
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -221,3 +224,75 @@ def test_the_wheel_the_pages_name_is_this_version_s():
              for name in re.findall(r'skorch_accel_callbacks-[\w.]+-py3-none-any\.whl',
                                     page.read_text())}
     assert named == {f'skorch_accel_callbacks-{__version__}-py3-none-any.whl'}, named
+
+
+def transcripts(page):
+    """``(command, output lines)`` of each literal block of ``page`` that
+    shows a command line (``$ ...``) and what it printed."""
+    found = []
+    for match in re.finditer(r'::\n\n((?:(?: {4}.*)?\n)+)', page.read_text()):
+        lines = textwrap.dedent(match.group(1)).strip('\n').splitlines()
+        if lines and lines[0].startswith('$ '):
+            found.append((lines[0][2:], lines[1:]))
+    return found
+
+
+def shape(line):
+    """A pattern of ``line`` whose words must match and whose numbers (any
+    word with a digit: sizes, scores, times, pids) may differ."""
+    words = [r'\S*\d\S*' if re.search(r'\d', word) else re.escape(word)
+             for word in line.split()]
+    return re.compile(r'\s*' + r'\s+'.join(words) + r'\s*')
+
+
+INSPECTION = dict(transcripts(DOCS / 'inspection.rst'))
+
+
+@pytest.fixture
+def killed_in_the_save_of_epoch_4(tmp_path):
+    """The folder of inspection.rst's transcripts: epochs 2 and 3 kept,
+    ``latest.json`` naming epoch 3 and the partial folder of epoch 4's save,
+    as a job killed in it leaves them."""
+    from common import make_accelerator, make_data, make_net
+    from skorch_accel_callbacks import AccelerateCheckpoint
+    folder = tmp_path / 'checkpoints'
+    cp = AccelerateCheckpoint(dirname=str(folder), keep_last=3)
+    make_net(make_accelerator(), max_epochs=4, callbacks=[cp]).fit(*make_data(n=64))
+    (folder / 'epoch-0004').rename(folder / 'epoch-0004.partial')
+    (folder / 'latest.json').write_text(json.dumps({'name': 'epoch-0003'}))
+    return tmp_path
+
+
+def run_cli(command, cwd, monkeypatch, capsys):
+    from skorch_accel_callbacks.tools.cli import main
+    monkeypatch.chdir(cwd)
+    code = main(command.split()[3:])
+    # the page's machine is called vm
+    return code, capsys.readouterr().out.replace(socket.gethostname(), 'vm').splitlines()
+
+
+def assert_shaped(printed, shown):
+    assert len(printed) == len(shown), (printed, shown)
+    for got, expected in zip(printed, shown, strict=True):
+        assert shape(expected).fullmatch(got), (got, expected)
+
+
+def test_the_transcripts_of_list_and_verify_are_what_they_print(
+        killed_in_the_save_of_epoch_4, monkeypatch, capsys):
+    # the pages' only transcripts, each run here
+    assert [page.name for page in PAGES if transcripts(page)] == ['inspection.rst']
+    assert sorted(INSPECTION) == ['python -m skorch_accel_callbacks list checkpoints',
+                                  'python -m skorch_accel_callbacks verify checkpoints']
+    listed = 'python -m skorch_accel_callbacks list checkpoints'
+    code, printed = run_cli(listed, killed_in_the_save_of_epoch_4, monkeypatch, capsys)
+    assert code == 0
+    assert_shaped(printed, INSPECTION[listed])
+    # the page's damage: the first byte of the model file's header
+    model = killed_in_the_save_of_epoch_4 / 'checkpoints' / 'epoch-0003' / 'model.safetensors'
+    data = bytearray(model.read_bytes())
+    data[8] = 0xff
+    model.write_bytes(bytes(data))
+    verified = 'python -m skorch_accel_callbacks verify checkpoints'
+    code, printed = run_cli(verified, killed_in_the_save_of_epoch_4, monkeypatch, capsys)
+    assert code == 1
+    assert_shaped(printed, INSPECTION[verified])
