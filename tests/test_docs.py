@@ -296,3 +296,44 @@ def test_the_transcripts_of_list_and_verify_are_what_they_print(
     code, printed = run_cli(verified, killed_in_the_save_of_epoch_4, monkeypatch, capsys)
     assert code == 1
     assert_shaped(printed, INSPECTION[verified])
+
+
+# the pages a user reads from start to end (not the contributors' page, the
+# changelog or the tables of measurements)
+USER_PAGES = [page for page in PAGES
+              if page.name not in ('development.rst', 'changes.rst', 'benchmarks.rst')]
+# a line that begins a list item, a directive, a table or a title's underline
+NOT_PROSE = re.compile(r'^\s*(- |\* |\d+\. |#\. |\.\. |[=+|]|[-=~^]{3,}\s*$)')
+
+
+def prose_paragraphs(text):
+    """``(line number, lines)`` of each paragraph and list item of ``text``,
+    outside literal blocks, code blocks and tables."""
+    found, current, literal = [], [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        indent = len(line) - len(line.lstrip())
+        if literal is not None and (not line.strip() or indent > literal):
+            continue
+        literal = None
+        starts_item = re.match(r'^\s*(- |\* |\d+\. |#\. )', line)
+        if not line.strip() or (NOT_PROSE.match(line) and not starts_item) or starts_item:
+            if current:
+                found.append(current)
+            current = []
+        if line.strip() and not (NOT_PROSE.match(line) and not starts_item):
+            current.append((number, line))
+        if line.rstrip().endswith('::') or re.match(r'^\s*\.\. (code-block|list-table)', line):
+            literal = indent
+            if current:
+                found.append(current)
+            current = []
+    if current:
+        found.append(current)
+    return [(lines[0][0], [line for _, line in lines]) for lines in found]
+
+
+def test_no_paragraph_of_a_user_page_is_longer_than_8_lines():
+    long = [f'{page.name}:{number}: {len(lines)} lines'
+            for page in USER_PAGES
+            for number, lines in prose_paragraphs(page.read_text()) if len(lines) > 8]
+    assert long == []

@@ -499,7 +499,7 @@ def check_same_params(net: Any, manifest: dict[str, Any], path: str,
     names of the allowed ones that differ. A callback whose class changed
     under its name, that is new or that is gone is named once; unnamed
     callbacks of a class listed in another order are refused as such. A
-    manifest without ``params`` (before 0.3) is not checked; one without
+    manifest without ``params`` (the earliest checkpoints) is not checked; one without
     callbacks' settings (:data:`CALLBACKS_KEY`) is checked for the net's
     parameters only."""
     saved = manifest.get('params')
@@ -574,7 +574,7 @@ def check_epoch_settings(net: Any, manifest: dict[str, Any], path: str,
     rows: see :func:`check_train_rows`) whose value changed, if ``path`` was
     taken inside an epoch; the message advises a checkpoint of ``storage``
     (:func:`epoch_end_advice`). A checkpoint of an epoch's end, or one
-    without ``epoch_settings`` (before 0.3), is not checked."""
+    without ``epoch_settings`` (the earliest checkpoints), is not checked."""
     saved = manifest.get('epoch_settings')
     if not _manifest.batches_into_epoch(manifest) or not isinstance(saved, dict):
         return
