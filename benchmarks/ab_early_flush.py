@@ -28,19 +28,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint import REPO, disk_write, folder_bytes, new_epoch, timed, trained_net
 
 from skorch_accel_callbacks import AccelerateCheckpoint
-from skorch_accel_callbacks.format import _atomic  # internals: the early flush
+from skorch_accel_callbacks.format import EarlyFlush  # internals: the early flush
 
-BEGIN = _atomic.EarlyFlush.begin
+BEGIN = EarlyFlush.begin
 
 
 def saved(cp, net, early):
-    _atomic.EarlyFlush.begin = BEGIN if early else (lambda self, path: None)
+    EarlyFlush.begin = BEGIN if early else (lambda self, path: None)
     try:
         new_epoch(net)
         seconds = timed(lambda: cp.save_model(net))
         cp.wait_for_saves(net)
     finally:
-        _atomic.EarlyFlush.begin = BEGIN
+        EarlyFlush.begin = BEGIN
     return seconds
 
 

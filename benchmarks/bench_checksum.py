@@ -10,7 +10,7 @@ optimizer state). Within every repeat, in turn:
 - ``fsync``: ``accelerator.save_state`` into a new folder, then
   ``atomic.fsync_files`` of its files (the flush of a durable save);
 - ``fsync+checksums``: the same into another folder, then
-  ``_manifest.write(durable=True)``, which reads the files back for their
+  ``_manifest.write_manifest(durable=True)``, which reads the files back for their
   checksums while the fsyncs run;
 - ``durable save``: ``AccelerateCheckpoint(durable=True).save_model``
   (checksums included);
@@ -24,7 +24,7 @@ of another. Printed: the best and the median MB/s of each algorithm (from
 the min and the median time) and the min and median of its time as
 a fraction of the durable save of the same repeat (the cost if it ran
 after the fsyncs, or without them), then the three timings and
-``(fsync+checksums - fsync) / durable save``, the cost as ``_manifest.write``
+``(fsync+checksums - fsync) / durable save``, the cost as ``_manifest.write_manifest``
 pays it.
 """
 
@@ -45,7 +45,7 @@ import xxhash
 from bench_checkpoint import REPO, new_epoch, trained_net
 
 from skorch_accel_callbacks import AccelerateCheckpoint
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest
+from skorch_accel_callbacks.format import _atomic as atomic, write_manifest
 
 CHUNK = 1 << 22
 
@@ -123,7 +123,7 @@ def one_repeat(net, checkpoint, root, i):
         os.sync()
         net.accelerator.save_state(str(bare))
         flush = ((lambda: atomic.fsync_files(files_of(bare))) if save == 'fsync' else
-                 (lambda: _manifest.write(str(bare), {}, durable=True)))
+                 (lambda: write_manifest(str(bare), {}, durable=True)))
         times[save] = timed(flush)
         shutil.rmtree(bare)
     new_epoch(net)

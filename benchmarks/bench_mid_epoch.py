@@ -131,22 +131,19 @@ def bench_skip(rows, repeats):
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
 
-    from skorch_accel_callbacks.state import (
-        _epoch_position as epoch_position,
-        _loader_pass as loader_pass,
-    )
+    from skorch_accel_callbacks.state import EpochStart, ResumePlan, install
 
     dataset = TensorDataset(torch.from_numpy(np.random.rand(rows, 16).astype(np.float32)))
     accelerator = Accelerator(cpu=True)
     loader = accelerator.prepare(DataLoader(dataset, batch_size=32, shuffle=True))
     skip = int(0.9 * len(loader))
-    start_state = epoch_position.EpochStart.capture(loader)
-    control = loader_pass.install(loader)
+    start_state = EpochStart.capture(loader)
+    control = install(loader)
     times = {'by index': [], 'iterating': []}
     for _ in range(repeats):
         start_state.restore(loader)
         began = time.perf_counter()
-        control.plan_resume(loader_pass.ResumePlan(skip=skip))
+        control.plan_resume(ResumePlan(skip=skip))
         iterator = iter(loader)
         next(iterator)
         times['by index'].append(time.perf_counter() - began)

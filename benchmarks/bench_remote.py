@@ -35,10 +35,10 @@ layers after one Adam step), one process. In each repeat, in turn:
   moto combines the parts' CRC32s;
 - *ours down*: ``open_storage(url, local_dir=<empty>).find_checkpoint()``,
   the download of a resume on a new machine: listing, the manifest, the
-  files, then the size and checksum of every file (``_manifest.check``);
+  files, then the size and checksum of every file (``_manifest.check_manifest``);
 - *s3fs get*: ``S3FileSystem.get`` of the same checkpoint folder (recursive)
   into an empty folder;
-- *checksums*: ``_manifest.check`` of our downloaded folder, timed alone right
+- *checksums*: ``_manifest.check_manifest`` of our downloaded folder, timed alone right
   after the download (the page cache warm, as in the download): the share
   of the download that is the size and checksum check;
 - *one stream*: ``S3FileSystem.get`` as *s3fs get*, with
@@ -185,8 +185,8 @@ def timed(fn, quiet=True, key=None):
 def bench_size(size, repeats, root, fs):
     """The figures of each repeat for one net size (seconds)."""
     from skorch_accel_callbacks import AccelerateCheckpoint
-    from skorch_accel_callbacks.format import _manifest
-    from skorch_accel_callbacks.storage._open import open_storage
+    from skorch_accel_callbacks.format import check_manifest
+    from skorch_accel_callbacks.storage import open_storage
 
     net = trained_net(size)
     root = Path(root) / f'size-{size:g}'
@@ -233,7 +233,7 @@ def bench_size(size, repeats, root, fs):
             url, local_dir=str(root / f'new-machine-{i}'),
             storage_options=S3_OPTIONS).find_checkpoint(), key='ours_down')
         times['ours_down'].append(seconds)
-        seconds, (_, problems) = timed(lambda: _manifest.check(found.path), quiet=False,
+        seconds, (_, problems) = timed(lambda: check_manifest(found.path), quiet=False,
                                        key='checksums')
         if problems:
             raise RuntimeError(f"the download of {found.path} is damaged: {problems}")

@@ -30,25 +30,27 @@ from bench_checkpoint import REPO, disk_write, folder_bytes, new_epoch, trained_
 
 from skorch_accel_callbacks import AccelerateCheckpoint
 from skorch_accel_callbacks._core import accelerate_io  # internals: the phases
-from skorch_accel_callbacks.engine import _writer as writer
+from skorch_accel_callbacks.engine import SyncWriter
 from skorch_accel_callbacks.format import _atomic as atomic, _manifest as manifest_format
 from skorch_accel_callbacks.storage import _local as folder
 
 SPANS = []
-# (module or class, function, label)
+# (module or class, function, label): each function where its caller looks
+# it up (a subpackage holds what it imports from another's face)
 PHASES = (
     (folder.CheckpointFolder, 'wait', 'wait for the previous retirement'),
-    (writer.SyncWriter, 'stage', 'stage: every file written'),
+    (SyncWriter, 'stage', 'stage: every file written'),
     (accelerate_io, 'save_state', '  accelerator.save_state'),
-    (writer.SyncWriter, 'commit', 'commit'),
-    (manifest_format, 'write', '  seal: fsyncs || checksums, manifest'),
+    (SyncWriter, 'commit', 'commit'),
+    (folder, 'write_manifest', '  seal: fsyncs || checksums, manifest'),
     (atomic, 'fsync_files', '    fsync of the files, in parallel'),
     (atomic, '_fsync_file', '    fsync of one file'),
     (manifest_format, 'checksum_file', '    checksum of one file'),
-    (atomic, 'write_json', '  manifest / pointer (atomic JSON)'),
-    (atomic, 'replace_folder', '  rename + fsync of the parent'),
+    (atomic, 'write_json', '  manifest (atomic JSON)'),
+    (folder, 'write_json', '  pointer (atomic JSON)'),
+    (folder, 'replace_folder', '  rename + fsync of the parent'),
     (folder.CheckpointFolder, 'retire', '  retire: rename aside'),
-    (atomic, 'remove', 'removal of the retired folder (thread)'),
+    (atomic, 'remove_path', 'removal of the retired folder (thread)'),
 )
 
 

@@ -25,7 +25,14 @@ from skorch_accel_callbacks import (
     AccelerateLoadInitState,
     CorruptCheckpointError,
 )
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import (
+    CHECKSUM_ALGORITHM,
+    MANIFEST_NAME,
+    SHARED_STATES_FORMAT,
+    check_manifest,
+    checksum_file,
+    read_manifest,
+)
 from skorch_accel_callbacks.tools.export import export
 from testutil import edit_manifest
 
@@ -124,16 +131,16 @@ def flip_tensor_byte(file):
 
 
 def test_a_save_records_the_checksum_of_every_listed_file(two_epochs):
-    digest = bench_checksum().ALGORITHMS[_manifest.CHECKSUM_ALGORITHM]
+    digest = bench_checksum().ALGORITHMS[CHECKSUM_ALGORITHM]
     for name in ('epoch-0001', 'epoch-0002'):
         folder = two_epochs / name
-        manifest = json.loads((folder / _manifest.MANIFEST_NAME).read_text())
-        assert manifest['format_version'] == _manifest.SHARED_STATES_FORMAT
+        manifest = json.loads((folder / MANIFEST_NAME).read_text())
+        assert manifest['format_version'] == SHARED_STATES_FORMAT
         assert manifest['checksums'].keys() == manifest['files'].keys()
         assert 'model.safetensors' in manifest['checksums']
         for rel, checksum in manifest['checksums'].items():
             assert checksum == f"xxh3_64:{digest(folder / rel)}", rel
-            assert checksum == _manifest.checksum_file(folder / rel), rel
+            assert checksum == checksum_file(folder / rel), rel
     # and they differ from file to file: each is of its own file
     assert len(set(manifest['checksums'].values())) == len(manifest['checksums'])
 
@@ -141,12 +148,12 @@ def test_a_save_records_the_checksum_of_every_listed_file(two_epochs):
 def test_a_flipped_byte_inside_a_tensor_is_found_and_latest_falls_back(
         ckpt, uninterrupted, recwarn):
     model = ckpt / 'epoch-0002' / 'model.safetensors'
-    listed = json.loads((ckpt / 'epoch-0002' / _manifest.MANIFEST_NAME).read_text())
+    listed = json.loads((ckpt / 'epoch-0002' / MANIFEST_NAME).read_text())
     size = model.stat().st_size
     at, before = flip_tensor_byte(model)
     # the fault fired: the byte differs, the size does not, the checksum does
     assert model.read_bytes()[at] != before and model.stat().st_size == size
-    actual = _manifest.checksum_file(model)
+    actual = checksum_file(model)
     assert actual != listed['checksums']['model.safetensors']
     # ... and the file still loads: only the checksum can tell
     assert load_file(model).keys() == load_file(ckpt / 'epoch-0001' / model.name).keys()
@@ -154,7 +161,7 @@ def test_a_flipped_byte_inside_a_tensor_is_found_and_latest_falls_back(
     proc = cli('verify', ckpt)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert (f"{ckpt}/epoch-0002: DAMAGED\n  {model} has checksum {actual}, "
-            f"{ckpt}/epoch-0002/{_manifest.MANIFEST_NAME} says "
+            f"{ckpt}/epoch-0002/{MANIFEST_NAME} says "
             f"{listed['checksums']['model.safetensors']}: the file is damaged") in proc.stdout
     assert f"{ckpt}/epoch-0001: intact" in proc.stdout
 
@@ -178,14 +185,14 @@ def test_a_flipped_byte_inside_a_tensor_is_found_and_latest_falls_back(
 def test_an_old_manifest_without_checksums_still_resumes(ckpt, uninterrupted):
     for name in ('epoch-0001', 'epoch-0002'):
         edit_manifest(ckpt / name, lambda manifest: manifest.pop('checksums'))
-        assert 'checksums' not in json.loads((ckpt / name / _manifest.MANIFEST_NAME).read_text())
-    assert _manifest.check(ckpt / 'epoch-0002')[1] == []
+        assert 'checksums' not in json.loads((ckpt / name / MANIFEST_NAME).read_text())
+    assert check_manifest(ckpt / 'epoch-0002')[1] == []
     net = fit(build(ckpt))
     assert loaded_from(net) == str(ckpt / 'epoch-0002')
     assert sorted(snapshots(net)) == [3]
     assert_same_params(snapshots(net)[3], uninterrupted[3])
     # the checkpoint it saved has them
-    assert 'checksums' in json.loads((ckpt / 'epoch-0003' / _manifest.MANIFEST_NAME).read_text())
+    assert 'checksums' in json.loads((ckpt / 'epoch-0003' / MANIFEST_NAME).read_text())
 
 
 @pytest.mark.parametrize('checksums', [[], {'model.safetensors': 7}, None])
@@ -193,18 +200,18 @@ def test_a_malformed_checksums_field_is_named(ckpt, checksums):
     folder = ckpt / 'epoch-0002'
     edit_manifest(folder, checksums=checksums)
     with pytest.raises(CorruptCheckpointError,
-                       match=re.escape(f"{folder / _manifest.MANIFEST_NAME} has checksums")):
-        _manifest.read(folder)
+                       match=re.escape(f"{folder / MANIFEST_NAME} has checksums")):
+        read_manifest(folder)
 
 
 def test_a_checksum_of_an_unknown_algorithm_is_not_checked(ckpt):
     folder = ckpt / 'epoch-0002'
     edit_manifest(folder, lambda manifest: manifest['checksums'].update(
         {'model.safetensors': 'sha3_512:00'}))
-    assert _manifest.check(folder)[1] == []
+    assert check_manifest(folder)[1] == []
     edit_manifest(folder, lambda manifest: manifest['checksums'].update(
         {'model.safetensors': 'xxh3_64:0000000000000000'}))
-    assert [problem.file for problem in _manifest.check(folder)[1]] == ['model.safetensors']
+    assert [problem.file for problem in check_manifest(folder)[1]] == ['model.safetensors']
 
 
 def test_export_refuses_a_model_file_whose_checksum_differs(ckpt, tmp_path):

@@ -18,8 +18,7 @@ from skorch.dataset import ValidSplit
 
 from common import NotTrainingState, make_accelerator, make_data, make_net
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
-from skorch_accel_callbacks.state import _fingerprint as fingerprint
-from skorch_accel_callbacks.state._fingerprint import data_fingerprint
+from skorch_accel_callbacks.state import _fingerprint as fingerprint, data_fingerprint
 
 # 160 rows: 128 training rows, 4 batches of 32 an epoch
 N_ROWS = 160

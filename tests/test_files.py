@@ -21,7 +21,7 @@ from skorch_accel_callbacks import (
     FolderInUseError,
     ParamsCheckpoint,
 )
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest
+from skorch_accel_callbacks.format import LOCK_NAME, _atomic as atomic
 from skorch_accel_callbacks.storage import _lock as lock
 from skorch_accel_callbacks.storage._local import CheckpointFolder
 
@@ -259,7 +259,7 @@ def test_lock_reached_by_another_path_is_refused_naming_this_process(tmp_path):
     # a hard link: another real path to the same lock file, as a bind mount gives
     held = lock.FolderLock(tmp_path).acquire()
     try:
-        os.link(tmp_path / _manifest.LOCK_NAME, tmp_path / 'alias')
+        os.link(tmp_path / LOCK_NAME, tmp_path / 'alias')
         with pytest.raises(FolderInUseError,
                            match=f"pid {os.getpid()} on host {socket.gethostname()}, "
                                  "this process, through another path to the lock file"):

@@ -63,7 +63,7 @@ def folder_with_a_file(tmp_path):
 def test_write_measures_the_save_from_started(tmp_path, durable):
     folder = folder_with_a_file(tmp_path)
     started = time.monotonic()
-    written = _manifest.write(str(folder), {'format_version': _manifest.FORMAT_VERSION},
+    written = _manifest.write_manifest(str(folder), {'format_version': _manifest.FORMAT_VERSION},
                            durable=durable, started=started)
     on_disk = json.loads((folder / _manifest.MANIFEST_NAME).read_text())
     assert on_disk == written
@@ -74,7 +74,7 @@ def test_write_measures_the_save_from_started(tmp_path, durable):
 
 def test_write_without_started_records_no_duration(tmp_path):
     folder = folder_with_a_file(tmp_path)
-    written = _manifest.write(str(folder), {'format_version': _manifest.FORMAT_VERSION},
+    written = _manifest.write_manifest(str(folder), {'format_version': _manifest.FORMAT_VERSION},
                            durable=False)
     assert 'save_seconds' not in written
     assert 'save_seconds' not in json.loads((folder / _manifest.MANIFEST_NAME).read_text())
@@ -86,7 +86,7 @@ def test_write_refuses_a_callable_and_writes_no_manifest(tmp_path):
     folder = folder_with_a_file(tmp_path)
     content = {'format_version': _manifest.FORMAT_VERSION, 'save_seconds': lambda: 1.0}
     with pytest.raises(TypeError, match='not JSON serializable'):
-        _manifest.write(str(folder), content, durable=False)
+        _manifest.write_manifest(str(folder), content, durable=False)
     assert sorted(os.listdir(folder)) == [_manifest.HISTORY_NAME]  # no manifest, no temp file
 
 
@@ -120,7 +120,7 @@ def test_read_manifests_of_earlier_versions(tmp_path, saved, stopped, batches):
     (folder / _manifest.HISTORY_NAME).write_text('[]')
     manifest = dict(saved, files={_manifest.HISTORY_NAME: 2})
     (folder / _manifest.MANIFEST_NAME).write_text(json.dumps(manifest))
-    assert _manifest.read(folder) == manifest
+    assert _manifest.read_manifest(folder) == manifest
     assert _manifest.stopped_early(manifest) is stopped
     assert _manifest.batches_into_epoch(manifest) == batches
     assert _manifest.is_checkpoint_name(saved['name'])

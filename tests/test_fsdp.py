@@ -20,7 +20,7 @@ from skorch_accel_callbacks import (
     CorruptCheckpointError,
 )
 from skorch_accel_callbacks._core import accelerate_io
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import PARTIAL_SUFFIX, read_manifest
 from skorch_accel_callbacks.state import _fsdp_layout as fsdp_layout
 from testutil import assert_identical, edit_manifest, final_state, read_json, read_results
 
@@ -217,7 +217,7 @@ def test_a_kill_once_one_ranks_shards_are_written_resumes_from_the_checkpoint_be
     one of epoch 2 is, and the run ends bit-identical."""
     root, results = runs
     cut = read_json(results / 'cut-killed-in-save-rank1.json')
-    assert cut['folder'] == MID_EPOCH_CHECKPOINT + _manifest.PARTIAL_SUFFIX
+    assert cut['folder'] == MID_EPOCH_CHECKPOINT + PARTIAL_SUFFIX
     # the kill came after this rank's shards were written
     assert {'pytorch_model_fsdp_0/__1_0.distcp', 'optimizer_0/__1_0.distcp'} <= \
         set(cut['written'])
@@ -231,7 +231,7 @@ def test_a_kill_once_one_ranks_shards_are_written_resumes_from_the_checkpoint_be
 @pytest.mark.slow
 def test_sharded_checkpoint_lists_every_ranks_shards_and_their_layout(runs):
     folder = runs[0] / 'ck-for-one' / MID_EPOCH_CHECKPOINT
-    manifest = _manifest.read(folder)
+    manifest = read_manifest(folder)
     assert manifest['world_size'] == 2
     names = ['.metadata', '__0_0.distcp', '__1_0.distcp']
     settings = ['dampening', 'differentiable', 'foreach', 'fused', 'initial_lr', 'lr',
@@ -274,7 +274,7 @@ def test_full_state_dict_checkpoint_resumes_at_an_epoch_end_bit_identically(runs
     assert [r['num_processes'] for r in resumed] == [2, 2]
     assert [r['loaded_from'] for r in resumed] == ['epoch-0002'] * 2
     assert_identical(final_state(results, 'straight'), final_state(results, 'full-resumed'))
-    manifest = _manifest.read(root / 'full' / 'epoch-0002')
+    manifest = read_manifest(root / 'full' / 'epoch-0002')
     assert manifest['fsdp']['state_dict_type'] == 'FULL_STATE_DICT'
     assert manifest['fsdp']['shard_files'] == {}
     assert {'pytorch_model_fsdp.bin', 'optimizer.bin'} <= set(manifest['files'])
@@ -294,12 +294,12 @@ def test_shards_missing_from_the_manifest_or_damaged_are_named(runs, accelerator
     folder = shutil.copytree(runs[0] / 'ck-for-one' / MID_EPOCH_CHECKPOINT,
                              tmp_path / MID_EPOCH_CHECKPOINT)
     fsdp2_net(accelerator, 'SHARDED_STATE_DICT')
-    fsdp_layout.check_shards(accelerator, _manifest.read(folder), str(folder))
+    fsdp_layout.check_shards(accelerator, read_manifest(folder), str(folder))
     shard = 'optimizer_0/__1_0.distcp'
     with open(folder / shard, 'r+b') as f:
         f.truncate(100)
     with pytest.raises(CorruptCheckpointError, match=f"{folder / shard} has 100 bytes"):
-        _manifest.read(folder)
+        read_manifest(folder)
     edit_manifest(folder, lambda manifest: manifest['files'].pop(shard))
     with pytest.raises(CorruptCheckpointError, match=(
             f"^{folder / shard} is missing: the manifest of {folder} does not list it "
@@ -324,7 +324,7 @@ def test_another_layout_than_the_checkpoints_is_refused(runs, accelerator):
         with pytest.raises(CheckpointError, match=(
                 f"^{folder} was saved {saved}, this run loads {now}: resume it with the "
                 "accelerator")):
-            fsdp_layout.check_shards(accelerator, _manifest.read(folder), folder)
+            fsdp_layout.check_shards(accelerator, read_manifest(folder), folder)
 
 
 # a sharded checkpoint of a net whose lin.bias skorch's Freezer froze from

@@ -24,8 +24,8 @@ from skorch.callbacks import Callback
 
 from checkpointed import fit, state
 from skorch_accel_callbacks import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.storage._open import open_storage
+from skorch_accel_callbacks.format import MANIFEST_NAME
+from skorch_accel_callbacks.storage import open_storage
 from skorch_accel_callbacks.storage._transfer import REACHABLE_SECONDS
 from testutil import assert_identical
 
@@ -109,8 +109,8 @@ class AnotherWriter(Callback):
 def test_a_manifest_committed_by_another_job_is_not_overwritten(gcs, tmp_path):
     fs, options, bucket = gcs
     url = f'gs://{bucket}/run'
-    manifest = f'{bucket}/run/epoch-0001/{_manifest.MANIFEST_NAME}'
-    with pytest.raises(CheckpointError, match=f'{url}/epoch-0001/{_manifest.MANIFEST_NAME} '
+    manifest = f'{bucket}/run/epoch-0001/{MANIFEST_NAME}'
+    with pytest.raises(CheckpointError, match=f'{url}/epoch-0001/{MANIFEST_NAME} '
                                               'exists already') as info:
         fit(url, max_epochs=1, callbacks=[AnotherWriter(fs, manifest)],
             local_dir=str(tmp_path / 'staging'), storage_options=options)

@@ -10,8 +10,8 @@ import torch
 from common import make_accelerator, make_data, make_net
 from launcher import launch
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
-from skorch_accel_callbacks.engine import _consolidate as consolidate
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.engine import is_sharded_model, model_files, read_model
+from skorch_accel_callbacks.format import read_manifest
 
 
 def best_at_epoch_2(net):
@@ -21,8 +21,8 @@ def best_at_epoch_2(net):
 def saved_model(checkpoint):
     """The module's parameters in checkpoint folder ``checkpoint`` (merged
     in this process where FSDP2 sharded them)."""
-    files = dict(consolidate.model_files(_manifest.read(checkpoint), checkpoint))
-    return consolidate.read_model(os.path.join(checkpoint, files['module']))
+    files = dict(model_files(read_manifest(checkpoint), checkpoint))
+    return read_model(os.path.join(checkpoint, files['module']))
 
 
 def assert_same(a, b):
@@ -81,7 +81,7 @@ def test_every_rank_ends_with_the_best_checkpoint_s_model(tmp_path, backend):
     best = ranks[0]['best']
     assert os.path.basename(best) == 'epoch-0002'
     if backend == 'fsdp2':
-        assert consolidate.is_sharded_model(os.path.join(best, 'pytorch_model_fsdp_0'))
+        assert is_sharded_model(os.path.join(best, 'pytorch_model_fsdp_0'))
     expected = saved_model(best)
     for rank in ranks:
         assert_same(rank['params'], expected)

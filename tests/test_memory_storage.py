@@ -21,8 +21,14 @@ from checkpointed import state
 from common import make_accelerator, make_data, make_net
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 from skorch_accel_callbacks.errors import FolderInUseError
-from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.storage._interface import CheckpointStorage, Found
+from skorch_accel_callbacks.format import (
+    HISTORY_NAME,
+    LEASE_NAME,
+    MANIFEST_NAME,
+    pointer_name,
+    read_manifest,
+)
+from skorch_accel_callbacks.storage import CheckpointStorage, Found
 from skorch_accel_callbacks.storage._local import CheckpointFolder
 from testutil import assert_identical
 
@@ -45,7 +51,7 @@ class MemoryStorage(CheckpointStorage):
     def claim(self, net):
         if not self.leased:
             try:
-                self.fs.pipe_file(self._at(_manifest.LEASE_NAME), b'{"holder": "this test"}',
+                self.fs.pipe_file(self._at(LEASE_NAME), b'{"holder": "this test"}',
                                   mode='create')
             except FileExistsError as exc:
                 raise FolderInUseError(f"{self.dirname} is leased by another job") from exc
@@ -54,7 +60,7 @@ class MemoryStorage(CheckpointStorage):
 
     def release(self):
         if self.leased:
-            self.fs.rm_file(self._at(_manifest.LEASE_NAME))
+            self.fs.rm_file(self._at(LEASE_NAME))
             self.leased = False
         self.staging.release()
 
@@ -76,13 +82,13 @@ class MemoryStorage(CheckpointStorage):
         local = self.staging.path(name)
         for rel in written['files']:
             self.fs.put_file(os.path.join(local, rel), self._at(name, rel))
-        manifest = self._at(name, _manifest.MANIFEST_NAME)
+        manifest = self._at(name, MANIFEST_NAME)
         if self.fs.exists(manifest):
             self.fs.rm_file(manifest)  # an epoch trained again replaces its checkpoint
-        with open(os.path.join(local, _manifest.MANIFEST_NAME), 'rb') as f:
+        with open(os.path.join(local, MANIFEST_NAME), 'rb') as f:
             self.fs.pipe_file(manifest, f.read(), mode='create')
         for which in ('latest', 'best') if best else ('latest',):
-            self.fs.pipe_file(self._at(_manifest.pointer_name(which)),
+            self.fs.pipe_file(self._at(pointer_name(which)),
                               json.dumps({'name': name}).encode())
         return written
 
@@ -95,16 +101,16 @@ class MemoryStorage(CheckpointStorage):
     def list_names(self):
         return {path[len(self.root) + 1:].partition('/')[0]
                 for path in self.fs.find(self.root)
-                if path.endswith('/' + _manifest.MANIFEST_NAME)}
+                if path.endswith('/' + MANIFEST_NAME)}
 
     def read_json(self, *parts):
         return json.loads(self.fs.cat_file(self._at(*parts)))
 
     def check(self, name):
         try:
-            saved = self.read_json(name, _manifest.MANIFEST_NAME)
+            saved = self.read_json(name, MANIFEST_NAME)
         except (OSError, ValueError) as exc:
-            return {}, f"{self.url(name)}/{_manifest.MANIFEST_NAME}: {exc}"
+            return {}, f"{self.url(name)}/{MANIFEST_NAME}: {exc}"
         for rel, size in saved['files'].items():
             if self.fs.size(self._at(name, rel)) != size:
                 return saved, f"{self.url(name)}/{rel} has another size than listed"
@@ -114,10 +120,10 @@ class MemoryStorage(CheckpointStorage):
         local = self.staging.path(name)
         shutil.rmtree(local, ignore_errors=True)
         self.fs.get(self._at(name) + '/', local + '/', recursive=True)
-        return Found(local, _manifest.read(local))
+        return Found(local, read_manifest(local))
 
     def remove(self, name):
-        self.fs.rm_file(self._at(name, _manifest.MANIFEST_NAME))
+        self.fs.rm_file(self._at(name, MANIFEST_NAME))
         self.fs.rm(self._at(name), recursive=True)
 
 
@@ -159,7 +165,7 @@ def test_a_net_checkpoints_into_memory_and_resumes_from_it(memory_url, tmp_path)
     fs, root = fsspec.core.url_to_fs(memory_url)
     assert cp.committed() == ['epoch-0001', 'epoch-0002']
     assert json.loads(fs.cat_file(f'{root}/latest.json')) == {'name': 'epoch-0002'}
-    assert not fs.exists(f'{root}/{_manifest.LEASE_NAME}')  # released at the end of fit
+    assert not fs.exists(f'{root}/{LEASE_NAME}')  # released at the end of fit
     # a new machine: nothing staged, the store alone
     shutil.rmtree(tmp_path / 'staging')
     resumed, cp = fit(memory_url, tmp_path / 'staging', max_epochs=4)
@@ -180,7 +186,7 @@ def test_retention_and_best_in_memory(memory_url, tmp_path):
     assert storage.find_checkpoint('best').manifest['epoch'] == int(best[len('epoch-'):])
     # a damaged newest is skipped for the one before, the warning naming its URL
     fs, root = fsspec.core.url_to_fs(memory_url)
-    fs.pipe_file(f'{root}/epoch-0004/{_manifest.HISTORY_NAME}', b'[]')
+    fs.pipe_file(f'{root}/epoch-0004/{HISTORY_NAME}', b'[]')
     with pytest.warns(UserWarning, match=f"skipping checkpoint {memory_url}/epoch-0004"):
         assert storage.find_checkpoint('latest').path == storage.path('epoch-0003')
 

@@ -9,7 +9,7 @@ in that epoch, and ends bit-identical to the uninterrupted run.
 import pytest
 
 from resume_runs import run
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import batches_into_epoch
 from testutil import assert_identical, final_state, read_json
 
 # (scenario, processes, every_n_steps, kill after batch B of epoch E,
@@ -59,7 +59,7 @@ def test_resumed_inside_the_epoch(case):
     for res in case['resumed']:
         assert res['loaded_from'].endswith(case['expected_from'])
     saved = read_json(f"{case['resumed'][0]['loaded_from']}/manifest.json")
-    assert _manifest.batches_into_epoch(saved) == case['batches']
+    assert batches_into_epoch(saved) == case['batches']
     assert saved['epoch'] == 3 and not saved['finished']
 
 

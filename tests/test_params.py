@@ -29,7 +29,7 @@ from skorch_accel_callbacks import (
     TrainEndParamsCheckpoint,
 )
 from skorch_accel_callbacks.errors import CorruptCheckpointError
-from skorch_accel_callbacks.format._atomic import TEMP_MARK
+from skorch_accel_callbacks.format import TEMP_MARK
 from testutil import read_results
 
 

@@ -5,8 +5,7 @@ checkpoint's own names only, through atomic.remove_temp_files."""
 import os
 from pathlib import Path
 
-from skorch_accel_callbacks.format import _atomic as atomic
-from skorch_accel_callbacks.format._atomic import TEMP_MARK
+from skorch_accel_callbacks.format import TEMP_MARK, remove_temp_files
 from skorch_accel_callbacks.params import _files as params_files
 
 SUFFIX = f'{TEMP_MARK}0123456789ab'
@@ -42,8 +41,8 @@ def test_sweep_takes_the_temporary_files_of_the_checkpoints_names_only(tmp_path:
 
 def test_atomic_sweep_of_no_names_removes_nothing(tmp_path: Path) -> None:
     touch(tmp_path, SUFFIX, f'.params.pt{SUFFIX}')
-    atomic.remove_temp_files(str(tmp_path), [])
-    atomic.remove_temp_files(str(tmp_path / 'missing'), ['params\\.pt'])
+    remove_temp_files(str(tmp_path), [])
+    remove_temp_files(str(tmp_path / 'missing'), ['params\\.pt'])
     assert sorted(os.listdir(tmp_path)) == sorted([SUFFIX, f'.params.pt{SUFFIX}'])
-    atomic.remove_temp_files(str(tmp_path), ['params\\.pt'])
+    remove_temp_files(str(tmp_path), ['params\\.pt'])
     assert os.listdir(tmp_path) == [SUFFIX]

@@ -42,7 +42,8 @@ from skorch_accel_callbacks import (
     ParamsCheckpoint,
     TrainEndParamsCheckpoint,
 )
-from skorch_accel_callbacks.format._atomic import TEMP_MARK
+from skorch_accel_callbacks.format import TEMP_MARK
+from skorch_accel_callbacks.storage import PrefixLock
 
 DEADLINE_S = 180
 FILES = ['criterion.pt', 'history.json', 'optimizer.pt', 'params.pt']
@@ -123,7 +124,6 @@ def test_jobs_of_other_prefixes_share_a_folder_and_leave_no_lock_file(
 def _contend(folder: str, inside: str, until: float) -> NoReturn:
     """In a forked child: take and release the lock of one prefix as often as
     possible; exit 3 if another holder was inside at the same time."""
-    from skorch_accel_callbacks.storage._lock import PrefixLock
 
     rounds = 0
     while time.monotonic() < until:

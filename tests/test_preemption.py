@@ -14,7 +14,7 @@ import pytest
 
 from launcher import REPO, WORKERS
 from resume_runs import run
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import batches_into_epoch
 from testutil import assert_identical, final_state, read_json, read_results
 
 pytestmark = pytest.mark.slow
@@ -43,8 +43,8 @@ def assert_saved_where_it_stopped(preempted, signal_name):
     epoch, batches = infos[0]['trained']
     saved = read_json(os.path.join(infos[0]['checkpoint'], 'manifest.json'))
     assert not saved['finished']
-    if _manifest.batches_into_epoch(saved):
-        assert (saved['epoch'] + 1, _manifest.batches_into_epoch(saved)) == (epoch, batches)
+    if batches_into_epoch(saved):
+        assert (saved['epoch'] + 1, batches_into_epoch(saved)) == (epoch, batches)
     else:  # stopped at an epoch's last batch: the epoch's end saved it
         assert saved['epoch'] == epoch
     return infos[0]['checkpoint']
@@ -139,5 +139,5 @@ def test_every_n_seconds_then_a_kill(uninterrupted, tmp_path, nproc):
     assert [res['num_processes'] for res in resumed] == [nproc] * nproc
     saved = read_json(os.path.join(resumed[0]['loaded_from'], 'manifest.json'))
     # killed after batch 3 of epoch 4: the last checkpoint is batch 2's
-    assert (saved['epoch'], _manifest.batches_into_epoch(saved)) == (3, 2)
+    assert (saved['epoch'], batches_into_epoch(saved)) == (3, 2)
     assert_same_as_uninterrupted(uninterrupted, nproc, tmp_path, 'resumed')

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from skorch_accel_callbacks import CorruptCheckpointError
-from skorch_accel_callbacks.format._readers import (
+from skorch_accel_callbacks.format import (
     first_unloadable,
     kind_of,
     load_without_code,

@@ -139,7 +139,7 @@ def test_the_staging_lock_refusal_names_the_url(s3_bucket):
     import sys
 
     from skorch_accel_callbacks.errors import FolderInUseError
-    from skorch_accel_callbacks.storage._open import open_storage
+    from skorch_accel_callbacks.storage import open_storage
     url = f's3://{s3_bucket}/run'
     staging = default_staging(url)
     os.makedirs(staging, exist_ok=True)

@@ -7,10 +7,10 @@ import pytest
 from common import make_accelerator, make_data, make_net
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.storage._interface import Found
+from skorch_accel_callbacks.storage import Found, open_storage
 from skorch_accel_callbacks.storage._local import CheckpointFolder
-from skorch_accel_callbacks.storage._open import open_storage
 from skorch_accel_callbacks.tools import export
+from testutil import replace_everywhere
 
 
 def train(dirname, resume='latest', max_epochs=2):
@@ -23,9 +23,9 @@ def train(dirname, resume='latest', max_epochs=2):
 
 def counting_reads(monkeypatch):
     reads = []
-    original = _manifest.read
-    monkeypatch.setattr(_manifest, 'read', lambda folder: reads.append(os.fspath(folder))
-                        or original(folder))
+    original = _manifest.read_manifest
+    replace_everywhere(monkeypatch, original,
+                       lambda folder: reads.append(os.fspath(folder)) or original(folder))
     return reads
 
 
@@ -45,7 +45,7 @@ def test_the_folder_resolves_every_kind_of_which(tmp_path):
     folder = open_storage(tmp_path / 'ck')
     latest = folder.find_checkpoint('latest')
     assert isinstance(latest, Found) and latest.path == folder.path('epoch-0002')
-    assert latest.manifest == _manifest.read(latest.path)
+    assert latest.manifest == _manifest.read_manifest(latest.path)
     assert folder.find_checkpoint('epoch-0001').path == folder.path('epoch-0001')
     assert folder.find_checkpoint(folder.path('epoch-0001')).manifest['epoch'] == 1
     with pytest.raises(FileNotFoundError, match="no checkpoint epoch-0009 in .*; it has"):
@@ -64,11 +64,11 @@ def test_verify_and_resume_report_the_same_problems(tmp_path):
     os.remove(os.path.join(path, _manifest.HISTORY_NAME))
     with open(os.path.join(path, _manifest.CALLBACKS_NAME), 'a', encoding='utf-8') as f:
         f.write(' ')
-    _, problems = _manifest.check(path)
+    _, problems = _manifest.check_manifest(path)
     assert sorted(problem.file for problem in problems) == [
         _manifest.CALLBACKS_NAME, _manifest.HISTORY_NAME]
     with pytest.raises(CheckpointError) as info:
-        _manifest.read(path)
+        _manifest.read_manifest(path)
     assert str(info.value) == str(problems[0].error)
     damaged = inspection.verify(path).damaged
     assert sorted(damaged) == sorted(str(problem.error) for problem in problems)
@@ -80,5 +80,5 @@ def test_verify_and_resume_report_the_same_problems(tmp_path):
         f.write(text.replace(f'"format_version": {_manifest.SHARED_STATES_FORMAT}',
                              f'"format_version": {_manifest.FORMAT_VERSION + 1}'))
     with pytest.raises(CheckpointError) as info:
-        _manifest.read(path)
+        _manifest.read_manifest(path)
     assert inspection.verify(path).damaged == [str(info.value)]

@@ -4,6 +4,7 @@ talks across processes, one uses accelerate's internals, one locks; the
 callbacks hand every byte down)."""
 
 import ast
+import importlib
 import inspect
 import re
 import typing
@@ -159,6 +160,71 @@ def test_no_import_cycle_between_modules():
     assert len(graph) == len(MODULES)
     for module in sorted(graph):
         visit(module)
+
+
+def _private_imports_across(tree, own):
+    """What ``tree`` imports of a private module (``_x``) of a subpackage
+    other than ``own``, in either form (``from ...state._settings import f``,
+    ``from ...state import _settings``)."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.ImportFrom) and node.module
+                and node.module.startswith('skorch_accel_callbacks.')):
+            continue
+        parts = node.module.split('.')[1:]
+        if parts[0] in (own, 'errors'):
+            continue
+        if len(parts) > 1 and parts[1].startswith('_'):
+            found.append(node.module)
+        found += [f"{node.module}.{alias.name}" for alias in node.names
+                  if len(parts) == 1 and alias.name.startswith('_')]
+    return found
+
+
+@pytest.mark.parametrize('path', MODULES, ids=_name)
+def test_subpackages_meet_through_their_faces(path):
+    """A module uses another subpackage through what its ``__init__``
+    offers, never through its private modules."""
+    name = _name(path)
+    own = name.split('/')[0] if '/' in name else None
+    assert _private_imports_across(_tree(path), own) == []
+
+
+@pytest.mark.parametrize('layer', [layer for layer in LAYERS if layer != '_core'])
+def test_each_face_offers_what_its_all_names(layer):
+    """A face names what it offers in ``__all__``, each name imported from one
+    of its own modules, and says what the room is for."""
+    face = importlib.import_module(f'skorch_accel_callbacks.{layer}')
+    offered = getattr(face, '__all__', [])
+    assert face.__doc__ and len(face.__doc__.split()) > 10, layer
+    assert sorted(set(offered)) == sorted(offered), f"{layer}: __all__ names one twice"
+    for name in offered:
+        offered_object = getattr(face, name)
+        if inspect.isfunction(offered_object) or inspect.isclass(offered_object):
+            assert offered_object.__module__.startswith(f'skorch_accel_callbacks.{layer}.'), (
+                layer, name, offered_object.__module__)
+
+
+def test_what_a_face_offers_is_used_outside_its_room():
+    """Nothing is offered that no other subpackage (or the package root)
+    imports: a face is the list of what the rooms share, not of everything."""
+    used = {}
+    for path in MODULES:
+        name = _name(path)
+        own = name.split('/')[0] if '/' in name else None
+        for node in ast.walk(_tree(path)):
+            if (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.startswith('skorch_accel_callbacks.')
+                    and len(node.module.split('.')) == 2):
+                layer = node.module.split('.')[1]
+                if layer != own:
+                    used.setdefault(layer, set()).update(alias.name for alias in node.names)
+    for layer in LAYERS:
+        if layer == '_core':
+            continue
+        face = importlib.import_module(f'skorch_accel_callbacks.{layer}')
+        unused = set(getattr(face, '__all__', [])) - used.get(layer, set())
+        assert not unused, f"{layer} offers {sorted(unused)}, which no other subpackage uses"
 
 
 @pytest.mark.parametrize('path', MODULES, ids=_name)

@@ -21,11 +21,10 @@ from skorch_accel_callbacks.engine._writer import (
     SyncWriter,
 )
 from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.state import _training_state as training_state
-from skorch_accel_callbacks.storage._interface import CheckpointStorage
+from skorch_accel_callbacks.state import find_train_loader
+from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 from skorch_accel_callbacks.storage._local import CheckpointFolder
-from skorch_accel_callbacks.storage._open import open_storage
-from testutil import read_json
+from testutil import read_json, replace_everywhere
 
 
 @pytest.fixture
@@ -38,7 +37,7 @@ def trained():
 
 def request_for(net, name='epoch-0001', **kwargs):
     return SaveRequest(name=name, step=2, batches=0,
-                       train_loader=training_state.find_train_loader(net, None), **kwargs)
+                       train_loader=find_train_loader(net, None), **kwargs)
 
 
 def claimed(tmp_path, net):
@@ -191,8 +190,9 @@ def test_read_checkpoint_gives_a_record_of_what_was_saved(tmp_path, trained, mon
     torch.manual_seed(1)
     other = make_net(make_accelerator(), max_epochs=1).initialize()
     reads = []
-    original = _manifest.read
-    monkeypatch.setattr(_manifest, 'read', lambda folder: reads.append(folder) or original(folder))
+    original = _manifest.read_manifest
+    replace_everywhere(monkeypatch, original,
+                       lambda folder: reads.append(folder) or original(folder))
     restored = restore.read_checkpoint(
         other, restore.Chosen(storage.path('epoch-0001')), restore.ResumeChecks())
     assert reads == [storage.path('epoch-0001')]

@@ -11,6 +11,7 @@ import functools
 import gc
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -116,3 +117,16 @@ def assert_nested_equal(a, b, where='state'):
         assert torch.equal(a, b), where
     else:
         assert a == b, where
+
+
+def replace_everywhere(monkeypatch, function, replacement):
+    """Replace ``function`` in every module of the package that looks it up
+    by name (the subpackages import what they use from another's face, so
+    each user holds its own reference); return those modules' names."""
+    replaced = sorted(name for name, module in list(sys.modules.items())
+                      if name.startswith('skorch_accel_callbacks.')
+                      and getattr(module, function.__name__, None) is function)
+    for name in replaced:
+        monkeypatch.setattr(sys.modules[name], function.__name__, replacement)
+    assert replaced, f"no module of the package holds {function.__name__}"
+    return replaced

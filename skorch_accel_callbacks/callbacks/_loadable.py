@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from skorch_accel_callbacks.engine import _consolidate as consolidate
-from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.storage._interface import CheckpointStorage
+from skorch_accel_callbacks.engine import loadable, model_files
+from skorch_accel_callbacks.format import plain_history_name, read_manifest
+from skorch_accel_callbacks.storage import CheckpointStorage
 
 __all__ = ['LoadableCheckpoint', 'checkpoint_files', 'f_argument']
 
@@ -29,10 +29,10 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
     Raises :class:`CorruptCheckpointError` naming the file if the checkpoint
     is not complete.
     """
-    saved = _manifest.read(path)
+    saved = read_manifest(path)
     files = {f_argument(name): os.path.join(path, file)
-             for name, file in consolidate.model_files(saved, path)}
-    files['f_history'] = os.path.join(path, _manifest.plain_history_name(saved))
+             for name, file in model_files(saved, path)}
+    files['f_history'] = os.path.join(path, plain_history_name(saved))
     return files
 
 
@@ -156,5 +156,5 @@ class LoadableCheckpoint:
         >>> net.load_params(**cp.get_formatted_files(net, which='best'))
 
         """
-        return {key: consolidate.loadable(file)
+        return {key: loadable(file)
                 for key, file in self._checkpoint_files(which).items()}

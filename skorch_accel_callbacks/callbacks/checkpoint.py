@@ -20,26 +20,33 @@ from skorch_accel_callbacks.callbacks import _triggers as triggers
 from skorch_accel_callbacks.callbacks._loadable import LoadableCheckpoint
 from skorch_accel_callbacks.callbacks._preemption import StepPoll, check_signals
 from skorch_accel_callbacks.callbacks.mixin import AccelerateFixesMixin
-from skorch_accel_callbacks.engine import _restore as restore
-from skorch_accel_callbacks.engine._writer import (
+from skorch_accel_callbacks.engine import (
     BackgroundWriter,
     Retention,
     SaveRequest,
     SyncWriter,
+    load_best_models,
 )
 from skorch_accel_callbacks.errors import CheckpointError, TrainingPreempted
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import checkpoint_name
 from skorch_accel_callbacks.state import (
-    _compat as compat,
-    _epoch_position as epoch_position,
-    _fingerprint as fingerprint,
-    _fsdp_layout as fsdp_layout,
-    _loader_pass as loader_pass,
-    _settings as settings,
-    _training_state as training_state,
+    EpochStart,
+    PassControl,
+    WorkerDraws,
+    can_skip,
+    check_can_skip,
+    data_fingerprint,
+    epoch_completed,
+    find_train_loader,
+    fit_id,
+    install,
+    model_layout,
+    persistent_workers,
+    uninstall,
+    warn_per_rank_buffers,
+    worker_draws,
 )
-from skorch_accel_callbacks.storage._interface import CheckpointStorage
-from skorch_accel_callbacks.storage._open import check_tested_store, open_storage
+from skorch_accel_callbacks.storage import CheckpointStorage, check_tested_store, open_storage
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
@@ -359,8 +366,8 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self._fit_began = False
         self._train_loader = None
         # this fit's watch over its training loader's passes and workers
-        self._pass: loader_pass.PassControl | None = None
-        self._worker_draws: loader_pass.WorkerDraws | None = None
+        self._pass: PassControl | None = None
+        self._worker_draws: WorkerDraws | None = None
         # the epoch whose first batch checked the workers
         self._workers_checked = None
         self._data = None
@@ -439,7 +446,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         settings and data (the one of the fit before is released first)."""
         if self.per_fit_dirname:
             wanted = os.fspath(self.dirname).replace(
-                FIT_PLACEHOLDER, settings.fit_id(net, fingerprint.data_fingerprint(X, y)))
+                FIT_PLACEHOLDER, fit_id(net, data_fingerprint(X, y)))
             if wanted != self.fit_dirname_:
                 self.close()
                 self._open(wanted)
@@ -466,7 +473,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self._check_net(net)
         base.move_callback(net, self, 'last')
         self.folder_.claim(net)
-        self._data = fingerprint.data_fingerprint(X, y)
+        self._data = data_fingerprint(X, y)
         self._fit_calls.append((len(net.history), len(net.history) + net.max_epochs))
         self._keep = None
         self._fit_began = False
@@ -474,7 +481,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self._poll.begin(net)
 
     def on_epoch_begin(self, net: Any, dataset_train: Any = None, **kwargs: Any) -> None:
-        self._train_loader = training_state.find_train_loader(net, dataset_train)
+        self._train_loader = find_train_loader(net, dataset_train)
         self._batches = 0
         if not self._fit_began:
             self._fit_began = True
@@ -487,14 +494,14 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             self._poll.install(net, type(self).__name__, self.signals_)
         if self._train_loader is not None:
             # before the pass creates its iterator, which starts the workers
-            self._worker_draws = loader_pass.worker_draws(self._train_loader)
+            self._worker_draws = worker_draws(self._train_loader)
         if self.every_n_steps or self.every_n_seconds or self._poll.stop_signals:
             if self.every_n_steps or self.every_n_seconds:
-                epoch_position.check_can_skip(self._train_loader, type(self).__name__)
-            if epoch_position.can_skip(self._train_loader):
-                self._pass = loader_pass.install(self._train_loader)
+                check_can_skip(self._train_loader, type(self).__name__)
+            if can_skip(self._train_loader):
+                self._pass = install(self._train_loader)
             # after the resume callback gave back the epoch's starting state
-            self._epoch_start = epoch_position.EpochStart.capture(self._train_loader)
+            self._epoch_start = EpochStart.capture(self._train_loader)
 
     def on_batch_begin(self, net: Any, training: bool = False, **kwargs: Any) -> None:
         # the first training batch of each epoch, on every rank alike
@@ -507,7 +514,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         draw random numbers: their generators go on from epoch to epoch in
         processes that no checkpoint reaches."""
         if not (self._worker_draws is not None
-                and loader_pass.persistent_workers(self._train_loader)):
+                and persistent_workers(self._train_loader)):
             return
         if any(sync.gather(net, self._worker_draws.drew)):
             raise CheckpointError(
@@ -533,7 +540,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             # the epoch's end saves it, with its validation scores
             self._deferred = reason
             return
-        if isinstance(reason, str) or epoch_position.can_skip(self._train_loader):
+        if isinstance(reason, str) or can_skip(self._train_loader):
             path = self.save_model(net)
         else:
             path = None  # a signal inside an epoch of an IterableDataset
@@ -566,7 +573,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         try:
             # a fit that the resume callback ended before its first epoch
             self._take_resumed(net)
-            if (training_state.epoch_completed(net)
+            if (epoch_completed(net)
                     and self.checkpoint_name(net) not in (self.last_saved_, self.resumed_from_)):
                 self._save_at_train_end(net)
             self.wait_for_saves(net)
@@ -577,13 +584,13 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
                 saved = self.last_saved_ or self.resumed_from_
                 self._stop(net, received, saved and self.folder_.url(saved))
         finally:
-            loader_pass.uninstall(self._train_loader)
+            uninstall(self._train_loader)
             self.close()
 
     def _load_best(self, net: Any) -> None:
         """``load_best``: the best checkpoint's model(s) into the net, as
         skorch's ``Checkpoint(load_best=True)`` loads its best parameters."""
-        loaded = restore.load_best_models(net, self.folder_)
+        loaded = load_best_models(net, self.folder_)
         base.say(net, self.sink,
                  f"Loaded the model(s) of the best checkpoint, {loaded}" if loaded else
                  f"load_best: no checkpoint in {self.folder_.dirname} is marked best "
@@ -651,9 +658,9 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     def checkpoint_name(self, net: Any) -> str:
         """The name of a checkpoint of the net as it is now: ``epoch-NNNN``
         after NNNN epochs, ``epoch-NNNN-step-SSSSSSSS`` at step SSSSSSSS."""
-        if not net.history or training_state.epoch_completed(net):
-            return _manifest.checkpoint_name(len(net.history))
-        return _manifest.checkpoint_name(len(net.history) - 1, self.global_step_)
+        if not net.history or epoch_completed(net):
+            return checkpoint_name(len(net.history))
+        return checkpoint_name(len(net.history) - 1, self.global_step_)
 
     def _check_net(self, net: Any) -> None:
         # the back-end before the model layout, which would blame the
@@ -664,10 +671,10 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             self._fixes_warned = True
             _warn_without_fixes(net, type(self).__name__)
         with own_registries(net):
-            compat.model_layout(net)
+            model_layout(net)
             if not self._buffers_warned:
                 self._buffers_warned = True
-                fsdp_layout.warn_per_rank_buffers(net.accelerator, bare_modules(net))
+                warn_per_rank_buffers(net.accelerator, bare_modules(net))
 
     def _check_no_skorch_loader(self, net: Any) -> None:
         """Refuse skorch's own ``LoadInitState`` on this checkpoint: it loads
@@ -700,7 +707,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         if report is not None:
             base.say(net, self.sink, report.message())
         name = self.checkpoint_name(net)
-        inside_epoch = not training_state.epoch_completed(net)
+        inside_epoch = not epoch_completed(net)
         report = self.writer_.save(net, SaveRequest(
             name=name, step=self.global_step_,
             batches=self._batches if inside_epoch else 0,

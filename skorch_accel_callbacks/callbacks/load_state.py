@@ -23,17 +23,35 @@ from skorch_accel_callbacks._core.base import (
 )
 from skorch_accel_callbacks._core.wrapping import net_optimizers
 from skorch_accel_callbacks.callbacks.checkpoint import AccelerateCheckpoint
-from skorch_accel_callbacks.engine import _restore as restore
-from skorch_accel_callbacks.errors import CheckpointError
-from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.state import (
-    _epoch_position as epoch_position,
-    _loader_pass as loader_pass,
-    _rng_state as rng_state,
-    _settings as settings,
-    _training_state as training_state,
+from skorch_accel_callbacks.engine import (
+    InsideEpoch,
+    Restored,
+    ResumeChecks,
+    choose_checkpoint,
+    read_checkpoint,
 )
-from skorch_accel_callbacks.storage._interface import CheckpointStorage
+from skorch_accel_callbacks.errors import CheckpointError
+from skorch_accel_callbacks.format import fit_calls, is_checkpoint_name
+from skorch_accel_callbacks.state import (
+    ResumePlan,
+    apply_callback_states,
+    apply_epoch_caches,
+    apply_loader_state,
+    can_skip,
+    changed_callback_settings,
+    check_train_rows,
+    epoch_end_advice,
+    fetches_in_process,
+    find_train_loader,
+    install,
+    keep_new_base_lrs,
+    persistent_workers,
+    restore_optimizer_hyperparameters,
+    restore_rng,
+    seed_draw_undone,
+    unknown_batch_state,
+)
+from skorch_accel_callbacks.storage import CheckpointStorage
 
 __all__ = ['AccelerateLoadInitState']
 
@@ -226,7 +244,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         resume = os.fspath(self.resume)
         looks_like_a_path = (os.sep in resume or '://' in resume or resume.startswith('.')
                              or os.path.exists(resume))
-        if resume in RESUME_POINTERS or _manifest.is_checkpoint_name(resume) or looks_like_a_path:
+        if resume in RESUME_POINTERS or is_checkpoint_name(resume) or looks_like_a_path:
             return
         raise ValueError(
             f"{owner}: resume={resume!r} is neither 'latest' nor 'best', no checkpoint's "
@@ -265,9 +283,9 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         # the epochs after which the fit that resumed ends; None in other fits
         self._last_epoch = None
         # the checkpoint read, until its callback states are applied
-        self._pending: restore.Restored | None = None
+        self._pending: Restored | None = None
         # where inside its epoch it goes on, until the epoch's first batch
-        self._inside: restore.InsideEpoch | None = None
+        self._inside: InsideEpoch | None = None
         self._undo_skip = None
         # a pass planned to go on inside its epoch, until its first batch
         self._armed = False
@@ -350,15 +368,15 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     def _load(self, net: Any, X: Any, y: Any) -> bool:
         """Read the checkpoint to resume from, if any: whether there was one."""
-        chosen = restore.choose_checkpoint(net, self._storage, self.resume)
+        chosen = choose_checkpoint(net, self._storage, self.resume)
         if chosen is None:
             say(net, self.sink, f"No checkpoint in {self._followed.fit_dirname_}; "
                                 "training from scratch.")
             return False
-        restored = restore.read_checkpoint(net, chosen, restore.ResumeChecks(
+        restored = read_checkpoint(net, chosen, ResumeChecks(
             data=self.check_data, params=self.check_params,
             reseed=self.on_world_size_change == 'reseed', storage=self._storage), X, y)
-        self._fit_calls = _manifest.fit_calls(restored.manifest, restored.path)
+        self._fit_calls = fit_calls(restored.manifest, restored.path)
         if self._fit_calls[0] != (0, net.max_epochs):
             # not the script that took it (its first call had another
             # max_epochs): this fit continues it, as a single fit does
@@ -391,7 +409,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                     f"fit call (it began at epoch {begins}, max_epochs={net.max_epochs}) "
                     "does not reach: it cannot go on inside that epoch; raise max_epochs "
                     f"to {done + 1 - begins} or more, or "
-                    + settings.epoch_end_advice(self._storage, restored.manifest))
+                    + epoch_end_advice(self._storage, restored.manifest))
             calls = [*self._fit_calls[:call], (begins, last)]
         self._last_epoch = last
         self.resumed_ = Resumed(
@@ -407,7 +425,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         name = CheckpointStorage.name_of(path)
         return self._storage.url(name) if self._storage.path(name) == path else path
 
-    def _resumed_message(self, restored: restore.Restored) -> str:
+    def _resumed_message(self, restored: Restored) -> str:
         done = restored.epochs_done
         where = (f"at batch {restored.inside.batches} of epoch {done + 1}" if restored.inside
                  else f"after epoch {done}")
@@ -435,46 +453,46 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         if ends:
             net.history.pop()
         if self._continues():
-            loader = training_state.find_train_loader(net, dataset_train)
+            loader = find_train_loader(net, dataset_train)
             # (a call that ends before the epoch it was taken in was refused)
             if self._inside is not None:
                 self._continue_epoch(net, loader)
                 return
             restored = self._restore_callbacks(net)
-            rng_state.apply_loader_state(loader, restored.rank_state)
+            apply_loader_state(loader, restored.rank_state)
             # preparing the training loader drew from the global generator to
             # seed the sampler; the uninterrupted run had not drawn at this
             # point (nor, when this fit ends here, at its end)
-            rng_state.restore_rng(restored.rng)
+            restore_rng(restored.rng)
             if loader is not None and self._iterator_existed(loader, restored):
-                loader_pass.install(loader).plan_resume(loader_pass.ResumePlan(
-                    skip=0, undo_seed_draw=loader_pass.seed_draw_undone(loader)))
+                install(loader).plan_resume(ResumePlan(
+                    skip=0, undo_seed_draw=seed_draw_undone(loader)))
         if ends:
             raise KeyboardInterrupt
 
-    def _iterator_existed(self, loader: Any, restored: restore.Restored) -> bool:
+    def _iterator_existed(self, loader: Any, restored: Restored) -> bool:
         """Whether the checkpoint's run went on in this epoch with the
         iterator of persistent workers that its fit created at an earlier
         epoch (this run creates one now)."""
         begins = self._fit_calls[self._call][0]
-        return loader_pass.persistent_workers(loader) and restored.epochs_done > begins
+        return persistent_workers(loader) and restored.epochs_done > begins
 
     def _continue_epoch(self, net: Any, loader: Any) -> None:
         """Set the epoch that a checkpoint taken inside it was taken in up to
         go on after its trained batches."""
-        if not epoch_position.can_skip(loader):
+        if not can_skip(loader):
             raise CheckpointError(
                 f"{self.loaded_from_} was taken inside an epoch, but this run's training "
                 "data cannot skip batches by index (an IterableDataset): resume it with "
                 "a map-style data set, or "
-                + settings.epoch_end_advice(self._storage, self._pending.manifest))
+                + epoch_end_advice(self._storage, self._pending.manifest))
         # the train split is made by now, before the epoch's first step
-        settings.check_train_rows(self._pending.manifest, len(loader.dataset),
+        check_train_rows(self._pending.manifest, len(loader.dataset),
                                   self.loaded_from_, self._storage)
         # on another number of processes the share of an epoch changed; at
         # least one batch is left, which the resume begins at
         batches = min(self._inside.batches, max(len(loader) - 1, 0))
-        unknown = training_state.unknown_batch_state(net)
+        unknown = unknown_batch_state(net)
         if unknown and sync.is_main_process(net):
             warnings.warn(
                 f"{self.loaded_from_} was taken inside an epoch; the callback(s) "
@@ -499,13 +517,13 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         # the fetches read ahead of training, then the next one, draw from
         # the states they drew from in the checkpoint's run
         states = ((*self._inside.read_ahead, self._pending.rng)
-                  if self._inside.rng_at_batch and loader_pass.fetches_in_process(loader)
+                  if self._inside.rng_at_batch and fetches_in_process(loader)
                   else ())
         self._rng_by_pass = bool(states)
-        undo = (loader_pass.seed_draw_undone(loader)
+        undo = (seed_draw_undone(loader)
                 if self._iterator_existed(loader, self._pending) else None)
-        loader_pass.install(loader).plan_resume(
-            loader_pass.ResumePlan(skip=batches, states=states, undo_seed_draw=undo))
+        install(loader).plan_resume(
+            ResumePlan(skip=batches, states=states, undo_seed_draw=undo))
 
     def on_batch_begin(self, net: Any, training: bool = False, **kwargs: Any) -> None:
         # armed by _continue_epoch, in the call that continues the checkpoint
@@ -519,9 +537,9 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             self._undo_skip = None
         # after every callback's on_epoch_begin, which resets their scratch space
         restored = self._restore_callbacks(net)
-        training_state.apply_epoch_caches(net, inside.caches, device=net.accelerator.device)
+        apply_epoch_caches(net, inside.caches, device=net.accelerator.device)
         if inside.rng_at_batch and not self._rng_by_pass:
-            rng_state.restore_rng(restored.rng)
+            restore_rng(restored.rng)
 
     def on_epoch_end(self, net: Any, **kwargs: Any) -> None:
         if self._skipped:
@@ -530,7 +548,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
                                self._skipped + net.history[-1]['train_batch_count'])
             self._skipped = 0
 
-    def _restore_callbacks(self, net: Any) -> restore.Restored:
+    def _restore_callbacks(self, net: Any) -> Restored:
         """Give the callbacks and optimizer settings their saved state, once.
 
         Done after every callback's on_train_begin, which may reset state
@@ -539,11 +557,11 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         restored, self._pending = self._pending, None
         # the settings check_params let differ take effect: in the callbacks'
         # states, and an optimizer's new lr as its schedulers' base
-        training_state.apply_callback_states(
-            net, restored.callbacks, settings.changed_callback_settings(restored.changed_params))
-        training_state.restore_optimizer_hyperparameters(net_optimizers(net),
+        apply_callback_states(
+            net, restored.callbacks, changed_callback_settings(restored.changed_params))
+        restore_optimizer_hyperparameters(net_optimizers(net),
                                                          restored.hyperparameters)
-        training_state.keep_new_base_lrs(net, restored.changed_params)
+        keep_new_base_lrs(net, restored.changed_params)
         return restored
 
     def on_train_end(self, net: Any, **kwargs: Any) -> None:

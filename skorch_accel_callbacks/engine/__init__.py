@@ -1,4 +1,47 @@
 """How a checkpoint is written and read back: the writer (in the fit's thread
 or a background one), the stager (host copies that let a background save
 return) and the restore.
+
+What the other subpackages use of it, and nothing else of it, is named
+here (``__all__``); its modules are its own.
 """
+
+from skorch_accel_callbacks.engine._consolidate import (
+    is_sharded_model,
+    loadable,
+    model_files,
+    read_model,
+    read_sharded_model,
+)
+from skorch_accel_callbacks.engine._restore import (
+    InsideEpoch,
+    Restored,
+    ResumeChecks,
+    choose_checkpoint,
+    load_best_models,
+    read_checkpoint,
+)
+from skorch_accel_callbacks.engine._writer import (
+    BackgroundWriter,
+    Retention,
+    SaveRequest,
+    SyncWriter,
+)
+
+__all__ = [
+    'BackgroundWriter',
+    'choose_checkpoint',
+    'InsideEpoch',
+    'is_sharded_model',
+    'load_best_models',
+    'loadable',
+    'model_files',
+    'read_checkpoint',
+    'read_model',
+    'read_sharded_model',
+    'Restored',
+    'ResumeChecks',
+    'Retention',
+    'SaveRequest',
+    'SyncWriter',
+]

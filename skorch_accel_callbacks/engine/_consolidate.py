@@ -32,9 +32,8 @@ from accelerate.utils import SAFE_WEIGHTS_NAME, merge_fsdp_weights
 from safetensors.torch import load_file
 
 from skorch_accel_callbacks.errors import CorruptCheckpointError
-from skorch_accel_callbacks.format._manifest import DCP_METADATA_NAME
-from skorch_accel_callbacks.format._readers import load_without_code, read_naming_fault
-from skorch_accel_callbacks.state import _compat as compat
+from skorch_accel_callbacks.format import DCP_METADATA_NAME, load_without_code, read_naming_fault
+from skorch_accel_callbacks.state import model_files as recorded_model_files
 
 __all__ = ['check_sharded_model', 'is_sharded_model', 'loadable', 'model_files',
            'read_model', 'read_sharded_model']
@@ -79,7 +78,7 @@ def _fsdp_model_file(index: int, files: dict[str, Any]) -> str | None:
 
 def model_files(manifest: dict[str, Any], folder: str) -> list[tuple[str, str]]:
     """``(module name, file name)`` of each model of a checkpoint, as
-    :func:`compat.model_files <skorch_accel_callbacks.state._compat.model_files>`
+    :func:`skorch_accel_callbacks.state.model_files`
     gives them, or for a checkpoint of FSDP accelerate's folder of a sharded
     model (``pytorch_model_fsdp_0``) or file of a full one
     (``pytorch_model_fsdp.bin``).
@@ -91,10 +90,10 @@ def model_files(manifest: dict[str, Any], folder: str) -> list[tuple[str, str]]:
     models = manifest.get('models')
     if not (isinstance(files, dict) and isinstance(models, list)
             and any(name.startswith(FSDP_MODEL_NAME) for name in files)):
-        return compat.model_files(manifest, folder)
+        return recorded_model_files(manifest, folder)
     if not all(isinstance(entry, list) and entry and isinstance(entry[0], str)
                for entry in models):
-        return compat.model_files(manifest, folder)  # which says which entry
+        return recorded_model_files(manifest, folder)  # which says which entry
     found = []
     for index, entry in enumerate(models):
         name = _fsdp_model_file(index, files)

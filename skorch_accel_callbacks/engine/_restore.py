@@ -24,19 +24,50 @@ from skorch_accel_callbacks._core.base import processes
 from skorch_accel_callbacks._core.wrapping import net_optimizers, own_registries, state_modules
 from skorch_accel_callbacks.engine import _consolidate as consolidate
 from skorch_accel_callbacks.errors import CheckpointError
-from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.format._manifest import POINTERS, is_checkpoint_name
-from skorch_accel_callbacks.format._readers import kind_of, read_naming_fault
-from skorch_accel_callbacks.state import (
-    _compat as compat,
-    _epoch_position as epoch_position,
-    _fingerprint as fingerprint,
-    _fsdp_layout as fsdp_layout,
-    _rng_state as rng_state,
-    _settings as settings,
-    _training_state as training_state,
+from skorch_accel_callbacks.format import (
+    PER_RANK_ITEMS,
+    POINTERS,
+    batches_into_epoch,
+    buffers_name,
+    callbacks_names,
+    epoch_caches_names,
+    history_name,
+    is_checkpoint_name,
+    kind_of,
+    per_rank_of,
+    position_name,
+    rank_state_name,
+    read_manifest,
+    read_naming_fault,
+    stopped_early,
 )
-from skorch_accel_callbacks.storage._interface import CheckpointStorage, is_committer
+from skorch_accel_callbacks.state import (
+    EpochStart,
+    capture_rng,
+    check_compatible,
+    check_epoch_settings,
+    check_rank_files,
+    check_same_data,
+    check_same_params,
+    check_world_size,
+    data_fingerprint,
+    derived_rank_state,
+    derived_rng,
+    keep_new_optimizer_settings,
+    load_buffers,
+    load_callback_states,
+    load_epoch_caches,
+    load_history,
+    load_position,
+    load_rank_state,
+    make_room_for_group_settings,
+    optimizer_hyperparameters,
+    optimizer_steps,
+    reseed_origin,
+    restore_frozen,
+    restore_optimizer_hyperparameters,
+)
+from skorch_accel_callbacks.storage import CheckpointStorage, is_committer
 
 __all__ = ['Chosen', 'InsideEpoch', 'ResumeChecks', 'Restored', 'choose_checkpoint',
            'load_best_models',
@@ -64,7 +95,7 @@ class InsideEpoch:
     #: training batches of the epoch that this rank skips
     batches: int
     #: the random states the epoch began with, which draw its order again
-    start: epoch_position.EpochStart
+    start: EpochStart
     #: the epoch's caches (scores of its training batches so far)
     caches: dict
     #: give the random states of the saved batch back at the first batch
@@ -116,7 +147,7 @@ class Restored:
     @property
     def stopped_early(self) -> bool:
         """A callback stopped its training: resuming it trains nothing."""
-        return _manifest.stopped_early(self.manifest)
+        return stopped_early(self.manifest)
 
 
 @dataclass(frozen=True)
@@ -167,7 +198,7 @@ def load_best_models(net: Any, storage: CheckpointStorage) -> str | None:
     if marked is None:
         return None
     chosen = choose_checkpoint(net, storage, 'best')
-    manifest = chosen.manifest or _manifest.read(chosen.path)
+    manifest = chosen.manifest or read_manifest(chosen.path)
     files = consolidate.model_files(manifest, chosen.path)
     modules = state_modules(net)
     with sync.agree(net, f"loading the best checkpoint's model(s), {chosen.path}"):
@@ -192,33 +223,33 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
     """
     rank, path = sync.process_index(net), chosen.path
     with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
-        saved = chosen.manifest if chosen.manifest is not None else _manifest.read(path)
-        changed = compat.check_world_size(net, saved, path, checks.reseed)
-        compat.check_compatible(net, saved, path)
+        saved = chosen.manifest if chosen.manifest is not None else read_manifest(path)
+        changed = check_world_size(net, saved, path, checks.reseed)
+        check_compatible(net, saved, path)
         if checks.data:
-            compat.check_same_data(saved, fingerprint.data_fingerprint(X, y), path)
-        changed_params = settings.check_same_params(net, saved, path, checks.params)
+            check_same_data(saved, data_fingerprint(X, y), path)
+        changed_params = check_same_params(net, saved, path, checks.params)
         # the number of training rows is checked when the first epoch begins
-        settings.check_epoch_settings(net, saved, path, checks.storage)
+        check_epoch_settings(net, saved, path, checks.storage)
         # on another number of processes the new ranks' random states
         # derive from rank 0's: the other saved ranks' files are not read
         reads_own_rank = not changed or rank == 0
         if reads_own_rank:
-            compat.check_rank_files(path, saved, rank)
+            check_rank_files(path, saved, rank)
         hyperparameters = _load_accelerator_state(net, path, saved, changed_params)
-        rng = rng_state.capture_rng()
+        rng = capture_rng()
         history, callbacks = _read_rank_states(net, path, saved, rank if reads_own_rank
                                                else None)
         rank_state = None
         if reads_own_rank:
-            rank_state = _read_own(path, _manifest.rank_state_name(rank),
-                                   lambda folder: training_state.load_rank_state(folder, rank))
+            rank_state = _read_own(path, rank_state_name(rank),
+                                   lambda folder: load_rank_state(folder, rank))
         inside = None
-        if _manifest.batches_into_epoch(saved) and reads_own_rank:
+        if batches_into_epoch(saved) and reads_own_rank:
             inside = _read_position(path, rank, with_caches=not changed)
     restored = Restored(path, saved, history, callbacks, rng, rank_state, hyperparameters,
                         inside, _saved_step(net, saved, history),
-                        per_rank=_manifest.per_rank(saved),
+                        per_rank=per_rank_of(saved),
                         changed_params=tuple(changed_params))
     return _reseed(net, restored) if changed else restored
 
@@ -230,11 +261,11 @@ def _read_rank_states(net: Any, path: str, manifest: dict,
     (None for ``rank`` None: a new rank, which rank 0's reach in
     :func:`_reseed`); the rank's own buffers are put back into the models
     (``load_state`` gave every rank the checkpoint's one copy)."""
-    per_rank = _manifest.per_rank(manifest)
+    per_rank = per_rank_of(manifest)
     if 'buffers' in per_rank and rank is not None:
-        _read_own(path, _manifest.buffers_name(rank),
+        _read_own(path, buffers_name(rank),
                   lambda folder: accelerate_io.set_fsdp2_buffers(
-                      net.accelerator, training_state.load_buffers(folder, rank)))
+                      net.accelerator, load_buffers(folder, rank)))
 
     def copy_of(item: str) -> int | None:
         return rank if item in per_rank else None
@@ -242,36 +273,36 @@ def _read_rank_states(net: Any, path: str, manifest: dict,
     history = callbacks = None
     if 'history' not in per_rank or rank is not None:
         own = copy_of('history')
-        history = _read_own(path, _manifest.history_name(own),
-                            lambda folder: training_state.load_history(folder, own))
+        history = _read_own(path, history_name(own),
+                            lambda folder: load_history(folder, own))
     if 'callbacks' not in per_rank or rank is not None:
         own = copy_of('callbacks')
-        callbacks = _read_own(path, _manifest.callbacks_names(own),
-                              lambda folder: training_state.load_callback_states(folder, own))
+        callbacks = _read_own(path, callbacks_names(own),
+                              lambda folder: load_callback_states(folder, own))
     return history, callbacks
 
 
 def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params: Any) -> list:
     """``accelerator.load_state(path)``; the optimizers' settings to restore
     (the new values of the parameters allowed to change take effect)."""
-    fresh = training_state.optimizer_hyperparameters(net_optimizers(net))
-    fsdp_layout.make_room_for_group_settings(net.accelerator, manifest)
+    fresh = optimizer_hyperparameters(net_optimizers(net))
+    make_room_for_group_settings(net.accelerator, manifest)
     # before the optimizers' state: under FSDP2 accelerate loads it with
     # torch.distributed.checkpoint, planned after the state a fresh
     # optimizer makes for every parameter that trains (a step of zero
     # gradients), which for a frozen one the checkpoint lacks
-    compat.restore_frozen(net, manifest)
+    restore_frozen(net, manifest)
     read_naming_fault(_model_and_optimizer_files(path),
                       lambda: accelerate_io.load_state(net.accelerator, path),
                       error=CheckpointError, failed='could not be loaded', fallback=path)
-    saved = training_state.optimizer_hyperparameters(net_optimizers(net))
+    saved = optimizer_hyperparameters(net_optimizers(net))
     if accelerate_io.is_fsdp2(net.accelerator):
         # from a full state dict rank 0 alone read the optimizers: the
         # settings that a fresh optimizer lacks (an LR scheduler's
         # initial_lr) reach the other ranks from it
         saved = sync.broadcast(net, saved)
-        training_state.restore_optimizer_hyperparameters(net_optimizers(net), saved)
-    training_state.keep_new_optimizer_settings(net, changed_params, fresh, saved)
+        restore_optimizer_hyperparameters(net_optimizers(net), saved)
+    keep_new_optimizer_settings(net, changed_params, fresh, saved)
     return saved
 
 
@@ -282,13 +313,13 @@ def _model_and_optimizer_files(folder: str) -> list[str]:
 
 
 def _read_position(path: str, rank: int, with_caches: bool) -> InsideEpoch:
-    names = [_manifest.position_name(rank)]
+    names = [position_name(rank)]
     if with_caches:
-        names += list(_manifest.epoch_caches_names(rank))
+        names += list(epoch_caches_names(rank))
 
     def load(folder: str) -> InsideEpoch:
-        position = epoch_position.load_position(folder, rank)
-        caches = training_state.load_epoch_caches(folder, rank) if with_caches else {}
+        position = load_position(folder, rank)
+        caches = load_epoch_caches(folder, rank) if with_caches else {}
         return InsideEpoch(position.batches, position.start, caches,
                            read_ahead=position.read_ahead)
 
@@ -307,7 +338,7 @@ def _read_own(folder: str, names: str | list[str] | tuple[str, ...],
 def _saved_step(net: Any, saved: dict, history: Any) -> int:
     position = saved.get('position')
     if position is None:  # format 2 recorded no steps: count them
-        return training_state.optimizer_steps(
+        return optimizer_steps(
             history, accelerate_io.accumulation_steps(net.accelerator))
     return position['step']
 
@@ -316,7 +347,7 @@ _ITEMS = {'history': 'history', 'callbacks': "callbacks' states", 'buffers': 'mo
 
 
 def _describe_items(items: frozenset[str]) -> str:
-    return ', '.join(_ITEMS[item] for item in _manifest.PER_RANK_ITEMS if item in items)
+    return ', '.join(_ITEMS[item] for item in PER_RANK_ITEMS if item in items)
 
 
 def _states_of_rank_0(net: Any, restored: Restored) -> Restored:
@@ -345,14 +376,14 @@ def _reseed(net: Any, restored: Restored) -> Restored:
     saved_size = restored.manifest['world_size']
     rank_state, inside = restored.rank_state, restored.inside
     origin, iteration, step, position = sync.broadcast(net, (
-        rng_state.reseed_origin(restored.rng, rank_state),
+        reseed_origin(restored.rng, rank_state),
         rank_state['loader_iteration'],
         accelerate_io.accumulation_step(net.accelerator),
         None if inside is None else (inside.batches, inside.start.iteration),
     ) if rank_state is not None else None)
     accelerate_io.set_accumulation_step(net.accelerator, step)
-    rng = rng_state.derived_rng(origin, world_size, sync.process_index(net))
-    rank_state = rng_state.derived_rank_state(origin, world_size, iteration)
+    rng = derived_rng(origin, world_size, sync.process_index(net))
+    rank_state = derived_rank_state(origin, world_size, iteration)
     message = (
         f"{restored.path} was written by {processes(saved_size)}, this run has "
         f"{world_size}: the model, optimizer, schedulers, history and callbacks "
@@ -375,7 +406,7 @@ def _reseed(net: Any, restored: Restored) -> Restored:
             f"{processes(saved_size)}: each process skips {skipped} "
             "batches of that epoch in the new order, and scores collected on the "
             "epoch's training batches (EpochScoring on_train) cover the rest only")
-        start = epoch_position.EpochStart(rng, rank_state['generator'], start_iteration)
+        start = EpochStart(rng, rank_state['generator'], start_iteration)
         inside = InsideEpoch(skipped, start, {}, rng_at_batch=False)
     if sync.is_main_process(net):
         warnings.warn(message, UserWarning, stacklevel=4)

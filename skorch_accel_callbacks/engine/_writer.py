@@ -29,13 +29,18 @@ from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.base import format_bytes, say
 from skorch_accel_callbacks._core.wrapping import own_registries
 from skorch_accel_callbacks.engine._stager import HostStager, Staged
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest
+from skorch_accel_callbacks.format import EarlyFlush, with_per_rank
 from skorch_accel_callbacks.state import (
-    _compat as compat,
-    _epoch_position as epoch_position,
-    _training_state as training_state,
+    EpochStart,
+    build_manifest,
+    encode_rank_states,
+    per_rank_items,
+    save_epoch_caches,
+    save_position,
+    save_rank_state,
+    write_rank_states,
 )
-from skorch_accel_callbacks.storage._interface import CheckpointStorage, is_committer
+from skorch_accel_callbacks.storage import CheckpointStorage, is_committer
 
 __all__ = ['BackgroundWriter', 'CheckpointWriter', 'Retention', 'SaveReport', 'SaveRequest',
            'StagedSave', 'SyncWriter']
@@ -54,7 +59,7 @@ class SaveRequest:
     #: the training loader of the epoch (its shuffling state and rows)
     train_loader: Any
     #: the random states the epoch under way began with (inside an epoch)
-    epoch_start: epoch_position.EpochStart | None = None
+    epoch_start: EpochStart | None = None
     #: the random states before the fetches read ahead of training (inside
     #: an epoch, a loader that reads in this process)
     read_ahead: tuple[dict[str, Any], ...] = ()
@@ -204,7 +209,7 @@ class SyncWriter:
         self.storage.wait()
 
     def stage(self, net: Any, request: SaveRequest, stager: HostStager | None = None,
-              early: atomic.EarlyFlush | None = None) -> StagedSave:
+              early: EarlyFlush | None = None) -> StagedSave:
         """Write every rank's files of ``request`` into the storage's partial
         place; the manifest's content is returned on the committing process.
 
@@ -224,9 +229,9 @@ class SyncWriter:
         with sync.agree(net, f"preparing {partial}"), own_registries(net):
             if committer:
                 self.storage.start(request.name)
-            states = training_state.encode_rank_states(net, warn=sync.is_main_process(net))
+            states = encode_rank_states(net, warn=sync.is_main_process(net))
         # one copy of what every rank holds alike, every rank's own of the rest
-        per_rank = training_state.per_rank_items(sync.gather(net, states.digests()))
+        per_rank = per_rank_items(sync.gather(net, states.digests()))
         with sync.agree(net, f"writing checkpoint {partial}"), own_registries(net):
             large = None
             if stager is None:
@@ -236,23 +241,23 @@ class SyncWriter:
                 large = stager.stage(net.accelerator, partial, self.safe_serialization,
                                      committer)
             rank = sync.process_index(net)
-            training_state.save_rank_state(partial, rank, request.train_loader,
+            save_rank_state(partial, rank, request.train_loader,
                                            request.workers_drew)
-            training_state.write_rank_states(partial, states, rank, per_rank, committer)
+            write_rank_states(partial, states, rank, per_rank, committer)
             if request.batches:
-                epoch_position.save_position(partial, rank, request.epoch_start,
+                save_position(partial, rank, request.epoch_start,
                                              request.batches, request.read_ahead)
-                training_state.save_epoch_caches(partial, rank, net)
+                save_epoch_caches(partial, rank, net)
             if not committer:
                 if early is not None:
                     early.wait()  # its failure fails the save on every rank
                 return StagedSave(None, large)
-            return StagedSave(_manifest.with_per_rank(compat.build_manifest(
+            return StagedSave(with_per_rank(build_manifest(
                 net, request.name, request.best, request.finished, request.stopped_early,
                 request.data, request.position(), request.train_loader), per_rank), large)
 
     def commit(self, request: SaveRequest, content: dict, started: float,
-               early: atomic.EarlyFlush | None = None) -> SaveReport:
+               early: EarlyFlush | None = None) -> SaveReport:
         """Commit the staged checkpoint of ``request`` and retire old ones;
         ``early``: the fsyncs begun as its files were written.
 
@@ -360,11 +365,11 @@ class BackgroundWriter:
 
 
 
-def _early_flush(durable: bool) -> AbstractContextManager[atomic.EarlyFlush | None]:
+def _early_flush(durable: bool) -> AbstractContextManager[EarlyFlush | None]:
     """The fsyncs of a save's large files begun as each is written, for a
     durable save (:class:`~skorch_accel_callbacks.format._atomic.EarlyFlush`);
     None for another."""
-    return atomic.EarlyFlush() if durable else nullcontext()
+    return EarlyFlush() if durable else nullcontext()
 
 
 def _wait_for_storage(storage: CheckpointStorage, before_save: bool) -> str | None:

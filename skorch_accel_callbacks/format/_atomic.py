@@ -33,7 +33,7 @@ __all__ = [
     'StagedFiles',
     'TEMP_MARK',
     'atomic_path',
-    'discard',
+    'discard_path',
     'discard_in_background',
     'finish_staged',
     'fsync_dir',
@@ -42,7 +42,7 @@ __all__ = [
     'is_leftover',
     'plain_modes',
     'read_json',
-    'remove',
+    'remove_path',
     'remove_temp_files',
     'replace_folder',
     'unique_name',
@@ -400,7 +400,7 @@ def remove_temp_files(folder: str, names: Iterable[str]) -> None:
             os.remove(os.path.join(folder, entry))
 
 
-def remove(path: str | os.PathLike) -> None:
+def remove_path(path: str | os.PathLike) -> None:
     """Remove a file or a whole folder right away."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
@@ -408,14 +408,14 @@ def remove(path: str | os.PathLike) -> None:
         os.remove(path)
 
 
-def discard(path: str | os.PathLike) -> None:
+def discard_path(path: str | os.PathLike) -> None:
     """Remove a folder (or file) so that no half of it is ever visible."""
     if os.path.lexists(path):
-        remove(_mark_discarded(path))
+        remove_path(_mark_discarded(path))
 
 
 def discard_in_background(path: str | os.PathLike) -> threading.Thread | None:
-    """Like :func:`discard`, but the files are removed by a thread.
+    """Like :func:`discard_path`, but the files are removed by a thread.
 
     Only the rename happens before it returns; the started thread is
     returned, or None if there was nothing to remove. Removing a large
@@ -431,7 +431,7 @@ def discard_in_background(path: str | os.PathLike) -> threading.Thread | None:
 def _remove_in_background(doomed: str, path: str | os.PathLike) -> threading.Thread:
     def remove_doomed() -> None:
         try:
-            remove(doomed)
+            remove_path(doomed)
         except FileNotFoundError:
             # a job that cleans the leftovers of a crashed fit got there first
             pass

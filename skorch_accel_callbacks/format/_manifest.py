@@ -26,7 +26,7 @@ format change, the net's hyper-parameters that change training
 (``epoch_settings``), so that a resume with other values is refused instead
 of silently continuing another training; and, also without a format
 change, a checksum of every listed file (``checksums``: relative path ->
-``"xxh3_64:<16 hex digits>"``), which :func:`check` verifies when it is
+``"xxh3_64:<16 hex digits>"``), which :func:`check_manifest` verifies when it is
 there, so that a byte changed inside a file of the same size is found;
 and, also without a format change, which of the states that exist per rank
 were stored per rank (``per_rank``: a list of :data:`PER_RANK_ITEMS`, the
@@ -76,7 +76,7 @@ __all__ = [
     'batches_into_epoch',
     'buffers_name',
     'callbacks_names',
-    'check',
+    'check_manifest',
     'checkpoint_name',
     'checksum_file',
     'checksum_stream',
@@ -84,9 +84,9 @@ __all__ = [
     'fit_calls',
     'history_name',
     'is_checkpoint_name',
-    'merged',
+    'merged_manifest',
     'newest_at_epoch_end',
-    'per_rank',
+    'per_rank_of',
     'per_rank_files',
     'plain_history_name',
     'pointed_name',
@@ -94,11 +94,11 @@ __all__ = [
     'position_name',
     'probe_name',
     'rank_state_name',
-    'read',
+    'read_manifest',
     'stopped_early',
     'training_order',
     'with_per_rank',
-    'write',
+    'write_manifest',
 ]
 
 # on-disk format; a change of what is written bumps it (CHANGES.rst).
@@ -241,7 +241,7 @@ def _file_sizes(folder: str) -> dict[str, int]:
     return sizes
 
 
-def write(folder: str, content: dict[str, Any], durable: bool,
+def write_manifest(folder: str, content: dict[str, Any], durable: bool,
           started: float | None = None,
           early: atomic.EarlyFlush | None = None) -> dict[str, Any]:
     """Seal ``folder``: flush its files (if ``durable``), then write the
@@ -291,7 +291,7 @@ class Problem:
     checksum_differs: bool = False
 
 
-def check(folder: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, list[Problem]]:
+def check_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, list[Problem]]:
     """``(manifest, problems)`` of a committed folder: the manifest is None
     when it is missing, unreadable, malformed or of a newer format (one
     problem says why); else a problem per listed file that is missing, has
@@ -373,7 +373,7 @@ def _file_problem(folder: str | os.PathLike[str], rel: str, manifest: str, size:
     return None
 
 
-def read(folder: str | os.PathLike[str]) -> dict[str, Any]:
+def read_manifest(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and verify a committed folder's manifest.
 
     Raises :class:`CorruptCheckpointError` naming the file at fault when the
@@ -381,15 +381,15 @@ def read(folder: str | os.PathLike[str]) -> dict[str, Any]:
     is missing or has another size or checksum than when it was written
     (which reads every file); and
     :class:`CheckpointError` if it is of a newer format than this version
-    reads (the first problem :func:`check` finds).
+    reads (the first problem :func:`check_manifest` finds).
     """
-    manifest, problems = check(folder)
+    manifest, problems = check_manifest(folder)
     if problems:
         raise problems[0].error
     return manifest
 
 
-def merged(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+def merged_manifest(manifests: list[dict[str, Any]]) -> dict[str, Any]:
     """The manifest of one checkpoint that several nodes committed a part
     of each (``save_on_each_node``, each into its own folder): the first
     one's, listing the files of them all. A file that several list (the
@@ -412,9 +412,9 @@ def stopped_early(manifest: dict[str, Any]) -> bool:
     return bool(manifest.get('stopped_early', manifest.get('finished')))
 
 
-def per_rank(manifest: dict[str, Any]) -> frozenset[str]:
+def per_rank_of(manifest: dict[str, Any]) -> frozenset[str]:
     """The items of :data:`PER_RANK_ITEMS` that ``manifest``'s checkpoint
-    stores per rank (none before the field existed); :func:`check` refused
+    stores per rank (none before the field existed); :func:`check_manifest` refused
     a malformed field."""
     return frozenset(manifest.get('per_rank') or ())
 
@@ -431,7 +431,7 @@ def plain_history_name(manifest: dict[str, Any]) -> str:
     """The history that a plain net gets of a checkpoint (an export,
     ``load_params(checkpoint=...)``): the one copy, or rank 0's when the
     ranks' histories differed."""
-    return history_name(0 if 'history' in per_rank(manifest) else None)
+    return history_name(0 if 'history' in per_rank_of(manifest) else None)
 
 
 def per_rank_files(item: str, rank: int) -> tuple[str, ...]:

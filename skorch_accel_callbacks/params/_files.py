@@ -2,7 +2,7 @@
 
 A save writes each file (params, optimizer, history, pickle, ...) under a
 temporary name next to its final one and moves all of them into place
-together, through :class:`~skorch_accel_callbacks.format._atomic.StagedFiles` and
+together, through :class:`~skorch_accel_callbacks.format.StagedFiles` and
 its journal (``<dirname>/.<fn_prefix>commit.json``). Before a checkpoint's
 files are read or written again, the moves that a crash interrupted are
 completed and the temporary files of killed saves of those files are
@@ -27,9 +27,15 @@ from typing import Any
 from skorch_accel_callbacks._core import skorch_io
 from skorch_accel_callbacks._core.wrapping import check_plain, is_sharded
 from skorch_accel_callbacks.errors import CorruptCheckpointError, FolderInUseError
-from skorch_accel_callbacks.format import _atomic as atomic
-from skorch_accel_callbacks.format._atomic import TEMP_MARK, atomic_path
-from skorch_accel_callbacks.storage._lock import PrefixLock
+from skorch_accel_callbacks.format import (
+    TEMP_MARK,
+    StagedFiles,
+    atomic_path,
+    finish_staged,
+    remove_temp_files as remove_named_temp_files,
+    unique_name,
+)
+from skorch_accel_callbacks.storage import PrefixLock
 
 __all__ = [
     'check_folders',
@@ -100,7 +106,7 @@ def _creation_error(folder: str) -> OSError | None:
     An empty file is created and removed: ``os.access`` answers True for
     root even where nothing can be created (sysfs, some network mounts).
     """
-    probe = atomic.unique_name(os.path.join(folder or '.', 'probe'), TEMP_MARK)
+    probe = unique_name(os.path.join(folder or '.', 'probe'), TEMP_MARK)
     try:
         fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except OSError as exc:
@@ -182,7 +188,7 @@ def remove_temp_files(dirname: str, fn_prefix: str, f_kwargs: Mapping[str, Any])
             continue
         patterns.setdefault(folder, []).append(_name_pattern(name))
     for folder, names in patterns.items():
-        atomic.remove_temp_files(folder, names)
+        remove_named_temp_files(folder, names)
 
 
 def finish_interrupted_save(dirname: str, fn_prefix: str,
@@ -202,7 +208,7 @@ def finish_interrupted_save(dirname: str, fn_prefix: str,
     except FolderInUseError:
         return []
     try:
-        finished = atomic.finish_staged(journal_path(dirname, fn_prefix))
+        finished = finish_staged(journal_path(dirname, fn_prefix))
         remove_temp_files(dirname, fn_prefix, f_kwargs)
     except ValueError as exc:
         raise CorruptCheckpointError(str(exc)) from exc
@@ -211,12 +217,12 @@ def finish_interrupted_save(dirname: str, fn_prefix: str,
     return finished
 
 
-def start_save(dirname: str, fn_prefix: str) -> atomic.StagedFiles:
+def start_save(dirname: str, fn_prefix: str) -> StagedFiles:
     """The staged files of a new save, journaled in :func:`journal_path`."""
-    return atomic.StagedFiles(journal_path(dirname, fn_prefix))
+    return StagedFiles(journal_path(dirname, fn_prefix))
 
 
-def write_file(f: Any, write: Callable[[Any], object], staged: atomic.StagedFiles | None,
+def write_file(f: Any, write: Callable[[Any], object], staged: StagedFiles | None,
                main: bool, every_rank: bool) -> None:
     """Write ``f`` with ``write(target)``; only the main process writes.
 
@@ -236,7 +242,7 @@ def write_file(f: Any, write: Callable[[Any], object], staged: atomic.StagedFile
         write(f)
 
 
-def commit(staged: atomic.StagedFiles, main: bool) -> None:
+def commit(staged: StagedFiles, main: bool) -> None:
     """Move the files of a save into place, on the main process: the only
     one that wrote them."""
     if main:

@@ -20,10 +20,10 @@ from skorch.utils import _check_f_arguments, noop, open_file_like
 from skorch_accel_callbacks._core import sync
 from skorch_accel_callbacks._core.base import InitParamsOnly, check_sink, say
 from skorch_accel_callbacks._core.wrapping import gathered, unwrapped
-from skorch_accel_callbacks.callbacks import _triggers as triggers
+from skorch_accel_callbacks.callbacks import monitor_says
 from skorch_accel_callbacks.callbacks.mixin import dump_net
 from skorch_accel_callbacks.params import _files as params_files
-from skorch_accel_callbacks.storage._lock import PrefixLock
+from skorch_accel_callbacks.storage import PrefixLock
 
 __all__ = ['ParamsCheckpoint']
 
@@ -365,7 +365,7 @@ class ParamsCheckpoint(InitParamsOnly, Checkpoint):
                     f"validation scores for checkpointing. ({type(self).__name__}: "
                     f"monitor={self.monitor!r}; the history of this epoch has "
                     f"{sorted(net.history[-1])})") from None
-        return triggers.monitor_says(net, self.monitor, type(self).__name__)
+        return monitor_says(net, self.monitor, type(self).__name__)
 
     def save_model(self, net: Any) -> None:
         """Save what the ``f_*`` arguments name (not the files of

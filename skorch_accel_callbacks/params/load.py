@@ -16,7 +16,7 @@ from skorch_accel_callbacks._core import sync
 from skorch_accel_callbacks._core.base import InitParamsOnly, keyword_suggestions
 from skorch_accel_callbacks._core.wrapping import check_plain, unwrapped
 from skorch_accel_callbacks.errors import CorruptCheckpointError
-from skorch_accel_callbacks.format._readers import first_unloadable
+from skorch_accel_callbacks.format import first_unloadable
 from skorch_accel_callbacks.params.checkpoint import File, ParamsCheckpoint
 
 __all__ = ['LoadInitParams']

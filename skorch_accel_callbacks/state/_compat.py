@@ -18,8 +18,19 @@ from typing import Any
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.wrapping import state_modules
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.format._readers import load_without_code, read_naming_fault
+from skorch_accel_callbacks.format import (
+    MANIFEST_NAME,
+    PER_RANK_ITEMS,
+    SHARED_STATES_FORMAT,
+    batches_into_epoch,
+    epoch_caches_names,
+    load_without_code,
+    per_rank_files,
+    per_rank_of,
+    position_name,
+    rank_state_name,
+    read_naming_fault,
+)
 from skorch_accel_callbacks.state import _fsdp_layout as fsdp_layout, _settings as settings
 
 __all__ = [
@@ -103,7 +114,7 @@ def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_earl
     training loader of the epoch (for its number of rows).
     """
     manifest = {
-        'format_version': _manifest.SHARED_STATES_FORMAT,
+        'format_version': SHARED_STATES_FORMAT,
         'name': name,
         # complete epochs
         'epoch': len(net.history) - (1 if position['batches'] else 0),
@@ -158,7 +169,7 @@ def model_files(manifest: dict[str, Any], folder: str) -> list[tuple[str, str]]:
     Raises :class:`CorruptCheckpointError` naming the file if the manifest
     does not list a model's file.
     """
-    path = os.path.join(folder, _manifest.MANIFEST_NAME)
+    path = os.path.join(folder, MANIFEST_NAME)
     models = manifest.get('models')
     if not isinstance(models, list):
         raise CorruptCheckpointError(f"{path} lists no models")
@@ -230,7 +241,7 @@ def check_world_size(net: Any, manifest: dict[str, Any], path: str, reseed: bool
         return False
     if type(saved) is not int or saved < 1:
         raise CorruptCheckpointError(
-            f"{os.path.join(path, _manifest.MANIFEST_NAME)} has world_size {saved!r}, "
+            f"{os.path.join(path, MANIFEST_NAME)} has world_size {saved!r}, "
             "not a number of processes")
     if not reseed:
         raise CheckpointError(
@@ -276,13 +287,13 @@ def check_rank_files(path: str, manifest: dict[str, Any], rank: int) -> None:
 
     Raises :class:`CorruptCheckpointError` naming the file and the rank.
     """
-    names = [accelerate_io.rng_file(rank), _manifest.rank_state_name(rank)]
-    if _manifest.batches_into_epoch(manifest):
-        names += [_manifest.position_name(rank), *_manifest.epoch_caches_names(rank)]
-    per_rank = _manifest.per_rank(manifest)
-    for item in _manifest.PER_RANK_ITEMS:
+    names = [accelerate_io.rng_file(rank), rank_state_name(rank)]
+    if batches_into_epoch(manifest):
+        names += [position_name(rank), *epoch_caches_names(rank)]
+    per_rank = per_rank_of(manifest)
+    for item in PER_RANK_ITEMS:
         if item in per_rank:
-            names += _manifest.per_rank_files(item, rank)
+            names += per_rank_files(item, rank)
     for name in names:
         if name not in manifest['files']:
             raise CorruptCheckpointError(

@@ -36,7 +36,7 @@ from safetensors.torch import save_file
 from torch.utils.data import IterableDataset
 
 from skorch_accel_callbacks._core import accelerate_io
-from skorch_accel_callbacks.format._manifest import position_name
+from skorch_accel_callbacks.format import position_name
 from skorch_accel_callbacks.state import _rng_state as rng_state
 
 if TYPE_CHECKING:

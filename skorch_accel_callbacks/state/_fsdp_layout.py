@@ -27,7 +27,7 @@ import torch
 
 from skorch_accel_callbacks._core import accelerate_io
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format._manifest import DCP_METADATA_NAME
+from skorch_accel_callbacks.format import DCP_METADATA_NAME
 
 __all__ = ['check_shards', 'make_room_for_group_settings', 'per_rank_buffer_modules',
            'shard_layout', 'warn_per_rank_buffers']

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import save
 
-from skorch_accel_callbacks.format._readers import load_without_code
+from skorch_accel_callbacks.format import load_without_code
 
 __all__ = ['encode_pair', 'read_pair', 'write_pair', 'write_bytes']
 

@@ -30,7 +30,7 @@ from skorch.callbacks import (
 
 from skorch_accel_callbacks._core import accelerate_io
 from skorch_accel_callbacks.errors import CheckpointError
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import batches_into_epoch, newest_at_epoch_end
 from skorch_accel_callbacks.state._fingerprint import describe
 
 __all__ = [
@@ -548,7 +548,7 @@ def epoch_end_advice(storage: Any, manifest: dict[str, Any]) -> str:
     none, by training to the end of the checkpoint's epoch first, which
     saves there."""
     epochs = manifest.get('epoch', 0)
-    name = None if storage is None else _manifest.newest_at_epoch_end(storage.committed(), epochs)
+    name = None if storage is None else newest_at_epoch_end(storage.committed(), epochs)
     if name is not None:
         return (f"resume from {storage.url(name)}, taken at an epoch's end: pass "
                 f"resume={name!r} to AccelerateLoadInitState")
@@ -560,7 +560,7 @@ def epoch_end_advice(storage: Any, manifest: dict[str, Any]) -> str:
 def _refuse_inside_epoch(manifest: dict[str, Any], path: str,
                          changes: list[tuple[str, Any, Any]], storage: Any) -> NoReturn:
     raise CheckpointError(
-        f"{path} was taken inside an epoch, after {_manifest.batches_into_epoch(manifest)} "
+        f"{path} was taken inside an epoch, after {batches_into_epoch(manifest)} "
         f"training batches, and what resuming it skips of that epoch depends on "
         f"settings that changed: {_said(changes)}. Rows would be trained twice or "
         "not at all (what an epoch's end resumes, these settings do not affect): resume "
@@ -576,7 +576,7 @@ def check_epoch_settings(net: Any, manifest: dict[str, Any], path: str,
     (:func:`epoch_end_advice`). A checkpoint of an epoch's end, or one
     without ``epoch_settings`` (the earliest checkpoints), is not checked."""
     saved = manifest.get('epoch_settings')
-    if not _manifest.batches_into_epoch(manifest) or not isinstance(saved, dict):
+    if not batches_into_epoch(manifest) or not isinstance(saved, dict):
         return
     current = epoch_settings(net)
     changes = _changes(saved, current, [name for name in current if name != 'train_rows'])
@@ -591,6 +591,6 @@ def check_train_rows(manifest: dict[str, Any], rows: int, path: str,
     split is made, when the first epoch begins), advising a checkpoint of
     ``storage`` (:func:`epoch_end_advice`)."""
     saved = (manifest.get('epoch_settings') or {}).get('train_rows')
-    if _manifest.batches_into_epoch(manifest) and saved is not None and saved != rows:
+    if batches_into_epoch(manifest) and saved is not None and saved != rows:
         _refuse_inside_epoch(manifest, path, [('train_rows', saved, rows)], storage)
 

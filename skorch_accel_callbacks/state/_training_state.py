@@ -52,7 +52,7 @@ from skorch.callbacks import (
 from skorch.history import History
 
 from skorch_accel_callbacks._core import accelerate_io, skorch_io
-from skorch_accel_callbacks.format._manifest import (
+from skorch_accel_callbacks.format import (
     PER_RANK_ITEMS,
     buffers_name,
     callbacks_names,

@@ -42,7 +42,17 @@ from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest
+from skorch_accel_callbacks.format import (
+    MANIFEST_NAME,
+    POINTERS,
+    EarlyFlush,
+    is_checkpoint_name,
+    newest_at_epoch_end,
+    pointed_name,
+    pointer_name,
+    read_manifest,
+    training_order,
+)
 
 __all__ = ['CheckpointStorage', 'Found', 'is_committer', 'retained']
 
@@ -71,7 +81,7 @@ def retained(names: list[str], keep_last: int, best: Iterable[str | None],
     one a refusal to continue inside an epoch advises, while checkpoints
     inside epochs rotate), the ``best`` ones and those in ``keep`` (the one
     the fit under way resumed from)."""
-    return (set(names[-keep_last:]) | {_manifest.newest_at_epoch_end(names)}
+    return (set(names[-keep_last:]) | {newest_at_epoch_end(names)}
             | set(best) | set(keep))
 
 
@@ -117,11 +127,11 @@ class CheckpointStorage(abc.ABC):
     @abc.abstractmethod
     def commit(self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
                started: float | None = None,
-               early: atomic.EarlyFlush | None = None) -> dict[str, Any]:
+               early: EarlyFlush | None = None) -> dict[str, Any]:
         """Seal and commit checkpoint ``name`` and point ``latest.json`` (and
         ``best.json`` if ``best``) at it; return the manifest written.
         ``early``: the fsyncs begun as its files were written, which the
-        seal waits for (:func:`~skorch_accel_callbacks.format._manifest.write`)."""
+        seal waits for (:func:`~skorch_accel_callbacks.format._manifest.write_manifest`)."""
 
     @abc.abstractmethod
     def wait(self) -> str | None:
@@ -178,19 +188,19 @@ class CheckpointStorage(abc.ABC):
 
     def committed(self) -> list[str]:
         """Names of the committed checkpoints, oldest first (training order)."""
-        return sorted(set(self.list_names()), key=_manifest.training_order)
+        return sorted(set(self.list_names()), key=training_order)
 
     def pointed(self, which: str) -> str | None:
         """The name ``latest.json`` or ``best.json`` points at, or None."""
         try:
-            return _manifest.pointed_name(self.read_json(_manifest.pointer_name(which)))
+            return pointed_name(self.read_json(pointer_name(which)))
         except (OSError, ValueError):
             return None
 
     def marked_best(self, name: str) -> bool:
         """Whether the manifest of checkpoint ``name`` marks it a best one."""
         try:
-            return bool(self.read_json(name, _manifest.MANIFEST_NAME).get('best'))
+            return bool(self.read_json(name, MANIFEST_NAME).get('best'))
         except (OSError, ValueError, AttributeError):
             return False  # not a complete checkpoint: nothing to keep
 
@@ -217,10 +227,10 @@ class CheckpointStorage(abc.ABC):
         """
         which = os.fspath(which)
         names = self.committed() if names is None else names
-        if which in _manifest.POINTERS:
-            file = self.url(_manifest.pointer_name(which))
+        if which in POINTERS:
+            file = self.url(pointer_name(which))
             try:
-                name = _manifest.pointed_name(self.read_json(_manifest.pointer_name(which)))
+                name = pointed_name(self.read_json(pointer_name(which)))
             except FileNotFoundError:
                 why = (": only checkpoints saved because of `monitor` are best ones"
                        if which == 'best' else '')
@@ -232,7 +242,7 @@ class CheckpointStorage(abc.ABC):
                 raise FileNotFoundError(
                     f"no {which} checkpoint in {self.dirname}: {file} names no checkpoint")
             return name
-        if not _manifest.is_checkpoint_name(which):
+        if not is_checkpoint_name(which):
             raise ValueError(f"{which!r} is not 'latest', 'best' or a checkpoint name "
                              "(epoch-NNNN)")
         if which not in names:
@@ -260,8 +270,8 @@ class CheckpointStorage(abc.ABC):
           although there are checkpoints; none of the checkpoints is complete.
         """
         which = os.fspath(which)
-        if not (which in _manifest.POINTERS or _manifest.is_checkpoint_name(which)):
-            return Found(which, _manifest.read(which))
+        if not (which in POINTERS or is_checkpoint_name(which)):
+            return Found(which, read_manifest(which))
         names = self.committed()
         if which == 'best' and self.pointed('best') is None:
             if names:

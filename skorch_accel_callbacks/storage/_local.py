@@ -16,7 +16,25 @@ from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks.errors import CheckpointError
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest
+from skorch_accel_callbacks.format import (
+    MANIFEST_NAME,
+    PARTIAL_SUFFIX,
+    PROBE_PREFIX,
+    EarlyFlush,
+    discard_in_background,
+    discard_path,
+    give_plain_modes,
+    is_checkpoint_name,
+    is_leftover,
+    pointer_name,
+    probe_name,
+    read_json,
+    read_manifest,
+    remove_path,
+    replace_folder,
+    write_json,
+    write_manifest,
+)
 from skorch_accel_callbacks.storage._interface import CheckpointStorage, Found, is_committer
 from skorch_accel_callbacks.storage._lock import FolderLock
 
@@ -62,10 +80,10 @@ class CheckpointFolder(CheckpointStorage):
         return self.path(name)
 
     def partial_path(self, name: str) -> str:
-        return self.path(name) + _manifest.PARTIAL_SUFFIX
+        return self.path(name) + PARTIAL_SUFFIX
 
     def _pointer(self, which: str) -> str:
-        return self.path(_manifest.pointer_name(which))
+        return self.path(pointer_name(which))
 
     # ------------------------------------------------------------ claiming
 
@@ -112,8 +130,8 @@ class CheckpointFolder(CheckpointStorage):
 
     def _remove_leftovers(self) -> None:
         for name in os.listdir(self.dirname):
-            if atomic.is_leftover(name) or name.endswith(_manifest.PARTIAL_SUFFIX):
-                atomic.remove(self.path(name))
+            if is_leftover(name) or name.endswith(PARTIAL_SUFFIX):
+                remove_path(self.path(name))
 
     def _check_not_shared(self, net: Any, committer: bool) -> None:
         """With save_on_each_node, two nodes committing into one shared folder
@@ -145,20 +163,20 @@ class CheckpointFolder(CheckpointStorage):
         the other ranks' probes it finds there: ``{probing rank: ranks
         found}``, the same on every rank."""
         rank = sync.process_index(net)
-        probe = self.path(_manifest.probe_name(rank))
+        probe = self.path(probe_name(rank))
         with sync.agree(net, f"probing checkpoint folder {self.dirname}"):
             if probing:
                 os.makedirs(self.dirname, exist_ok=True)
-                atomic.write_json(probe, {'rank': rank})
+                write_json(probe, {'rank': rank})
         others = None
         if probing:
             others = sorted(
-                int(name[len(_manifest.PROBE_PREFIX):]) for name in os.listdir(self.dirname)
-                if name.startswith(_manifest.PROBE_PREFIX) and name != os.path.basename(probe))
+                int(name[len(PROBE_PREFIX):]) for name in os.listdir(self.dirname)
+                if name.startswith(PROBE_PREFIX) and name != os.path.basename(probe))
         seen = sync.gather(net, others)
         with sync.agree(net, f"removing probe files in {self.dirname}"):
             if probing:
-                atomic.discard(probe)
+                discard_path(probe)
         return {rank_: ranks for rank_, ranks in enumerate(seen) if ranks is not None}
 
     # ------------------------------------------------------------ backend reads
@@ -172,44 +190,44 @@ class CheckpointFolder(CheckpointStorage):
         if not os.path.isdir(self.dirname):
             return []
         return [name for name in os.listdir(self.dirname)
-                if _manifest.is_checkpoint_name(name) and os.path.isdir(self.path(name))]
+                if is_checkpoint_name(name) and os.path.isdir(self.path(name))]
 
     def read_json(self, *parts: str) -> Any:
-        return atomic.read_json(os.path.join(self.dirname, *parts))
+        return read_json(os.path.join(self.dirname, *parts))
 
     def check(self, name: str) -> tuple[dict[str, Any], str | None]:
         try:
-            return _manifest.read(self.path(name)), None
+            return read_manifest(self.path(name)), None
         except CheckpointError as exc:  # and CorruptCheckpointError
             try:
-                saved = self.read_json(name, _manifest.MANIFEST_NAME)
+                saved = self.read_json(name, MANIFEST_NAME)
             except (OSError, ValueError):
                 saved = {}
             return (saved if isinstance(saved, dict) else {}), str(exc)
 
     def fetch(self, name: str) -> Found:
         """Checkpoint ``name`` read where it is, its manifest verified."""
-        return Found(self.path(name), _manifest.read(self.path(name)))
+        return Found(self.path(name), read_manifest(self.path(name)))
 
     # ------------------------------------------------------------ writing
 
     def start(self, name: str) -> str:
         """An empty partial folder for checkpoint ``name``; its path."""
         partial = self.partial_path(name)
-        atomic.discard(partial)
+        discard_path(partial)
         os.makedirs(partial)
         return partial
 
     def commit(self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
                started: float | None = None,
-               early: atomic.EarlyFlush | None = None) -> dict[str, Any]:
+               early: EarlyFlush | None = None) -> dict[str, Any]:
         """Give the files and folders in the partial folder of ``name`` the
         modes a plain ``open`` and ``mkdir`` give (:func:`atomic.plain_modes`),
         seal it with the manifest ``sealed``, rename it into place and point
         ``latest.json`` (and ``best.json`` if ``best``) at it; return the
         manifest written. ``started``: when the save began
         (:func:`time.monotonic`), for the manifest's ``save_seconds``
-        (:func:`~skorch_accel_callbacks.format._manifest.write`); ``early``:
+        (:func:`~skorch_accel_callbacks.format._manifest.write_manifest`); ``early``:
         the fsyncs begun as the files were written, which the seal waits for.
 
         Runs on the committing process, in the background with
@@ -218,21 +236,21 @@ class CheckpointFolder(CheckpointStorage):
         partial = self.partial_path(name)
         # before the manifest flushes them: their writers (safetensors)
         # may have made them private
-        atomic.give_plain_modes(partial)
-        written = _manifest.write(partial, sealed, durable=durable, started=started,
+        give_plain_modes(partial)
+        written = write_manifest(partial, sealed, durable=durable, started=started,
                                   early=early)
-        replaced = atomic.replace_folder(partial, self.path(name))
+        replaced = replace_folder(partial, self.path(name))
         if replaced is not None:
             self._removals.append(replaced)
-        atomic.write_json(self._pointer('latest'), {'name': name})
+        write_json(self._pointer('latest'), {'name': name})
         if best:
-            atomic.write_json(self._pointer('best'), {'name': name})
+            write_json(self._pointer('best'), {'name': name})
         return written
 
     def remove(self, name: str) -> None:
         """Remove checkpoint ``name``: renamed aside at once, its files
         removed in the background (:meth:`wait`)."""
-        thread = atomic.discard_in_background(self.path(name))
+        thread = discard_in_background(self.path(name))
         if thread is not None:
             self._removals.append(thread)
 

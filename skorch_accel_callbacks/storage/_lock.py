@@ -12,7 +12,7 @@ import time
 from typing import Any, Self, TextIO
 
 from skorch_accel_callbacks.errors import FolderInUseError
-from skorch_accel_callbacks.format._manifest import LOCK_NAME
+from skorch_accel_callbacks.format import LOCK_NAME
 
 __all__ = ['FolderLock', 'PrefixLock', 'probe']
 

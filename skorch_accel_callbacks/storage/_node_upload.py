@@ -7,7 +7,7 @@ own ranks' (their random states, their place in the epoch). No node has
 them all, so each node's main process uploads the files that no node
 before it has, and node 0 commits the checkpoint in the store once every
 node's are there: its manifest, listing the files of them all
-(:func:`~skorch_accel_callbacks.format._manifest.merged`), then the pointers. The
+(:func:`~skorch_accel_callbacks.format._manifest.merged_manifest`), then the pointers. The
 nodes learn each other's files and outcomes through a
 :class:`~skorch_accel_callbacks._core.sync.NodeGroup`, from their upload
 threads; a node whose upload failed makes every node's fail, and the
@@ -22,7 +22,7 @@ from typing import Any
 
 from skorch_accel_callbacks._core.sync import NodeGroup
 from skorch_accel_callbacks.errors import CheckpointError
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import merged_manifest
 from skorch_accel_callbacks.storage import _transfer as transfer
 
 __all__ = ['upload_from_nodes']
@@ -42,7 +42,7 @@ def upload_from_nodes(nodes: NodeGroup, store: transfer.Store, local: str, name:
             if not any(rel in before['files'] for before in manifest[:nodes.node])]
     _agreed(nodes, store, name, lambda: transfer.send(store, local, name, mine))
     if nodes.node == 0:
-        transfer.seal(store, name, json.dumps(_manifest.merged(manifest)).encode(), best,
+        transfer.seal(store, name, json.dumps(merged_manifest(manifest)).encode(), best,
                       before_manifest)
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks.errors import CheckpointError, FolderInUseError, StoreUnavailableError
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest
+from skorch_accel_callbacks.format import LEASE_NAME, EarlyFlush, discard_in_background
 from skorch_accel_callbacks.storage import (
     _node_upload as node_upload,
     _remote_read as remote_read,
@@ -302,7 +302,7 @@ class RemoteStorage(CheckpointStorage):
 
     def commit(self, name: str, sealed: dict[str, Any], durable: bool, best: bool,
                started: float | None = None,
-               early: atomic.EarlyFlush | None = None) -> dict[str, Any]:
+               early: EarlyFlush | None = None) -> dict[str, Any]:
         """Commit checkpoint ``name`` into the staging folder and queue its
         upload (:meth:`wait` waits for it); return the manifest written."""
         written = self.staging.commit(name, sealed, durable=durable, best=best,
@@ -322,7 +322,7 @@ class RemoteStorage(CheckpointStorage):
         two threads never rename one folder aside at once."""
         for name in names:
             with self._lock:
-                self._removals.append(atomic.discard_in_background(self.staging.path(name)))
+                self._removals.append(discard_in_background(self.staging.path(name)))
 
     def _submit(self, work: Any, *args: Any) -> None:
         if self._executor is None:
@@ -491,7 +491,7 @@ class RemoteStorage(CheckpointStorage):
 
 def _take_lease(store: transfer.Store, ttl_seconds: float) -> ObjectLease | None:
     try:
-        return take_lease(store.fs, store.path(_manifest.LEASE_NAME), ttl_seconds)
+        return take_lease(store.fs, store.path(LEASE_NAME), ttl_seconds)
     except FolderInUseError:
         raise
     except Exception as exc:

@@ -16,7 +16,14 @@ import os
 from typing import Any
 
 from skorch_accel_callbacks.errors import CorruptCheckpointError
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest
+from skorch_accel_callbacks.format import (
+    CHECKSUM_ALGORITHM,
+    MANIFEST_NAME,
+    check_manifest,
+    checksum_stream,
+    is_checkpoint_name,
+    replace_folder,
+)
 from skorch_accel_callbacks.storage import _transfer as transfer
 from skorch_accel_callbacks.storage._interface import Found
 from skorch_accel_callbacks.storage._local import CheckpointFolder
@@ -32,7 +39,7 @@ def read_json(store: transfer.Store, *parts: str) -> Any:
 def check(store: transfer.Store, name: str) -> tuple[dict[str, Any], str | None]:
     """The manifest of checkpoint ``name`` in the store (``{}`` if it
     cannot be read) and why the checkpoint is not complete there (None if
-    it is): as :func:`~skorch_accel_callbacks.format._manifest.check` of a
+    it is): as :func:`~skorch_accel_callbacks.format._manifest.check_manifest` of a
     local folder, each listed file's size and checksum, its bytes read from
     the store as they stream in, not staged."""
     try:
@@ -42,7 +49,7 @@ def check(store: transfer.Store, name: str) -> tuple[dict[str, Any], str | None]
         return manifest, None
     except CorruptCheckpointError as exc:
         try:
-            saved = read_json(store, name, _manifest.MANIFEST_NAME)
+            saved = read_json(store, name, MANIFEST_NAME)
         except (OSError, ValueError):
             saved = {}
         return (saved if isinstance(saved, dict) else {}), str(exc)
@@ -56,14 +63,14 @@ def _check_checksums(store: transfer.Store, name: str, files: list[str],
         expected = checksums.get(rel)
         # a checksum of another algorithm cannot be checked, as locally
         if not (isinstance(expected, str)
-                and expected.startswith(f'{_manifest.CHECKSUM_ALGORITHM}:')):
+                and expected.startswith(f'{CHECKSUM_ALGORITHM}:')):
             continue
         with store.fs.open(store.path(name, rel.replace(os.sep, '/')), 'rb') as stream:
-            actual = _manifest.checksum_stream(stream)
+            actual = checksum_stream(stream)
         if actual != expected:
             raise CorruptCheckpointError(
                 f"{store.url(name)}/{rel} has checksum {actual}, "
-                f"{store.url(name)}/{_manifest.MANIFEST_NAME} says {expected}: "
+                f"{store.url(name)}/{MANIFEST_NAME} says {expected}: "
                 "the file is damaged")
 
 
@@ -81,7 +88,7 @@ def names(store: transfer.Store) -> set[str]:
     found = set()
     for path in paths:
         name, _, rest = path[len(store.root) + 1:].partition('/')
-        if rest == _manifest.MANIFEST_NAME and _manifest.is_checkpoint_name(name):
+        if rest == MANIFEST_NAME and is_checkpoint_name(name):
             found.add(name)
     return found
 
@@ -95,14 +102,14 @@ def fetch(store: transfer.Store, staging: CheckpointFolder, name: str) -> Found:
     sealed, files = transfer.check_remote(store, name)
     local = staging.path(name)
     if transfer.holds_manifest(local, sealed):
-        manifest, problems = _manifest.check(local)
+        manifest, problems = check_manifest(local)
         if not problems:
             return Found(local, manifest)
     # a partial folder renamed into place once complete, as a save
     partial = staging.start(name)
     reuse = local if os.path.isdir(local) else None
     manifest = transfer.download(store, name, files, sealed, partial, reuse=reuse)
-    replaced = atomic.replace_folder(partial, local)
+    replaced = replace_folder(partial, local)
     if replaced is not None:
         replaced.join()
     return Found(local, manifest)

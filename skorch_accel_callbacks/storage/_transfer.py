@@ -36,7 +36,13 @@ from skorch_accel_callbacks.errors import (
     FolderInUseError,
     StoreUnavailableError,
 )
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import (
+    MANIFEST_NAME,
+    check_manifest,
+    checksum_file,
+    is_checkpoint_name,
+    pointer_name,
+)
 
 T = TypeVar('T')
 
@@ -315,14 +321,14 @@ def upload(store: Store, local: str, name: str, best: bool, replace: bool,
 
 def staged_manifest(local: str) -> bytes:
     """The manifest of the committed folder ``local``, as written."""
-    return Path(local, _manifest.MANIFEST_NAME).read_bytes()
+    return Path(local, MANIFEST_NAME).read_bytes()
 
 
 def remove_checkpoint(store: Store, name: str) -> None:
     """Remove checkpoint ``name``: its manifest first, then its files, each
     request sent again through an outage (:meth:`Store.persist`)."""
-    store.persist(f"removing {store.url(name, _manifest.MANIFEST_NAME)}",
-                  lambda seconds: store.fs.rm_file(store.path(name, _manifest.MANIFEST_NAME),
+    store.persist(f"removing {store.url(name, MANIFEST_NAME)}",
+                  lambda seconds: store.fs.rm_file(store.path(name, MANIFEST_NAME),
                                                    **deadline(store.fs, seconds)))
     store.persist(f"removing {store.url(name)}",
                   lambda seconds: store.fs.rm(store.path(name), recursive=True,
@@ -337,8 +343,8 @@ def remove_manifest(store: Store, name: str) -> None:
     are sent, so that no reader takes the old manifest for the new files.
     """
     with contextlib.suppress(FileNotFoundError):
-        store.persist(f"removing {store.url(name, _manifest.MANIFEST_NAME)}",
-                      lambda seconds: store.fs.rm_file(store.path(name, _manifest.MANIFEST_NAME),
+        store.persist(f"removing {store.url(name, MANIFEST_NAME)}",
+                      lambda seconds: store.fs.rm_file(store.path(name, MANIFEST_NAME),
                                                        **deadline(store.fs, seconds)))
 
 
@@ -377,9 +383,9 @@ def seal(store: Store, name: str, sealed: bytes, best: bool,
     """
     store.persist(f"checking the lease before the manifest of {store.url(name)}",
                   lambda seconds: before_manifest())
-    manifest = store.path(name, _manifest.MANIFEST_NAME)
+    manifest = store.path(name, MANIFEST_NAME)
     try:
-        store.persist(f"writing {store.url(name, _manifest.MANIFEST_NAME)}",
+        store.persist(f"writing {store.url(name, MANIFEST_NAME)}",
                       lambda seconds: store.fs.pipe_file(
                           manifest, sealed, mode='create', **_verified(store.fs),
                           **deadline(store.fs, seconds)))
@@ -390,7 +396,7 @@ def seal(store: Store, name: str, sealed: bytes, best: bool,
             point(store, name, best)
             return
         raise CheckpointError(
-            f"{store.url(name, _manifest.MANIFEST_NAME)} exists already: another job committed "
+            f"{store.url(name, MANIFEST_NAME)} exists already: another job committed "
             f"{store.url(name)} while this one trained; only one job may save into a "
             "dirname") from exc
     point(store, name, best)
@@ -400,8 +406,8 @@ def point(store: Store, name: str, best: bool) -> None:
     """Point ``latest.json`` and, if ``best``, ``best.json`` at checkpoint ``name``."""
     pointer = json.dumps({'name': name}).encode()
     for which in ('latest', 'best') if best else ('latest',):
-        target = store.path(_manifest.pointer_name(which))
-        store.persist(f"writing {store.url(_manifest.pointer_name(which))}",
+        target = store.path(pointer_name(which))
+        store.persist(f"writing {store.url(pointer_name(which))}",
                       lambda seconds, target=target: store.fs.pipe_file(
                           target, pointer, **_verified(store.fs), **deadline(store.fs, seconds)))
 
@@ -421,7 +427,7 @@ def _reads(store: Store, path: str) -> bytes | None:
 def holds_manifest(local: str, sealed: bytes) -> bool:
     """Whether the folder ``local`` holds the manifest ``sealed``: it is a
     copy of the checkpoint of that manifest (if complete)."""
-    path = os.path.join(local, _manifest.MANIFEST_NAME)
+    path = os.path.join(local, MANIFEST_NAME)
     return os.path.isfile(path) and Path(path).read_bytes() == sealed
 
 
@@ -445,7 +451,7 @@ def holds(store: Store, name: str, local: str) -> bool:
     """Whether checkpoint ``name`` in the store lists every file of the
     committed folder ``local``, the same: it is that folder uploaded."""
     try:
-        sealed = store.fs.cat_file(store.path(name, _manifest.MANIFEST_NAME))
+        sealed = store.fs.cat_file(store.path(name, MANIFEST_NAME))
         listed = json.loads(staged_manifest(local))['files']
     except (OSError, ValueError, KeyError, TypeError):
         return False
@@ -456,9 +462,9 @@ def check_remote(store: Store, name: str) -> tuple[bytes, list[str]]:
     """The manifest's bytes and the files of checkpoint ``name`` in the
     store; :class:`CorruptCheckpointError` naming the URL at fault."""
     fs, remote, url = store.fs, store.path(name), store.url(name)
-    target = f"{url}/{_manifest.MANIFEST_NAME}"
+    target = f"{url}/{MANIFEST_NAME}"
     try:
-        sealed = fs.cat_file(f"{remote}/{_manifest.MANIFEST_NAME}")
+        sealed = fs.cat_file(f"{remote}/{MANIFEST_NAME}")
         files = json.loads(sealed)['files']
         if not isinstance(files, dict):
             raise TypeError("'files' is not an object")
@@ -499,13 +505,13 @@ def download(store: Store, name: str, files: list[str], sealed: bytes,
         # one call, s3fs's own get: the files concurrently, a file over 50 MiB
         # in up to 10 ranged GETs of 50 MiB at once
         store.fs.get([store.path(name, rel) for rel in fetched], targets)
-    with open(os.path.join(partial, _manifest.MANIFEST_NAME), 'wb') as file:
+    with open(os.path.join(partial, MANIFEST_NAME), 'wb') as file:
         file.write(sealed)
-    manifest, problems = _manifest.check(partial)
+    manifest, problems = check_manifest(partial)
     if problems:
         problem = problems[0]
         raise type(problem.error)(
-            f"the download of {store.url(name, problem.file or _manifest.MANIFEST_NAME)} "
+            f"the download of {store.url(name, problem.file or MANIFEST_NAME)} "
             f"is refused: {problem.error}")
     return manifest
 
@@ -518,7 +524,7 @@ def _link_same_files(local: str, sealed: bytes, partial: str) -> set[str]:
     for rel in same_files(local, sealed):
         source, target = os.path.join(local, rel), os.path.join(partial, rel)
         try:
-            if _manifest.checksum_file(source) != checksums[rel]:
+            if checksum_file(source) != checksums[rel]:
                 continue  # damaged here: downloaded instead
             os.makedirs(os.path.dirname(target), exist_ok=True)
             os.link(source, target)
@@ -543,7 +549,7 @@ def abort_uploads(store: Store) -> None:
                                   Prefix=prefix, **markers)
         for unfinished in listed.get('Uploads', []):
             folder = unfinished['Key'][len(prefix):].split('/', 1)[0]
-            if not _manifest.is_checkpoint_name(folder):
+            if not is_checkpoint_name(folder):
                 continue
             store.fs.call_s3('abort_multipart_upload', Bucket=bucket,
                              Key=unfinished['Key'], UploadId=unfinished['UploadId'])
@@ -562,5 +568,5 @@ def remove_unsealed(store: Store, committed: set[str]) -> None:
         return
     for path in paths:
         name = path.rstrip('/').rsplit('/', 1)[-1]
-        if _manifest.is_checkpoint_name(name) and name not in committed:
+        if is_checkpoint_name(name) and name not in committed:
             store.fs.rm(path, recursive=True)

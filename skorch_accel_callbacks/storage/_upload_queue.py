@@ -25,7 +25,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import check_manifest, training_order
 from skorch_accel_callbacks.storage._interface import retained
 
 __all__ = ['UploadQueue', 'newest_complete', 'told', 'upload_next', 'wait_for']
@@ -99,7 +99,7 @@ class UploadQueue:
             return []
         pending = [name for name, _ in self.waiting]
         names = sorted(set(known) | set(pending) | {self.uploading} - {None},
-                       key=_manifest.training_order)
+                       key=training_order)
         bests = [name for name, best in self.waiting if best]
         # the newest best is what best.json would name; keep_best more of them
         keeps = retained(names, keep_last, bests[-1:] + (bests[-keep_best:] if keep_best
@@ -171,7 +171,7 @@ def newest_complete(staging: Any) -> tuple[str, bool] | None:
     ``CheckpointFolder``) and whether it is a best one. Those older were
     superseded in the queue, or are in the store."""
     for name in reversed(staging.committed()):
-        manifest, problems = _manifest.check(staging.path(name))
+        manifest, problems = check_manifest(staging.path(name))
         if not problems:
             return name, bool(manifest.get('best'))
     return None

@@ -28,14 +28,8 @@ from typing import Any, TextIO
 
 from skorch_accel_callbacks._core.base import format_bytes
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format._manifest import (
-    POINTERS,
-    is_checkpoint_name,
-    pointed_name,
-    pointer_name,
-)
-from skorch_accel_callbacks.storage._interface import CheckpointStorage
-from skorch_accel_callbacks.storage._open import open_storage
+from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name, pointed_name, pointer_name
+from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 from skorch_accel_callbacks.tools import export as exporting, inspection
 
 __all__ = ['main']

@@ -26,15 +26,24 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from skorch_accel_callbacks.callbacks._loadable import checkpoint_files, f_argument
-from skorch_accel_callbacks.engine import _consolidate as consolidate
+from skorch_accel_callbacks.callbacks import checkpoint_files, f_argument
+from skorch_accel_callbacks.engine import model_files, read_model
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.format._atomic import atomic_path, read_json
-from skorch_accel_callbacks.format._manifest import POINTERS, is_checkpoint_name
-from skorch_accel_callbacks.format._readers import load_without_code, read_naming_fault
-from skorch_accel_callbacks.storage._interface import CheckpointStorage, Found
-from skorch_accel_callbacks.storage._open import open_storage
+from skorch_accel_callbacks.format import (
+    HISTORY_NAME,
+    MANIFEST_NAME,
+    POINTERS,
+    atomic_path,
+    buffers_name,
+    check_manifest,
+    is_checkpoint_name,
+    load_without_code,
+    per_rank_of,
+    plain_history_name,
+    read_json,
+    read_naming_fault,
+)
+from skorch_accel_callbacks.storage import CheckpointStorage, Found, open_storage
 
 __all__ = ['checkpoint_files', 'export', 'exported_name', 'f_argument', 'find_checkpoint',
            'find_exportable', 'open_source']
@@ -121,7 +130,7 @@ def _one_checkpoint(dirname: str) -> bool | None:
     folder of another name holding a manifest, else None."""
     if is_checkpoint_name(dirname.rstrip('/').rpartition('/')[2]):
         return True
-    return False if os.path.isfile(os.path.join(dirname, _manifest.MANIFEST_NAME)) else None
+    return False if os.path.isfile(os.path.join(dirname, MANIFEST_NAME)) else None
 
 
 def _found(storage: CheckpointStorage, which: str) -> Found:
@@ -142,26 +151,26 @@ def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
     a missing or damaged optimizer or random-state file, cannot be resumed
     from, but its model can be exported; a warning names the files at fault.
 
-    Raises the error of :func:`_manifest.read` if the manifest itself is at
+    Raises the error of :func:`_manifest.read_manifest` if the manifest itself is at
     fault, and :class:`CorruptCheckpointError` naming the model file or
     history that is missing or damaged.
     """
-    saved, problems = _manifest.check(path)
+    saved, problems = check_manifest(path)
     if saved is None:
         raise problems[0].error
     if not problems:
         return saved
     files = saved['files']
-    history = _manifest.plain_history_name(saved)
-    needed = [file for _, file in consolidate.model_files(saved, path)]
+    history = plain_history_name(saved)
+    needed = [file for _, file in model_files(saved, path)]
     needed.append(history)
-    if 'buffers' in _manifest.per_rank(saved):
-        needed.append(_manifest.buffers_name(0))
+    if 'buffers' in per_rank_of(saved):
+        needed.append(buffers_name(0))
     for problem in problems:
         # a sharded model's pieces lie in its folder
         if problem.file is not None and problem.file.split(os.sep)[0] in needed:
             raise problem.error
-    sealed = os.path.join(path, _manifest.MANIFEST_NAME)
+    sealed = os.path.join(path, MANIFEST_NAME)
     if history not in files:
         raise CorruptCheckpointError(f"{os.path.join(path, history)} is not listed in {sealed}")
     warnings.warn(f"{path} is not a complete checkpoint, it cannot be resumed from: "
@@ -220,7 +229,7 @@ def _exportable(storage: CheckpointStorage, name: str) -> tuple[str, dict[str, A
 def _load_tensors(file: str) -> dict[str, torch.Tensor]:
     """A state dict from a model file or sharded model folder, without
     running code from it."""
-    state = consolidate.read_model(file)
+    state = read_model(file)
     if not (isinstance(state, dict)
             and all(isinstance(value, torch.Tensor) for value in state.values())):
         raise CorruptCheckpointError(f"{file} holds no state dict of tensors")
@@ -233,9 +242,9 @@ def _take_rank_0_buffers(path: str, saved: dict[str, Any],
     """Give ``models`` (name, state dict) of checkpoint ``path`` saved
     rank 0's buffers, where the ranks' differed (FSDP2 keeps them per rank,
     its sharded checkpoint holds one rank's), with a warning saying so."""
-    if 'buffers' not in _manifest.per_rank(saved):
+    if 'buffers' not in per_rank_of(saved):
         return
-    file = os.path.join(path, _manifest.buffers_name(0))
+    file = os.path.join(path, buffers_name(0))
     buffers = read_naming_fault([file], lambda: load_without_code(file, 'safetensors'))
     for key, value in buffers.items():
         index, name = key.split('/', 1)
@@ -358,7 +367,7 @@ def _export(path: str, saved: dict[str, Any], out: str) -> dict[str, str]:
     inside = os.path.relpath(os.path.realpath(out), os.path.realpath(path))
     if not (inside == os.pardir or inside.startswith(os.pardir + os.sep)):
         raise ValueError(f"{out} is inside the checkpoint {path}: export into another folder")
-    history = os.path.join(path, _manifest.plain_history_name(saved))
+    history = os.path.join(path, plain_history_name(saved))
     try:
         read_json(history)
     except (OSError, ValueError) as exc:
@@ -366,7 +375,7 @@ def _export(path: str, saved: dict[str, Any], out: str) -> dict[str, str]:
     # every file is read before one is written: a damaged checkpoint
     # leaves ``out`` as it was
     models = [(name, _load_tensors(os.path.join(path, file)))
-              for name, file in consolidate.model_files(saved, path)]
+              for name, file in model_files(saved, path)]
     _take_rank_0_buffers(path, saved, models)
     os.makedirs(out, exist_ok=True)
     written = {}
@@ -377,7 +386,7 @@ def _export(path: str, saved: dict[str, Any], out: str) -> dict[str, str]:
                 'format': 'pt', 'module': name, 'checkpoint': os.path.basename(path),
                 'epoch': str(saved.get('epoch'))})
         written[f_argument(name)] = target
-    target = os.path.join(out, _manifest.HISTORY_NAME)
+    target = os.path.join(out, HISTORY_NAME)
     with atomic_path(target) as tmp:
         shutil.copyfile(history, tmp)
     written['f_history'] = target

@@ -13,19 +13,24 @@ import os
 from datetime import UTC, datetime
 from typing import Any
 
-from skorch_accel_callbacks.engine import _consolidate as consolidate
+from skorch_accel_callbacks.engine import is_sharded_model, model_files, read_sharded_model
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest
-from skorch_accel_callbacks.format._manifest import (
+from skorch_accel_callbacks.format import (
     LOCK_NAME,
+    MANIFEST_NAME,
     PARTIAL_SUFFIX,
     POINTERS,
     PROBE_PREFIX,
+    Problem,
+    batches_into_epoch,
+    check_manifest,
+    is_leftover,
+    kind_of,
+    load_without_code,
+    plain_history_name,
+    stopped_early,
 )
-from skorch_accel_callbacks.format._readers import kind_of, load_without_code
-from skorch_accel_callbacks.storage import _lock as lock
-from skorch_accel_callbacks.storage._interface import CheckpointStorage
-from skorch_accel_callbacks.storage._open import open_storage
+from skorch_accel_callbacks.storage import CheckpointStorage, open_storage, probe
 
 __all__ = ['Verdict', 'checkpoint_bytes', 'describe', 'describe_one', 'leftovers',
            'lock_state', 'pointers', 'verify']
@@ -49,7 +54,7 @@ def _score(storage: CheckpointStorage, name: str,
     (rank 0's, where the ranks' differed): ``valid_loss``, else
     ``train_loss``; None if neither can be read."""
     try:
-        rows = storage.read_json(name, _manifest.plain_history_name(saved))
+        rows = storage.read_json(name, plain_history_name(saved))
         # inside an epoch, the last row has no scores yet
         last = next(row for row in reversed(rows)
                     if isinstance(row, dict) and 'train_loss' in row)
@@ -73,7 +78,7 @@ def _saved_at(path: str | os.PathLike, saved: Any) -> datetime | None:
         else:
             return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
     try:
-        mtime = os.path.getmtime(os.path.join(path, _manifest.MANIFEST_NAME))
+        mtime = os.path.getmtime(os.path.join(path, MANIFEST_NAME))
     except OSError:
         return None
     return datetime.fromtimestamp(mtime, UTC)
@@ -111,10 +116,10 @@ def describe_one(storage: CheckpointStorage, name: str, saved: Any,
         'path': path,
         'epoch': saved.get('epoch'),
         'step': (saved.get('position') or {}).get('step'),
-        'batches_into_epoch': _manifest.batches_into_epoch(saved),
+        'batches_into_epoch': batches_into_epoch(saved),
         'best': bool(saved.get('best')),
         'finished': bool(saved.get('finished')),
-        'stopped_early': _manifest.stopped_early(saved) if saved else False,
+        'stopped_early': stopped_early(saved) if saved else False,
         'world_size': saved.get('world_size'),
         'bytes': checkpoint_bytes(saved),
         'saved_at': _saved_at(path, saved),
@@ -141,7 +146,7 @@ def leftovers(dirname: str | os.PathLike) -> list[tuple[str, str]]:
         if name.endswith(PARTIAL_SUFFIX):
             found.append((name, "partial checkpoint: a save that was interrupted, or is "
                                 "being written now"))
-        elif atomic.is_leftover(name):
+        elif is_leftover(name):
             found.append((name, "temporary or half-removed file of an interrupted write"))
         elif name.startswith(PROBE_PREFIX):
             found.append((name, "probe file of save_on_each_node"))
@@ -153,7 +158,7 @@ def lock_state(dirname: str | os.PathLike) -> dict[str, Any]:
 
     See :func:`.lock.probe`.
     """
-    return lock.probe(os.path.join(dirname, LOCK_NAME))
+    return probe(os.path.join(dirname, LOCK_NAME))
 
 
 class Verdict:
@@ -211,8 +216,8 @@ def verify(path: str | os.PathLike) -> Verdict:
     header) also in a checkpoint saved without checksums.
     """
     verdict = Verdict(path)
-    sealed = os.path.join(path, _manifest.MANIFEST_NAME)
-    saved, problems = _manifest.check(path)
+    sealed = os.path.join(path, MANIFEST_NAME)
+    saved, problems = check_manifest(path)
     if saved is None:
         verdict.damaged.append(str(problems[0].error))
         return verdict
@@ -223,7 +228,7 @@ def verify(path: str | os.PathLike) -> Verdict:
 
     layouts = {}
     try:
-        for (name, file), entry in zip(consolidate.model_files(saved, path), saved['models'],
+        for (name, file), entry in zip(model_files(saved, path), saved['models'],
                                        strict=True):
             layouts[file] = (name, entry[1] if len(entry) > 1 else None)
     except CheckpointError as exc:  # and CorruptCheckpointError
@@ -235,7 +240,7 @@ def verify(path: str | os.PathLike) -> Verdict:
             verdict.damaged.append(damage)
     for file, layout in layouts.items():
         # a sharded model's pieces load only together; not if one is at fault
-        if consolidate.is_sharded_model(os.path.join(path, file)) \
+        if is_sharded_model(os.path.join(path, file)) \
                 and not any(rel.split(os.sep)[0] == file for rel in at_fault):
             damage = _sharded_damage(os.path.join(path, file), layout)
             if damage:
@@ -244,16 +249,16 @@ def verify(path: str | os.PathLike) -> Verdict:
     for root, _, names in os.walk(path):
         for name in names:
             rel = os.path.relpath(os.path.join(root, name), path)
-            if rel != _manifest.MANIFEST_NAME and rel not in files:
+            if rel != MANIFEST_NAME and rel not in files:
                 verdict.notes.append(
                     f"{os.path.join(path, rel)} is not listed in {sealed} (added later?)")
     return verdict
 
 
-def _damage(file: str, problem: _manifest.Problem | None,
+def _damage(file: str, problem: Problem | None,
             layout: tuple[str, dict[str, Any] | None] | None) -> str | None:
     """Why the listed ``file`` is damaged, or None: ``problem`` is what
-    :func:`_manifest.check` found, ``layout`` a model file's in the manifest.
+    :func:`_manifest.check_manifest` found, ``layout`` a model file's in the manifest.
     A file whose checksum differs is loaded all the same: that it does not
     load says more."""
     if problem is not None and not problem.checksum_differs:
@@ -274,7 +279,7 @@ def _sharded_damage(folder: str, layout: tuple[str, dict[str, Any] | None]) -> s
     """Why the sharded model ``folder`` is damaged, or None: it must merge
     without running code into the tensors of the manifest's ``layout``."""
     try:
-        state = consolidate.read_sharded_model(folder)
+        state = read_sharded_model(folder)
     except CorruptCheckpointError as exc:
         return str(exc)
     wrong = _layout_problem(layout, {key: list(value.shape) for key, value in state.items()})

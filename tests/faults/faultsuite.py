@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from launcher import launch
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import check_manifest, is_checkpoint_name, read_manifest
 from skorch_accel_callbacks.storage._local import CheckpointFolder
 from skorch_accel_callbacks.storage._remote import RemoteStorage
 from testutil import read_json
@@ -46,7 +46,7 @@ def pointed(ckpt):
     except FileNotFoundError:
         return None
     path = ckpt / name
-    _manifest.read(path)  # raises naming the file if it is not complete
+    read_manifest(path)  # raises naming the file if it is not complete
     return str(path)
 
 
@@ -64,7 +64,7 @@ def expected_resume(url):
     manifest = remote[newest]
     staged = CheckpointFolder(storage.local_dir).committed()
     if staged and max(staged) > newest:
-        staged_manifest, problems = _manifest.check(storage.path(max(staged)))
+        staged_manifest, problems = check_manifest(storage.path(max(staged)))
         if not problems:
             newest, manifest = max(staged), staged_manifest
     return storage.url(newest), manifest['epoch']
@@ -80,5 +80,5 @@ def leftovers(url):
                             Prefix=f'{key}/').get('Uploads', [])
     names = {path.rsplit('/', 1)[-1] for path in fs.ls(f'{bucket}/{key}', refresh=True)}
     return ([upload['Key'] for upload in unfinished]
-            + sorted(name for name in names if _manifest.is_checkpoint_name(name)
+            + sorted(name for name in names if is_checkpoint_name(name)
                      and name not in storage.committed()))

@@ -63,7 +63,7 @@ from crashpoints import (
     upload_points,
 )
 from faultsuite import expected_resume, leftovers, pointed, run_job
-from skorch_accel_callbacks.format._manifest import PARTIAL_SUFFIX
+from skorch_accel_callbacks.format import PARTIAL_SUFFIX
 from skorch_accel_callbacks.storage._remote import RemoteStorage
 from testutil import assert_identical, final_state, read_json
 

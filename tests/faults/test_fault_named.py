@@ -11,7 +11,7 @@ import torch
 
 import faultjob
 from skorch_accel_callbacks import CheckpointError
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import checksum_file
 from testutil import edit_manifest
 
 pytestmark = pytest.mark.faults
@@ -27,7 +27,7 @@ def test_optimizer_of_another_layout_blames_no_intact_file(tmp_path):
     torch.save({'not': torch.zeros(1)}, optimizer)
     edit_manifest(folder, lambda m: (
         m['files'].update({'optimizer.bin': optimizer.stat().st_size}),
-        m['checksums'].update({'optimizer.bin': _manifest.checksum_file(optimizer)})))
+        m['checksums'].update({'optimizer.bin': checksum_file(optimizer)})))
     net, _ = faultjob.build(str(folder.parent), resume=str(folder), max_epochs=2)
     with pytest.raises(CheckpointError, match="could not be loaded") as caught:
         net.fit(*faultjob.data())

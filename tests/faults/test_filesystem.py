@@ -19,7 +19,7 @@ import subprocess
 import pytest
 
 from faultsuite import run_job
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import read_manifest
 from testutil import assert_identical, final_state, read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.needs_root]
@@ -101,7 +101,7 @@ def fs(request, tmp_path_factory):
                     os.remove(os.path.join(tmpfs, name))
             after_failure = {
                 'latest': read_json(os.path.join(tmpfs, 'ckpt', 'latest.json')),
-                'epoch1_manifest': _manifest.read(os.path.join(tmpfs, 'ckpt',
+                'epoch1_manifest': read_manifest(os.path.join(tmpfs, 'ckpt',
                                                                       'epoch-0001'))}
             run_job('killable.py', results, os.path.join(tmpfs, 'ckpt'), 'resumed').check()
             resumed = {'state': final_state(results, 'resumed'),

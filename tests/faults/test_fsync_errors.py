@@ -22,7 +22,7 @@ import pytest
 from crashpoints import STRACE, require_strace
 from faultsuite import WORKERS
 from launcher import REPO, WORKERS as JOB_WORKERS
-from skorch_accel_callbacks.format._manifest import PARTIAL_SUFFIX
+from skorch_accel_callbacks.format import PARTIAL_SUFFIX
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 

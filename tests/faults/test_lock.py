@@ -21,8 +21,7 @@ import faultjob
 from common import make_accelerator, make_data, make_net
 from launcher import REPO
 from skorch_accel_callbacks import LoadInitParams, ParamsCheckpoint
-from skorch_accel_callbacks.format import _atomic as atomic
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import LOCK_NAME, TEMP_MARK, read_json
 from skorch_accel_callbacks.storage import _lock as lock
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -63,12 +62,12 @@ def test_second_job_refused_and_killed_holder_leaves_no_stale_lock(tmp_path):
         assert len(net.history) == 0
         # the refused job removed nothing of the running one's
         assert (ckpt / 'epoch-0002.partial').is_dir()
-        assert atomic.read_json(ckpt / 'latest.json') == {'name': 'epoch-0001'}
+        assert read_json(ckpt / 'latest.json') == {'name': 'epoch-0001'}
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     # the kernel released the dead holder's flock; the lock file stays
-    assert (ckpt / _manifest.LOCK_NAME).exists()
+    assert (ckpt / LOCK_NAME).exists()
     net, cp = faultjob.build(str(ckpt))
     net.fit(*faultjob.data())
     assert faultjob.loaded_from(net) == str(ckpt / 'epoch-0001')
@@ -89,8 +88,8 @@ def test_params_checkpoint_second_job_refused_then_lock_free(tmp_path):
     ckpt = tmp_path / 'ckpt'
     holder = start_holder(tmp_path, ckpt, 'params_killable.py', '2:before-journal:0')
     try:
-        staged = sorted(p.name.split(atomic.TEMP_MARK)[0] for p in ckpt.iterdir()
-                        if atomic.TEMP_MARK in p.name)
+        staged = sorted(p.name.split(TEMP_MARK)[0] for p in ckpt.iterdir()
+                        if TEMP_MARK in p.name)
         assert staged == ['.history.json', '.optimizer.pt', '.params.pt']
         net, _ = params_job(ckpt)
         with pytest.raises(lock.FolderInUseError,
@@ -100,8 +99,8 @@ def test_params_checkpoint_second_job_refused_then_lock_free(tmp_path):
         # refused before its first epoch: its history is the holder's saved
         # epoch 1 that LoadInitParams read; none of the holder's files touched
         assert len(net.history) == 1
-        assert sorted(p.name.split(atomic.TEMP_MARK)[0] for p in ckpt.iterdir()
-                      if atomic.TEMP_MARK in p.name) == staged
+        assert sorted(p.name.split(TEMP_MARK)[0] for p in ckpt.iterdir()
+                      if TEMP_MARK in p.name) == staged
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -109,6 +108,6 @@ def test_params_checkpoint_second_job_refused_then_lock_free(tmp_path):
     net.fit(*make_data(n=64))
     # epoch 1's save loaded, then 2 epochs trained (skorch's LoadInitState)
     assert len(net.history) == 3
-    assert not [p.name for p in ckpt.iterdir() if atomic.TEMP_MARK in p.name]
+    assert not [p.name for p in ckpt.iterdir() if TEMP_MARK in p.name]
     # released at the end of training
     lock.FolderLock(ckpt).acquire().release()

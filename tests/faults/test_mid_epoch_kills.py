@@ -18,7 +18,7 @@ import pytest
 
 from faultsuite import sampled
 from resume_runs import run
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import MANIFEST_NAME, batches_into_epoch
 from testutil import assert_identical, final_state, read_json, read_results
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -65,11 +65,11 @@ def one_trial(zygote, seed, folder, references):
     if loaded is None:
         saved_steps = 0
     else:
-        saved = read_json(os.path.join(loaded, _manifest.MANIFEST_NAME))
+        saved = read_json(os.path.join(loaded, MANIFEST_NAME))
         saved_steps = saved['position']['step']
     assert 0 <= trained - saved_steps < EVERY_N_STEPS, (where, loaded)
     assert_identical(final_state(references, f'ref{nproc}'), final_state(folder, 'resumed'))
-    return trained - saved_steps, loaded is not None and _manifest.batches_into_epoch(saved) > 0
+    return trained - saved_steps, loaded is not None and batches_into_epoch(saved) > 0
 
 
 def test_random_kills_inside_epochs_lose_less_than_a_save_interval(

@@ -11,7 +11,7 @@ stays complete, and resuming from it ends bit-identical.
 import pytest
 
 from faultsuite import COLLECTIVE_TIMEOUT, run_job
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import read_manifest
 from testutil import assert_identical, final_state, read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -29,7 +29,7 @@ def assert_rank0_failed_on_its_own(result, folder, tag):
 
 def assert_epoch1_intact(ckpt):
     assert read_json(ckpt / 'latest.json') == {'name': 'epoch-0001'}
-    _manifest.read(ckpt / 'epoch-0001')
+    read_manifest(ckpt / 'epoch-0001')
     assert not (ckpt / 'epoch-0002').exists()
 
 

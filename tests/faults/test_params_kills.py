@@ -17,7 +17,7 @@ import random
 import pytest
 
 from params_killable import PARAMS_POINTS
-from skorch_accel_callbacks.format._atomic import TEMP_MARK
+from skorch_accel_callbacks.format import TEMP_MARK
 from testutil import read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]

@@ -26,8 +26,7 @@ import pytest
 
 from faultsuite import pointed, sampled
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
-from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.format._manifest import PARTIAL_SUFFIX
+from skorch_accel_callbacks.format import MANIFEST_NAME, PARTIAL_SUFFIX
 from testutil import assert_identical, final_state, read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
@@ -62,7 +61,7 @@ def one_run(zygote, seed, folder, reference, figures):
     for launch_no in range(KILLS_PER_RUN + 1):
         tag = f'launch{launch_no}'
         expected = pointed(ckpt)
-        epoch_done = read_json(os.path.join(expected, _manifest.MANIFEST_NAME))['epoch'] \
+        epoch_done = read_json(os.path.join(expected, MANIFEST_NAME))['epoch'] \
             if expected else 0
         env = dict(mode)
         if kills < KILLS_PER_RUN and epoch_done < EPOCHS:

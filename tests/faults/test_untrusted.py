@@ -26,7 +26,7 @@ from skorch_accel_callbacks import (
     LoadInitParams,
     ParamsCheckpoint,
 )
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import checksum_file
 from testutil import read_json
 
 pytestmark = pytest.mark.faults
@@ -84,7 +84,7 @@ def test_planted_pickle_in_a_checkpoint_is_refused(saved, tmp_path, name):
     manifest = read_json(folder / 'manifest.json')
     manifest['files'][name] = (folder / name).stat().st_size
     # as an attacker who rewrites the manifest would: the loaders must refuse it
-    manifest['checksums'][name] = _manifest.checksum_file(folder / name)
+    manifest['checksums'][name] = checksum_file(folder / name)
     (folder / 'manifest.json').write_text(json.dumps(manifest))
     net, _ = faultjob.build(str(folder.parent), resume=str(folder), max_epochs=2)
     with pytest.raises((CheckpointError, CorruptCheckpointError),

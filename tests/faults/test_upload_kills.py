@@ -29,7 +29,7 @@ import pytest
 from faultjob import EPOCHS
 from faultsuite import expected_resume, leftovers, run_job
 from s3server import start_auth_server
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import checkpoint_name
 from skorch_accel_callbacks.storage._remote import RemoteStorage, default_staging
 from testutil import assert_identical, final_state, read_json
 
@@ -92,7 +92,7 @@ def one_run(zygote, seed, url, folder, reference, figures):
     assert_identical(final_state(reference, 'ref'), final_state(folder, tag))
     # retention keeps the checkpoint a launch resumed from besides the newest
     storage = RemoteStorage(url)
-    assert storage.committed()[-1] == _manifest.checkpoint_name(EPOCHS)
+    assert storage.committed()[-1] == checkpoint_name(EPOCHS)
     assert [storage.check(name)[1] for name in storage.committed()] == [
         None] * len(storage.committed())
     assert leftovers(url) == []

@@ -77,8 +77,8 @@ from skorch_accel_callbacks import (
     TrainingPreempted,
 )
 from skorch_accel_callbacks._core import sync
-from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.state import _training_state as training_state
+from skorch_accel_callbacks.state import find_train_loader
+from skorch_accel_callbacks.storage import _local as local_storage
 
 # what arms the interruption of the run under way: {'kind', 'batch', 'who'}
 # or None; set by run(), never part of a net's settings
@@ -177,7 +177,7 @@ class Recorder(NotTrainingState, Callback):
         return self
 
     def on_epoch_begin(self, net, dataset_train=None, **kwargs):
-        loader = training_state.find_train_loader(net, dataset_train)
+        loader = find_train_loader(net, dataset_train)
         self.loader_batches_.append(None if loader is None else len(loader))
 
 
@@ -202,14 +202,15 @@ def die_now():
 
 def arm_kill_in_save():
     """SIGKILL the committing process in the next save, once its files are
-    written and before the commit (the other ranks fail in a collective)."""
-    original = _manifest.write
+    written and before the commit (the other ranks fail in a collective);
+    replaced where the local folder's commit looks it up."""
+    original = local_storage.write_manifest
 
     def commit_then_die(*args, **kwargs):
         die_now()
         return original(*args, **kwargs)
 
-    _manifest.write = commit_then_die
+    local_storage.write_manifest = commit_then_die
 
 
 # ---------------------------------------------------------------- building

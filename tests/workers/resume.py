@@ -78,8 +78,9 @@ from common import (
 )
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, TrainingPreempted
 from skorch_accel_callbacks._core import sync
-from skorch_accel_callbacks.format import _manifest
-from skorch_accel_callbacks.state import _training_state as training_state
+from skorch_accel_callbacks.engine import _writer as writer
+from skorch_accel_callbacks.state import find_train_loader
+from skorch_accel_callbacks.storage import _local as local_storage
 
 
 class KillBefore(Callback):
@@ -118,15 +119,16 @@ class KillAt(BatchEnds):
 
 
 def kill_inside_save(epoch):
-    """SIGKILL the committer after the checkpoint files are written, before commit."""
-    original = _manifest.write
+    """SIGKILL the committer after the checkpoint files are written, before
+    commit (replaced where the local folder's commit looks it up)."""
+    original = local_storage.write_manifest
 
     def commit_then_die(folder, sealed, *args, **kwargs):
         if sealed['epoch'] == epoch:
             os.kill(os.getpid(), signal.SIGKILL)
         return original(folder, sealed, *args, **kwargs)
 
-    _manifest.write = commit_then_die
+    local_storage.write_manifest = commit_then_die
 
 
 def fail_upload(epoch):
@@ -145,15 +147,16 @@ def fail_upload(epoch):
 
 
 def fail_save(failing_rank, epoch):
-    """Make one rank's write fail as on a full disk."""
-    original = training_state.save_rank_state
+    """Make one rank's write fail as on a full disk (replaced where the
+    writer looks it up)."""
+    original = writer.save_rank_state
 
     def no_space(folder, rank_, *args, **kwargs):
         if rank_ == failing_rank and folder.endswith(f'epoch-{epoch:04d}.partial'):
             raise OSError(errno.ENOSPC, 'No space left on device', folder)
         return original(folder, rank_, *args, **kwargs)
 
-    training_state.save_rank_state = no_space
+    writer.save_rank_state = no_space
 
 
 class SendSignal(BatchEnds):
@@ -222,7 +225,7 @@ class RecordResume(NotTrainingState, Callback):
         loaded = any(getattr(cb, 'loaded_from_', None) for _, cb in net.callbacks_)
         if not loaded or self.rng_ is not None:
             return
-        loader = training_state.find_train_loader(net, dataset_train)
+        loader = find_train_loader(net, dataset_train)
         generator = getattr(loader, 'synchronized_generator', None)
         self.rng_ = {
             'torch': _digest(torch.get_rng_state()),

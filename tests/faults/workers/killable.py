@@ -34,8 +34,9 @@ import faultjob
 from common import BatchEnds, rank
 from faultjob import EpochTracker, die, hold
 from skorch_accel_callbacks._core import accelerate_io, sync
-from skorch_accel_callbacks.format import _atomic as atomic, _manifest
+from skorch_accel_callbacks.format import MANIFEST_NAME, PARTIAL_SUFFIX, _atomic as atomic
 from skorch_accel_callbacks.state import _training_state as training_state
+from skorch_accel_callbacks.storage import _local as local_storage
 
 
 def half_written(path, write):
@@ -58,9 +59,10 @@ class Instrument:
     Each is replaced where the code that calls it looks it up:
     ``accelerate.checkpointing.save`` and ``accelerate_io.save`` (model,
     optimizer), ``torch.save`` (random states), ``training_state.save_file``
-    (loader state), ``atomic.write_json`` (manifest, ``latest.json``),
-    ``os.replace`` (the commit's rename), ``atomic.discard_in_background``
-    (retention) and ``atomic.remove`` (the removal it starts). A package
+    (loader state), ``write_json`` (manifest: ``atomic``'s, ``latest.json``:
+    the local folder's), ``os.replace`` (the commit's rename), the local
+    folder's ``discard_in_background`` (retention) and ``atomic.remove_path``
+    (the removal it starts). A package
     function that moves or is renamed must be followed here: a hook that is
     never called leaves its kill point unfired, which test_random_kills
     reports.
@@ -145,7 +147,7 @@ class Instrument:
 
         def json_write(path, obj, **kwargs):
             name = os.path.basename(path)
-            which = {_manifest.MANIFEST_NAME: 'manifest', 'latest.json': 'pointer'}.get(name)
+            which = {MANIFEST_NAME: 'manifest', 'latest.json': 'pointer'}.get(name)
             # the manifest's path names the epoch; the pointer's content does
             epoch_path = path if which == 'manifest' else obj.get('name', '')
             if which:
@@ -157,12 +159,13 @@ class Instrument:
                 fire(f'after-{which}', epoch_path)
 
         atomic.write_json = json_write
+        local_storage.write_json = json_write
 
         replace = os.replace
 
         def os_replace(src, dst):
             # the commit's rename, not a leftover partial folder marked discarded
-            renaming = (str(src).endswith(_manifest.PARTIAL_SUFFIX)
+            renaming = (str(src).endswith(PARTIAL_SUFFIX)
                         and atomic.DISCARD_MARK not in str(dst))
             if renaming:
                 fire('before-rename', src)
@@ -173,15 +176,15 @@ class Instrument:
         os.replace = os_replace
 
         # what retention (CheckpointFolder.retire) calls
-        discard_in_background = atomic.discard_in_background
+        discard_in_background = local_storage.discard_in_background
 
         def discard_folder(path):
             fire('before-discard')
             return discard_in_background(path)
 
-        atomic.discard_in_background = discard_folder
+        local_storage.discard_in_background = discard_folder
 
-        remove = atomic.remove
+        remove = atomic.remove_path
 
         def remove_part(path):
             if atomic.DISCARD_MARK in path and due('in-discard'):
@@ -191,7 +194,7 @@ class Instrument:
                 die('in-discard')
             return remove(path)
 
-        atomic.remove = remove_part
+        atomic.remove_path = remove_part
 
 
 class BatchKiller(BatchEnds):

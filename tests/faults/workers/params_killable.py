@@ -24,8 +24,7 @@ from skorch.hf import AccelerateMixin
 from common import BatchEnds, make_accelerator, make_data, make_net, params_digest, rank
 from faultjob import EpochTracker, die, hold
 from skorch_accel_callbacks import AccelerateFixesMixin, LoadInitParams, ParamsCheckpoint, unwrapped
-from skorch_accel_callbacks.format import _atomic as atomic
-from skorch_accel_callbacks.format._atomic import TEMP_MARK
+from skorch_accel_callbacks.format import TEMP_MARK, _atomic as atomic
 
 FILES = ('params.pt', 'optimizer.pt', 'history.json')
 PARAMS_POINTS = ('batch-1', 'batch-2', 'params-half', 'before-journal',

@@ -34,7 +34,7 @@ import faultjob
 from common import UploadsEnded, write_result
 from faultjob import EpochTracker, die
 from killable import RecordResume
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import MANIFEST_NAME, checkpoint_name, pointer_name
 
 
 def checkpoint_of(path):
@@ -58,9 +58,9 @@ def install(epoch, point):
 
     async def pointed_pipe_file(self, path, data, *args, **kwargs):
         manifest = (checkpoint_of(path) == epoch
-                    and path.endswith('/' + _manifest.MANIFEST_NAME))
-        pointer = (path.endswith('/' + _manifest.pointer_name('latest'))
-                   and json.loads(data) == {'name': _manifest.checkpoint_name(epoch)})
+                    and path.endswith('/' + MANIFEST_NAME))
+        pointer = (path.endswith('/' + pointer_name('latest'))
+                   and json.loads(data) == {'name': checkpoint_name(epoch)})
         if manifest and point == 'before-manifest':
             die(point, epoch)
         result = await pipe_file(self, path, data, *args, **kwargs)
