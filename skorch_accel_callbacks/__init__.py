@@ -31,6 +31,7 @@ from skorch_accel_callbacks.errors import (
     DivergedDecisionError,
     FolderInUseError,
     RankError,
+    SkorchAccelError,
     StoreUnavailableError,
     TrainingPreempted,
 )
@@ -50,6 +51,7 @@ __all__ = [
     'LoadInitParams',
     'ParamsCheckpoint',
     'RankError',
+    'SkorchAccelError',
     'StoreUnavailableError',
     'TrainEndParamsCheckpoint',
     'TrainingPreempted',

@@ -1,4 +1,11 @@
-"""The exceptions a user of this package may want to catch."""
+"""The exceptions a user of this package may want to catch.
+
+Every one is a :class:`SkorchAccelError`, and also the builtin class of its
+kind: a checkpoint that cannot be used (bad input) is a ``ValueError``, as
+skorch's own errors of bad input are; an outage of a store a
+``ConnectionError``; a folder held by another job, a failed step of
+another rank and ranks that decided apart are each a ``RuntimeError``.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +13,16 @@ import signal
 from typing import Any
 
 __all__ = ['CheckpointError', 'CorruptCheckpointError', 'DivergedDecisionError',
-           'FolderInUseError', 'LeaseLostError', 'RankError', 'StoreUnavailableError',
-           'TrainingPreempted']
+           'FolderInUseError', 'LeaseLostError', 'RankError', 'SkorchAccelError',
+           'StoreUnavailableError', 'TrainingPreempted']
 
 
-class CheckpointError(ValueError):
+class SkorchAccelError(Exception):
+    """The root of this package's exceptions: ``except SkorchAccelError``
+    catches every error the package raises of its own."""
+
+
+class CheckpointError(SkorchAccelError, ValueError):
     """A checkpoint cannot be used by this run; the message says why."""
 
 
@@ -21,13 +33,15 @@ class CorruptCheckpointError(CheckpointError):
     """
 
 
-class StoreUnavailableError(CheckpointError):
+class StoreUnavailableError(SkorchAccelError, ConnectionError):
     """An object store failed or did not answer a request of an upload for
     longer than ``outage_seconds``; the message names the request and how
-    long it failed. The checkpoint stays staged: the next job uploads it."""
+    long it failed. The checkpoint stays staged: the next job uploads it.
+
+    An outage, not bad input: no ``CheckpointError``."""
 
 
-class TrainingPreempted(Exception):
+class TrainingPreempted(SkorchAccelError):
     """Training stopped on a signal, after its checkpoint was committed.
 
     Raised by ``fit`` on every process, so that the job exits with a
@@ -58,7 +72,7 @@ class TrainingPreempted(Exception):
         return type(self), (self.signal, self.checkpoint)
 
 
-class DivergedDecisionError(RuntimeError):
+class DivergedDecisionError(SkorchAccelError, RuntimeError):
     """A callback stopped training on some processes and not on the others.
 
     skorch's callbacks stop training by raising ``KeyboardInterrupt`` from a
@@ -107,7 +121,7 @@ class DivergedDecisionError(RuntimeError):
                             self.went_on, self.advice)
 
 
-class FolderInUseError(RuntimeError):
+class FolderInUseError(SkorchAccelError, RuntimeError):
     """Another running job holds the lock of a checkpoint folder."""
 
 
@@ -115,7 +129,7 @@ class LeaseLostError(FolderInUseError):
     """Another job took over the lease of a folder while this job held it."""
 
 
-class RankError(RuntimeError):
+class RankError(SkorchAccelError, RuntimeError):
     """A step failed on another process.
 
     Raised on the processes where the step succeeded, so that every rank

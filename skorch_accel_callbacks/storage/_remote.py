@@ -403,7 +403,7 @@ class RemoteStorage(CheckpointStorage):
             names, kept = self._store().persist(
                 f"listing the checkpoints of {self.dirname} to retire",
                 lambda seconds: self.kept(keep_last, keep_best, keep))
-        except CheckpointError as exc:
+        except (CheckpointError, StoreUnavailableError) as exc:
             # the newest is in the store: an older one too many is no loss
             warnings.warn(f"could not retire old checkpoints of {self.dirname}: {exc}",
                           UserWarning)

@@ -27,7 +27,7 @@ from collections.abc import Collection, Sequence
 from typing import Any, TextIO
 
 from skorch_accel_callbacks._core.base import format_bytes
-from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
+from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError, SkorchAccelError
 from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name, pointed_name, pointer_name
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 from skorch_accel_callbacks.tools import export as exporting, inspection
@@ -341,11 +341,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     args = _parser(prog).parse_args(argv)
     try:
         return args.run(args, sys.stdout)
-    # CheckpointError is a ValueError, FileNotFoundError an OSError
+    # a missing folder is a usage error; every error of the package's own
+    # (a damaged checkpoint, a store out of reach) and of the system's is one
+    # of what was read
     except (UsageError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)
         return USAGE
-    except (CheckpointError, OSError) as exc:  # and CorruptCheckpointError
+    except (SkorchAccelError, OSError) as exc:
         print(f"{args.command}: {exc}", file=sys.stderr)
         return DAMAGED
     except ValueError as exc:
