@@ -23,7 +23,7 @@ import torch
 
 from skorch_accel_callbacks._core import accelerate_io
 
-__all__ = ['COPY_CHUNK', 'COPY_THREADS', 'HostStager', 'Staged', 'copy_into', 'copy_all']
+__all__ = ['COPY_CHUNK', 'COPY_THREADS', 'HostStager', 'Staged', 'copy_all']
 
 # the host copies of a stage are cut into pieces of this many bytes, which
 # this many threads take one after the other (numpy's copy lets go of the
@@ -143,17 +143,3 @@ def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
                             thread_name_prefix='checkpoint-copy') as pool:
         # list() re-raises the first failure
         list(pool.map(lambda piece: np.copyto(*piece), pieces))
-
-
-def copy_into(buffer: torch.Tensor, tensor: torch.Tensor) -> None:
-    """``buffer.copy_(tensor)``; between host tensors, a memcpy on this thread.
-
-    Not torch's ``copy_`` between host tensors: its intra-op threads wait
-    for each other, and stall when the machine is busy
-    (benchmarks/RESULTS.rst). A stage copies with :func:`copy_all`; the
-    benchmarks time this one as the memory floor.
-    """
-    if _is_host_copy(tensor):
-        np.copyto(buffer.view(torch.uint8).numpy(), tensor.view(torch.uint8).numpy())
-    else:
-        buffer.copy_(tensor)

@@ -221,7 +221,7 @@ class SyncWriter:
 
         The history, the callbacks' states and (under FSDP2) the buffers
         exist per rank: the ranks compare digests of them first; what every
-        rank holds alike is written once, as before, the rest by every rank
+        rank holds alike is written once (the files an older reader reads), the rest by every rank
         into its own files (the manifest's ``per_rank`` lists it).
         """
         committer = is_committer(net)

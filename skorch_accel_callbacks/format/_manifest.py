@@ -12,33 +12,34 @@ epoch the position and the epoch's caches), and ``manifest.json``.
 ``manifest.json`` is written last into a checkpoint folder, once every file
 is complete (and flushed, for a durable save): a folder with a readable
 manifest whose files all have the listed sizes is a complete checkpoint.
-It records the format version, the world size, the package versions, the
-model layout (each model's parameter names and shapes, in accelerate's
-order) and the number of optimizers, so that a run that cannot resume from
-it is told why before it trains
-(:mod:`~skorch_accel_callbacks.state._compat` builds and checks those); and,
-since 0.2 without a format change (readers tolerate their absence), when it
-was saved (``saved_at``, UTC), the bytes of its files (``bytes``) and how
-long the save took (``save_seconds``; with ``async_save`` also
-``blocked_seconds``, how long training waited); since 0.3, also without a
-format change, the net's hyper-parameters that change training
-(``params``) and what the position inside an epoch depends on
-(``epoch_settings``), so that a resume with other values is refused instead
-of silently continuing another training; and, also without a format
-change, a checksum of every listed file (``checksums``: relative path ->
-``"xxh3_64:<16 hex digits>"``), which :func:`check_manifest` verifies when it is
-there, so that a byte changed inside a file of the same size is found;
-and, also without a format change, which of the states that exist per rank
-were stored per rank (``per_rank``: a list of :data:`PER_RANK_ITEMS`, the
-history and callbacks when the ranks' copies differed, the module buffers
-of FSDP2 when they did), each rank's copy in its own files
-(:func:`history_name`, :func:`callbacks_names`, :func:`buffers_name`);
-absent, or an item not in it, means one copy that every rank shares (the
-files of before), so that older manifests read as they did; and,
-also without a format change, the ``fit``/``partial_fit`` calls since
-the net's ``initialize`` up to the one it was taken in
-(``position['fit_calls']``, see :func:`fit_calls`), so that a relaunched
-script with several calls goes on in the call that wrote it.
+Its fields:
+
+- ``format_version`` (:data:`FORMAT_VERSION`), the world size, the package
+  versions, the model layout (each model's parameter names and shapes, in
+  accelerate's order) and the optimizers: a run that cannot resume from it
+  is told why before it trains
+  (:mod:`~skorch_accel_callbacks.state._compat` builds and checks those);
+- ``files`` (relative path -> size) and ``checksums`` (relative path ->
+  ``"xxh3_64:<16 hex digits>"``), which :func:`check_manifest` verifies, so
+  that a byte changed inside a file of the same size is found;
+- ``saved_at`` (UTC), ``bytes``, ``save_seconds`` and, with ``async_save``,
+  ``blocked_seconds`` (how long training waited);
+- ``params``: the hyper-parameters that change training, and
+  ``epoch_settings``: what the position inside an epoch depends on, so that
+  a resume with other values is refused instead of continuing another
+  training;
+- ``per_rank``: which of :data:`PER_RANK_ITEMS` each rank stored in files of
+  its own (:func:`history_name`, :func:`callbacks_names`,
+  :func:`buffers_name`) because the ranks' copies differed; absent, or an
+  item not in it, means one copy that every rank shares;
+- ``position``, with ``fit_calls``: the ``fit``/``partial_fit`` calls since
+  the net's ``initialize`` up to the one it was taken in (:func:`fit_calls`),
+  so that a relaunched script with several calls goes on in the call that
+  wrote it.
+
+Readers take any field but the format version, the files and the layout as
+optional: an older checkpoint without one reads as it was written
+(CHANGES.rst lists which format and release brought each).
 
 This module imports nothing of the package but ``atomic`` and ``errors``:
 every other module may use it.
@@ -101,10 +102,8 @@ __all__ = [
     'write_manifest',
 ]
 
-# on-disk format; a change of what is written bumps it (CHANGES.rst).
-# 2: optimizer classes and param groups, stopped_early, the data fingerprint
-# 4: states stored per rank (``per_rank``: history_<r>.json, ...), where an
-#    older version would read the one history.json there is not
+#: the on-disk format; a change of what is written bumps it, and CHANGES.rst
+#: lists what each format holds. A reader refuses a newer one
 FORMAT_VERSION = 4
 #: the format of a checkpoint whose ranks' states agree (no ``per_rank``):
 #: its files are those of format 3, which older versions read

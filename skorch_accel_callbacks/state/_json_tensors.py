@@ -86,7 +86,7 @@ def encode_pair(build: Callable[[Encode], Any]) -> tuple[bytes, bytes]:
     """
     encoder = _Encoder()
     tree = build(encoder.encode)
-    # as atomic.write_json writes it, so that a pair reads back as before
+    # as atomic.write_json writes JSON, so that both read back alike
     text = json.dumps(tree, indent=1, sort_keys=True).encode('utf-8')
     # safetensors refuses an empty file
     return text, save(encoder.tensors or {'_': torch.zeros(0)})

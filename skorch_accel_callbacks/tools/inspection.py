@@ -19,7 +19,6 @@ from skorch_accel_callbacks.format import (
     LOCK_NAME,
     MANIFEST_NAME,
     PARTIAL_SUFFIX,
-    POINTERS,
     PROBE_PREFIX,
     Problem,
     batches_into_epoch,
@@ -33,7 +32,7 @@ from skorch_accel_callbacks.format import (
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage, probe
 
 __all__ = ['Verdict', 'checkpoint_bytes', 'describe', 'describe_one', 'leftovers',
-           'lock_state', 'pointers', 'verify']
+           'lock_state', 'verify']
 
 
 def checkpoint_bytes(saved: dict[str, Any]) -> int | None:
@@ -128,13 +127,6 @@ def describe_one(storage: CheckpointStorage, name: str, saved: Any,
         'score': _score(storage, name, saved),
         'problem': problem,
     }
-
-
-def pointers(dirname: str | os.PathLike) -> dict[str, str | None]:
-    """``{'latest': name or None, 'best': name or None}``: what the pointer
-    files name (whether or not that checkpoint is there)."""
-    storage = open_storage(dirname)
-    return {which: storage.pointed(which) for which in POINTERS}
 
 
 def leftovers(dirname: str | os.PathLike) -> list[tuple[str, str]]:
