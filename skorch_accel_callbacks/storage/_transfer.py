@@ -212,10 +212,14 @@ def put_files(fs: Any, sources: list[str], targets: list[str], seconds: float,
                     f"the store took no part of the files for {seconds:.0f} s") from None
 
 
+#: the URL schemes of S3 (s3fs's protocols)
+_S3_PROTOCOLS = frozenset({'s3', 's3a'})
+
+
 def is_s3(fs: Any) -> bool:
     """Whether ``fs`` is an S3 filesystem (s3fs)."""
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    return bool(set(protocols) & {'s3', 's3a'})
+    return bool(set(protocols) & _S3_PROTOCOLS)
 
 
 #: the client's settings for ``s3://`` that ``storage_options`` does not
@@ -243,7 +247,7 @@ def client_options(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
     :data:`S3_CLIENT_DEFAULTS` that it does not set, for ``s3://``."""
     import fsspec  # optional (the [s3] extra), as the filesystem is
     protocol = fsspec.core.split_protocol(url)[0]
-    if protocol not in ('s3', 's3a'):
+    if protocol not in _S3_PROTOCOLS:
         return dict(storage_options)
     options = {**S3_CLIENT_DEFAULTS, **storage_options}
     options['config_kwargs'] = {**S3_CLIENT_DEFAULTS['config_kwargs'],
