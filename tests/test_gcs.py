@@ -161,7 +161,10 @@ Net(module, accelerator=Accelerator(cpu=True), max_epochs=1,
 '''
 
 
+# 40 s, 30 of them the bound: make test-extended (which CI runs), to keep
+# make test within its 30 minutes
 @pytest.mark.slow
+@pytest.mark.extended
 def test_a_job_without_network_is_refused_within_the_bound_in_one_message(tmp_path):
     # a network namespace of its own (user namespaces: no root needed) has
     # a loopback and nothing else: DNS, the metadata server and GCS fail
