@@ -266,3 +266,50 @@ def test_lock_reached_by_another_path_is_refused_naming_this_process(tmp_path):
             lock.FolderLock(tmp_path, name='alias').acquire()
     finally:
         held.release()
+
+
+def unlink_after(taker, monkeypatch):
+    """Has ``taker`` act on the folder just before each unlink of shutil's."""
+    real_unlink = os.unlink
+
+    def unlink(name, *, dir_fd=None):
+        taker(real_unlink)
+        return real_unlink(name, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, 'unlink', unlink)
+
+
+def test_removing_a_folder_that_another_remover_empties_meanwhile_succeeds(
+        tmp_path, monkeypatch):
+    # a fit that raised leaves its discard thread at work; the next fit's
+    # claim removes the same leftover folder
+    doomed = tmp_path / '.epoch-0001.discard-0123456789ab'
+    doomed.mkdir()
+    for i in range(4):
+        (doomed / f'part-{i}').write_bytes(b'x')
+    taken = []
+
+    def other_remover(real_unlink):
+        for entry in sorted(os.listdir(doomed)):
+            real_unlink(doomed / entry)
+            taken.append(entry)
+
+    unlink_after(other_remover, monkeypatch)
+    atomic.remove_path(doomed)
+    assert taken == [f'part-{i}' for i in range(4)]
+    assert not doomed.exists()
+
+
+def test_removing_a_folder_still_raises_what_is_not_a_vanished_file(
+        tmp_path, monkeypatch):
+    doomed = tmp_path / '.epoch-0001.discard-0123456789ab'
+    doomed.mkdir()
+    (doomed / 'part').write_bytes(b'x')
+
+    def deny(real_unlink):
+        raise PermissionError(13, 'Permission denied', 'part')
+
+    unlink_after(deny, monkeypatch)
+    with pytest.raises(PermissionError, match='Permission denied'):
+        atomic.remove_path(doomed)
+    assert (doomed / 'part').exists()

@@ -19,12 +19,13 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 __all__ = [
@@ -401,11 +402,28 @@ def remove_temp_files(folder: str, names: Iterable[str]) -> None:
 
 
 def remove_path(path: str | os.PathLike) -> None:
-    """Remove a file or a whole folder right away."""
+    """Remove a file or a whole folder right away.
+
+    What is already gone counts as removed: a discard thread of an earlier
+    fit in this process (one that raised, so nobody awaited its thread) may
+    be removing the same leftover folder file by file.
+    """
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
+        shutil.rmtree(path, **{_RMTREE_HANDLER: _raise_unless_gone})
     else:
-        os.remove(path)
+        with suppress(FileNotFoundError):
+            os.remove(path)
+
+
+# Python 3.12 deprecates onerror (which gets sys.exc_info()) for onexc
+# (which gets the exception)
+_RMTREE_HANDLER = 'onexc' if sys.version_info >= (3, 12) else 'onerror'
+
+
+def _raise_unless_gone(function: Any, path: str, error: Any) -> None:
+    exc = error[1] if isinstance(error, tuple) else error
+    if not isinstance(exc, FileNotFoundError):
+        raise exc
 
 
 def discard_path(path: str | os.PathLike) -> None:
@@ -432,9 +450,6 @@ def _remove_in_background(doomed: str, path: str | os.PathLike) -> threading.Thr
     def remove_doomed() -> None:
         try:
             remove_path(doomed)
-        except FileNotFoundError:
-            # a job that cleans the leftovers of a crashed fit got there first
-            pass
         except OSError as exc:
             warnings.warn(f"could not remove old checkpoint {path} ({doomed}): {exc}",
                           UserWarning)
