@@ -17,7 +17,7 @@ from skorch.callbacks import Callback
 from common import MLP, make_accelerator, make_data, make_net
 from resume_runs import run
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
-from skorch_accel_callbacks.format import SHARED_STATES_FORMAT
+from skorch_accel_callbacks.format._manifest import SHARED_STATES_FORMAT
 from testutil import assert_identical, edit_manifest, final_state, read_results
 
 

@@ -28,11 +28,11 @@ from skorch_accel_callbacks import (
 from skorch_accel_callbacks.format import (
     CHECKSUM_ALGORITHM,
     MANIFEST_NAME,
-    SHARED_STATES_FORMAT,
     check_manifest,
     checksum_file,
     read_manifest,
 )
+from skorch_accel_callbacks.format._manifest import SHARED_STATES_FORMAT
 from skorch_accel_callbacks.tools.export import export
 from testutil import edit_manifest
 

@@ -4,6 +4,7 @@ save is a ``started`` stamp, not a callable in the manifest), and manifests
 written by earlier versions still read."""
 
 import ast
+import dataclasses
 import json
 import os
 import time
@@ -124,6 +125,35 @@ def test_read_manifests_of_earlier_versions(tmp_path, saved, stopped, batches):
     assert _manifest.stopped_early(manifest) is stopped
     assert _manifest.batches_into_epoch(manifest) == batches
     assert _manifest.is_checkpoint_name(saved['name'])
+
+
+RECORD = _manifest.CheckpointRecord(
+    name='epoch-0002-step-00000012', epoch=2, position={'step': 12, 'batches': 2},
+    best=False, finished=False, stopped_early=False, data={'X': 'fingerprint'},
+    params={'lr': 0.1}, epoch_settings={'batch_size': 32}, world_size=2,
+    save_on_each_node=False, models=[['module', [['0.weight', [4, 3]]]]],
+    frozen={'module': []}, optimizers=[['SGD', [2]]], versions={'torch': '2.0'})
+
+
+@pytest.mark.parametrize('changes, version, extra', [
+    ({}, _manifest.SHARED_STATES_FORMAT, {}),
+    ({'per_rank': ('history',)}, _manifest.FORMAT_VERSION, {'per_rank': ['history']}),
+    ({'fsdp': {'module': 'layout'}}, _manifest.SHARED_STATES_FORMAT,
+     {'fsdp': {'module': 'layout'}}),
+], ids=['ranks-agree', 'per-rank', 'fsdp'])
+def test_a_record_makes_the_manifest_fields_of_its_format(tmp_path, changes, version, extra):
+    """The format a checkpoint is written in follows from what it holds:
+    one whose ranks agree stays readable by the versions that read format 3."""
+    content = _manifest.manifest_content(dataclasses.replace(RECORD, **changes))
+    fields = [field.name for field in dataclasses.fields(RECORD)
+              if field.name not in ('fsdp', 'per_rank')]
+    assert list(content) == ['format_version', *fields, *extra]
+    assert content['format_version'] == version
+    assert {key: content[key] for key in extra} == extra
+    folder = tmp_path / RECORD.name
+    folder.mkdir()
+    _manifest.write_manifest(str(folder), content, durable=False)
+    assert _manifest.read_manifest(folder)['format_version'] == version
 
 
 def test_names_are_the_ones_on_disk():

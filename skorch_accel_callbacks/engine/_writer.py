@@ -29,10 +29,10 @@ from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.base import format_bytes, say
 from skorch_accel_callbacks._core.wrapping import own_registries
 from skorch_accel_callbacks.engine._stager import HostStager, Staged
-from skorch_accel_callbacks.format import EarlyFlush, with_per_rank
+from skorch_accel_callbacks.format import EarlyFlush, manifest_content
 from skorch_accel_callbacks.state import (
     EpochStart,
-    build_manifest,
+    checkpoint_record,
     encode_rank_states,
     per_rank_items,
     save_epoch_caches,
@@ -252,9 +252,10 @@ class SyncWriter:
                 if early is not None:
                     early.wait()  # its failure fails the save on every rank
                 return StagedSave(None, large)
-            return StagedSave(with_per_rank(build_manifest(
+            record = checkpoint_record(
                 net, request.name, request.best, request.finished, request.stopped_early,
-                request.data, request.position(), request.train_loader), per_rank), large)
+                request.data, request.position(), request.train_loader, per_rank)
+            return StagedSave(manifest_content(record), large)
 
     def commit(self, request: SaveRequest, content: dict, started: float,
                early: EarlyFlush | None = None) -> SaveReport:

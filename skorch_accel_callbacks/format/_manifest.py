@@ -17,8 +17,9 @@ Its fields:
 - ``format_version`` (:data:`FORMAT_VERSION`), the world size, the package
   versions, the model layout (each model's parameter names and shapes, in
   accelerate's order) and the optimizers: a run that cannot resume from it
-  is told why before it trains
-  (:mod:`~skorch_accel_callbacks.state._compat` builds and checks those);
+  is told why before it trains (:mod:`~skorch_accel_callbacks.state` describes
+  a net in a :class:`CheckpointRecord`, :func:`manifest_content` makes these
+  fields of it, and state checks a net against them);
 - ``files`` (relative path -> size) and ``checksums`` (relative path ->
   ``"xxh3_64:<16 hex digits>"``), which :func:`check_manifest` verifies, so
   that a byte changed inside a file of the same size is found;
@@ -49,7 +50,7 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any, BinaryIO
 
@@ -62,6 +63,7 @@ __all__ = [
     'CALLBACKS_NAME',
     'CALLBACK_TENSORS_NAME',
     'CHECKSUM_ALGORITHM',
+    'CheckpointRecord',
     'DCP_METADATA_NAME',
     'FORMAT_VERSION',
     'HISTORY_NAME',
@@ -85,6 +87,7 @@ __all__ = [
     'fit_calls',
     'history_name',
     'is_checkpoint_name',
+    'manifest_content',
     'merged_manifest',
     'newest_at_epoch_end',
     'per_rank_of',
@@ -98,7 +101,6 @@ __all__ = [
     'read_manifest',
     'stopped_early',
     'training_order',
-    'with_per_rank',
     'write_manifest',
 ]
 
@@ -229,6 +231,64 @@ def epoch_caches_names(rank: int) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------- the manifest
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """What a checkpoint's manifest says of the training it holds, besides
+    its files: :mod:`~skorch_accel_callbacks.state` describes a net in one,
+    :func:`manifest_content` turns it into the manifest's fields (in this
+    order), which :func:`write_manifest` seals with the files'."""
+
+    #: the checkpoint's name, e.g. ``epoch-0003``
+    name: str
+    #: complete epochs
+    epoch: int
+    #: ``{'step': optimizer steps, 'batches': training batches of the epoch
+    #: under way}``, optionally ``'fit_calls'`` (:func:`fit_calls`)
+    position: dict[str, Any]
+    best: bool
+    #: training ended with this checkpoint
+    finished: bool
+    #: a callback ended the training (:func:`stopped_early`)
+    stopped_early: bool
+    #: the fingerprint of the training data
+    data: Any
+    #: the hyper-parameters that change training
+    params: dict[str, Any]
+    #: what the position inside an epoch depends on
+    epoch_settings: dict[str, Any]
+    world_size: int
+    save_on_each_node: bool
+    #: each model's name, parameter names and shapes, in accelerate's order
+    models: list[list[Any]]
+    #: of each module by name, its parameters that require no gradient
+    frozen: dict[str, list[str]]
+    #: each optimizer's class and the sizes of its param groups
+    optimizers: list[list[Any]]
+    #: the versions of torch, accelerate, skorch and this package
+    versions: dict[str, str | None]
+    #: the FSDP shard layout, for a checkpoint of FSDP
+    fsdp: Any = None
+    #: which of :data:`PER_RANK_ITEMS` each rank stores in files of its own
+    per_rank: tuple[str, ...] = ()
+
+
+def manifest_content(record: CheckpointRecord) -> dict[str, Any]:
+    """The fields of the manifest of ``record``'s checkpoint, before
+    :func:`write_manifest` adds the files. A checkpoint whose ranks agree
+    (no ``per_rank``) is written in :data:`SHARED_STATES_FORMAT`, so that
+    versions which read only that format resume it; ``fsdp`` and
+    ``per_rank`` are written only when there are any."""
+    content: dict[str, Any] = {
+        'format_version': FORMAT_VERSION if record.per_rank else SHARED_STATES_FORMAT}
+    content.update((field.name, getattr(record, field.name)) for field in fields(record)
+                   if field.name not in ('fsdp', 'per_rank'))
+    if record.fsdp is not None:
+        content['fsdp'] = record.fsdp
+    if record.per_rank:
+        content['per_rank'] = list(record.per_rank)
+    return content
+
 
 def _file_sizes(folder: str) -> dict[str, int]:
     """Relative path -> size of every file below ``folder``."""
@@ -416,14 +476,6 @@ def per_rank_of(manifest: dict[str, Any]) -> frozenset[str]:
     stores per rank (none before the field existed); :func:`check_manifest` refused
     a malformed field."""
     return frozenset(manifest.get('per_rank') or ())
-
-
-def with_per_rank(manifest: dict[str, Any], items: list[str]) -> dict[str, Any]:
-    """``manifest`` saying that ``items`` are stored per rank (unchanged
-    without any: a checkpoint whose ranks agree reads as one of before)."""
-    if not items:
-        return manifest
-    return dict(manifest, format_version=FORMAT_VERSION, per_rank=list(items))
 
 
 def plain_history_name(manifest: dict[str, Any]) -> str:

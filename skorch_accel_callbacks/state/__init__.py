@@ -8,11 +8,11 @@ here (``__all__``); its modules are its own.
 """
 
 from skorch_accel_callbacks.state._compat import (
-    build_manifest,
     check_compatible,
     check_rank_files,
     check_same_data,
     check_world_size,
+    checkpoint_record,
     model_files,
     model_layout,
     restore_frozen,
@@ -85,7 +85,6 @@ __all__ = [
     'apply_callback_states',
     'apply_epoch_caches',
     'apply_loader_state',
-    'build_manifest',
     'can_skip',
     'capture_rng',
     'changed_callback_settings',
@@ -97,6 +96,7 @@ __all__ = [
     'check_same_params',
     'check_train_rows',
     'check_world_size',
+    'checkpoint_record',
     'data_fingerprint',
     'derived_rank_state',
     'derived_rng',

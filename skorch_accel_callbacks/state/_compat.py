@@ -1,8 +1,8 @@
 """Who can resume a checkpoint: the description of a net a manifest records,
 and the checks of a net against a checkpoint's manifest.
 
-:func:`build_manifest` describes a net as a checkpoint's manifest records
-it (:mod:`~skorch_accel_callbacks.format._manifest` writes it): the model layout, the
+:func:`checkpoint_record` describes a net as a checkpoint's manifest records
+it (:mod:`~skorch_accel_callbacks.format` writes it): the model layout, the
 optimizers, the world size, the package versions, and the settings of
 :mod:`~skorch_accel_callbacks.state._settings` (the hyper-parameters that change
 training, what the position inside an epoch depends on). The ``check_*``
@@ -21,7 +21,7 @@ from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointErro
 from skorch_accel_callbacks.format import (
     MANIFEST_NAME,
     PER_RANK_ITEMS,
-    SHARED_STATES_FORMAT,
+    CheckpointRecord,
     batches_into_epoch,
     epoch_caches_names,
     load_without_code,
@@ -34,11 +34,11 @@ from skorch_accel_callbacks.format import (
 from skorch_accel_callbacks.state import _fsdp_layout as fsdp_layout, _settings as settings
 
 __all__ = [
-    'build_manifest',
     'check_compatible',
     'check_rank_files',
     'check_same_data',
     'check_world_size',
+    'checkpoint_record',
     'frozen_parameters',
     'model_files',
     'model_layout',
@@ -97,10 +97,10 @@ def optimizer_layout(net: Any) -> list[list[Any]]:
     return layout
 
 
-def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_early: bool,
-                   data: Any, position: dict[str, int],
-                   loader: Any = None) -> dict[str, Any]:
-    """The manifest of the checkpoint ``name`` of ``net``, without its files.
+def checkpoint_record(net: Any, name: str, best: bool, finished: bool, stopped_early: bool,
+                      data: Any, position: dict[str, int], loader: Any = None,
+                      per_rank: tuple[str, ...] = ()) -> CheckpointRecord:
+    """What the manifest of the checkpoint ``name`` of ``net`` records of it.
 
     ``finished``: training ended with this checkpoint (``max_epochs``
     reached, or a callback stopped it: ``stopped_early``); ``data``: the
@@ -110,32 +110,29 @@ def build_manifest(net: Any, name: str, best: bool, finished: bool, stopped_earl
     of the epoch under way}`` (0 batches at an epoch's end), and
     optionally ``'fit_calls'``: ``[[first epoch, last epoch], ...]`` of each
     ``fit``/``partial_fit`` call since ``initialize``, the last the one it is
-    taken in (:func:`~skorch_accel_callbacks.format._manifest.fit_calls`); ``loader``: the
-    training loader of the epoch (for its number of rows).
+    taken in (:func:`~skorch_accel_callbacks.format.fit_calls`); ``loader``: the
+    training loader of the epoch (for its number of rows); ``per_rank``: the
+    states that each rank stores in files of its own.
     """
-    manifest = {
-        'format_version': SHARED_STATES_FORMAT,
-        'name': name,
-        # complete epochs
-        'epoch': len(net.history) - (1 if position['batches'] else 0),
-        'position': position,
-        'best': bool(best),
-        'finished': bool(finished),
-        'stopped_early': bool(stopped_early),
-        'data': data,
-        'params': settings.training_params(net),
-        'epoch_settings': settings.epoch_settings(net, loader),
-        'world_size': sync.num_processes(net),
-        'save_on_each_node': accelerate_io.save_on_each_node(net.accelerator),
-        'models': model_layout(net),
-        'frozen': frozen_parameters(net),
-        'optimizers': optimizer_layout(net),
-        'versions': _package_versions(),
-    }
-    layout = fsdp_layout.shard_layout(net.accelerator)
-    if layout is not None:
-        manifest['fsdp'] = layout
-    return manifest
+    return CheckpointRecord(
+        name=name,
+        epoch=len(net.history) - (1 if position['batches'] else 0),
+        position=position,
+        best=bool(best),
+        finished=bool(finished),
+        stopped_early=bool(stopped_early),
+        data=data,
+        params=settings.training_params(net),
+        epoch_settings=settings.epoch_settings(net, loader),
+        world_size=sync.num_processes(net),
+        save_on_each_node=accelerate_io.save_on_each_node(net.accelerator),
+        models=model_layout(net),
+        frozen=frozen_parameters(net),
+        optimizers=optimizer_layout(net),
+        versions=_package_versions(),
+        fsdp=fsdp_layout.shard_layout(net.accelerator),
+        per_rank=tuple(per_rank),
+    )
 
 
 def frozen_parameters(net: Any) -> dict[str, list[str]]:

@@ -3,7 +3,7 @@ its callbacks' settings, and what the position inside an epoch depends on.
 
 A checkpoint's manifest records them (:func:`training_params`,
 :func:`epoch_settings`, written by
-:func:`~skorch_accel_callbacks.state._compat.build_manifest`); a resume with other
+:func:`~skorch_accel_callbacks.state._compat.checkpoint_record`); a resume with other
 values is refused, naming each (:func:`check_same_params`,
 :func:`check_epoch_settings`, :func:`check_train_rows`), instead of silently
 continuing another training. Values are compared as
