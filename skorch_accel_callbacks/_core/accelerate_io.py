@@ -54,9 +54,11 @@ __all__ = [
     'check_plain_state',
     'dataloaders',
     'fsdp2_buffers',
+    'fsdp_model_file',
     'fsdp_state_dict_type',
     'gradients_applied',
     'is_fsdp2',
+    'is_fsdp_model_path',
     'leave_loader',
     'load_sharded_models',
     'load_state',
@@ -279,7 +281,7 @@ def fsdp_state_dict_type(accelerator: Accelerator) -> str:
 
 def shard_folders(accelerator: Accelerator) -> list[str]:
     """The folders of a sharded FSDP save: one per model, then one per optimizer."""
-    return ([f'{FSDP_MODEL_NAME}_{i}' for i in range(len(accelerator._models))]
+    return ([fsdp_model_file(i, sharded=True) for i in range(len(accelerator._models))]
             + [f'{OPTIMIZER_NAME}_{i}' for i in range(len(accelerator._optimizers))])
 
 
@@ -375,6 +377,24 @@ def model_file(index: int, safe_serialization: bool) -> str:
     return name if index == 0 else name.replace('.', f'_{index}.')
 
 
+_FSDP_MODEL_FILE = re.compile(rf'^{re.escape(FSDP_MODEL_NAME)}(?:_(\d+))?(?:\.bin)?$')
+
+
+def fsdp_model_file(index: int, sharded: bool) -> str:
+    """accelerate's name for the ``index``-th model of an FSDP save: the
+    folder of a sharded state dict (``pytorch_model_fsdp_0``) or the file
+    of a full one (``pytorch_model_fsdp.bin``, ``pytorch_model_fsdp_1.bin``)."""
+    if sharded:
+        return f'{FSDP_MODEL_NAME}_{index}'
+    return f'{FSDP_MODEL_NAME}.bin' if index == 0 else f'{FSDP_MODEL_NAME}_{index}.bin'
+
+
+def is_fsdp_model_path(rel: str) -> bool:
+    """Whether the relative path ``rel`` of a checkpoint is an FSDP model's
+    file or lies in one's folder."""
+    return _FSDP_MODEL_FILE.match(rel.replace(os.sep, '/').split('/')[0]) is not None
+
+
 def _optimizer_file(index: int) -> str:
     return f'{OPTIMIZER_NAME}.bin' if index == 0 else f'{OPTIMIZER_NAME}_{index}.bin'
 
@@ -407,9 +427,6 @@ def save_state(
 
 def load_state(accelerator: Accelerator, folder: str | os.PathLike) -> None:
     accelerator.load_state(folder)
-
-
-_FSDP_MODEL_FILE = re.compile(rf'^{re.escape(FSDP_MODEL_NAME)}(?:_(\d+))?(?:\.bin)?$')
 
 
 def load_sharded_models(accelerator: Accelerator, models: Mapping[str, torch.nn.Module],

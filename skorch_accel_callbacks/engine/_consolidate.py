@@ -31,15 +31,13 @@ from accelerate import PartialState
 from accelerate.utils import SAFE_WEIGHTS_NAME, merge_fsdp_weights
 from safetensors.torch import load_file
 
+from skorch_accel_callbacks._core import accelerate_io
 from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.format import DCP_METADATA_NAME, load_without_code, read_naming_fault
 from skorch_accel_callbacks.state import model_files as recorded_model_files
 
 __all__ = ['check_sharded_model', 'is_sharded_model', 'loadable', 'model_files',
            'read_model', 'read_sharded_model']
-
-# accelerate's FSDP_MODEL_NAME (accelerate.utils.constants, not exported)
-FSDP_MODEL_NAME = 'pytorch_model_fsdp'
 
 _CHECKPOINT = 'torch.distributed.checkpoint'
 # what a .metadata of torch 2.3 to 2.13 is made of, and nothing that runs code
@@ -69,8 +67,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 def _fsdp_model_file(index: int, files: dict[str, Any]) -> str | None:
     """The listed folder (sharded) or file (full state dict) of the
     ``index``-th model of an FSDP checkpoint listing ``files``, or None."""
-    sharded = f'{FSDP_MODEL_NAME}_{index}'
-    full = f'{FSDP_MODEL_NAME}.bin' if index == 0 else f'{FSDP_MODEL_NAME}_{index}.bin'
+    sharded = accelerate_io.fsdp_model_file(index, sharded=True)
+    full = accelerate_io.fsdp_model_file(index, sharded=False)
     if os.path.join(sharded, DCP_METADATA_NAME) in files:
         return sharded
     return full if full in files else None
@@ -89,7 +87,7 @@ def model_files(manifest: dict[str, Any], folder: str) -> list[tuple[str, str]]:
     files = manifest.get('files')
     models = manifest.get('models')
     if not (isinstance(files, dict) and isinstance(models, list)
-            and any(name.startswith(FSDP_MODEL_NAME) for name in files)):
+            and any(accelerate_io.is_fsdp_model_path(name) for name in files)):
         return recorded_model_files(manifest, folder)
     if not all(isinstance(entry, list) and entry and isinstance(entry[0], str)
                for entry in models):
@@ -98,7 +96,8 @@ def model_files(manifest: dict[str, Any], folder: str) -> list[tuple[str, str]]:
     for index, entry in enumerate(models):
         name = _fsdp_model_file(index, files)
         if name is None:
-            missing = os.path.join(folder, f'{FSDP_MODEL_NAME}_{index}', DCP_METADATA_NAME)
+            missing = os.path.join(folder, accelerate_io.fsdp_model_file(index, sharded=True),
+                                   DCP_METADATA_NAME)
             raise CorruptCheckpointError(
                 f"{missing} is missing: the manifest lists model {entry[0]!r} but not its "
                 "file")
