@@ -102,8 +102,11 @@ def test_the_command_on_a_url_behaves_as_on_a_folder(trained, tmp_path, capsys):
     assert cli.main(['verify', f'{url}/epoch-0002']) == cli.OK
     assert capsys.readouterr().out.startswith(f"{url}/epoch-0002: intact (")
     assert cli.main(['list', url]) == cli.OK
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:5]]
+    listed = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in listed[2:5]]
     assert [row[0] for row in rows] == ['epoch-0001', 'epoch-0002', 'epoch-0003']
+    # a local folder's lock file and leftovers: a store has neither
+    assert not [line for line in listed if line.startswith(('left over', 'lock:'))], listed
     # the score column reads each checkpoint's history in the store
     assert all(row[4] == 'valid_loss' and float(row[5]) > 0 for row in rows), rows
     assert leftovers() == []

@@ -97,6 +97,10 @@ class CheckpointStorage(abc.ABC):
     """
 
     dirname: str
+    #: whether the checkpoints are kept in the local folder ``dirname``,
+    #: beside the folder's lock file and what a job leaves over; False for
+    #: an object store, of whose checkpoints :meth:`path` names a local copy
+    keeps_local_folder: bool = False
 
     # ------------------------------------------------------------ backend
 

@@ -61,6 +61,8 @@ class CheckpointFolder(CheckpointStorage):
 
     """
 
+    keeps_local_folder = True
+
     def __init__(self, dirname: str | os.PathLike[str]) -> None:
         self.dirname = os.fspath(dirname)
         self._lock = FolderLock(self.dirname)

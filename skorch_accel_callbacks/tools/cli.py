@@ -79,7 +79,7 @@ def _list(args: argparse.Namespace, out: TextIO) -> int:
     print('pointers: ' + '; '.join(
         f"{pointer_name(which)} -> {storage.pointed(which) or 'none'}"
         for which in POINTERS), file=out)
-    if os.path.isdir(storage.dirname):
+    if storage.keeps_local_folder:
         # what a job leaves beside its checkpoints: a local folder's own
         _print_leftovers_and_lock(storage.dirname, out)
     return DAMAGED if any(row['problem'] for row in rows) else OK
@@ -210,7 +210,7 @@ def _verify_one(storage: CheckpointStorage, target: str) -> tuple[str, inspectio
     if not is_checkpoint_name(target):
         return target, inspection.verify(target)
     where = storage.url(target)
-    if not os.path.isdir(storage.path(target)):
+    if not (storage.keeps_local_folder or os.path.isdir(storage.path(target))):
         try:
             storage.fetch(target)
         except CorruptCheckpointError as exc:
