@@ -84,6 +84,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_peers.py
 	$(PY) benchmarks/bench_mid_epoch.py
+	$(PY) benchmarks/bench_resume.py
 
 bench-s3: $(STAMP)
 	$(PY) benchmarks/bench_remote.py

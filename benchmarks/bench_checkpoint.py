@@ -98,10 +98,11 @@ def data():
             torch.randn(8, WIDTH, generator=gen).numpy())
 
 
-def quiet_fit(net):
+def quiet_fit(net, X_y=None):
+    """``net`` fitted on ``X_y`` (default: :func:`data`), printing nothing."""
     # skorch's AccelerateMixin prints the epoch table whatever net.verbose says
     with contextlib.redirect_stdout(io.StringIO()):
-        return net.fit(*data())
+        return net.fit(*(X_y or data()))
 
 
 def trained_net(size):

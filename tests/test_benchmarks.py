@@ -73,3 +73,57 @@ def test_bench_peers_2_process_run_had_2_processes(quick_peers):
     launched = [title for title in quick_peers if 'processes' in title]
     assert launched and all(title.split(', ', 1)[1].startswith('2 processes ')
                             for title in launched), launched
+
+
+# the relaunch benchmark's variants and ratios, in both runs
+RESUME_VARIANTS = ('nothing to resume', 'ours, resumed at an epoch end',
+                   'ours, resumed inside an epoch', 'DCP get_state_dict + load + set_state_dict',
+                   'torch.load(weights_only=True) + load_state_dict', 'accelerator.load_state',
+                   'disk: every file of our checkpoint read')
+RESUME_RATIOS = ('load: ours at an epoch end / DCP', 'load: ours inside an epoch / DCP',
+                 'load: ours at an epoch end / disk read', 'relaunch: ours at an epoch end / DCP')
+
+
+def resume_sections(text):
+    """Title -> rows, of ``bench_resume.py``'s report."""
+    found, title = {}, None
+    for line in text.splitlines():
+        if line.startswith(('A relaunch:', 'Ratios,')):
+            title = line
+            found[title] = []
+        elif title and line and not line.startswith(('=', 'params')):
+            found[title].append(re.split(r'\s{2,}', line.strip()))
+    return found
+
+
+# a relaunch per variant, page cache state and process count: 3 min 40 s
+# of one round on 2 loaded cores, which make test cannot spare
+@pytest.mark.slow
+@pytest.mark.extended
+def test_bench_resume_quick_reports_every_variant_in_1_and_2_processes(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), os.environ.get('PYTHONPATH', '')]))
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / 'bench_resume.py'), '--quick', '--repeats', '1',
+         '--dir', str(tmp_path), '--timeout', str(TIMEOUT)],
+        env=env, capture_output=True, text=True, timeout=2 * TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    found = resume_sections(proc.stdout)
+    caches = {'warm', 'cold'} if os.access('/proc/sys/vm/drop_caches', os.W_OK) else {'warm'}
+    # the titles' count is the world size the launched ranks reported (the
+    # script refuses a run whose ranks saw another)
+    wheres = ('one process', '2 processes (DDP, gloo; the world size the ranks saw), '
+              'the slower rank')
+    for where in wheres:
+        rows = found[f'A relaunch: fit to the first step, and the load within it; {where}']
+        assert {(row[2], row[3]) for row in rows} == {
+            (cache, variant) for cache in caches for variant in RESUME_VARIANTS}, rows
+        for row in rows:
+            fit = list(map(float, row[4:7]))
+            assert 0 < fit[0] <= fit[1] <= fit[2], row
+            if row[3] != 'nothing to resume':
+                load = list(map(float, row[7:10]))
+                # the load is part of the relaunch it was timed in
+                assert 0 < load[0] <= load[1] <= load[2] and load[0] < fit[0], row
+        ratios = {(row[1], row[2]) for row in found[f'Ratios, {where}']}
+        assert {(cache, ratio) for cache in caches for ratio in RESUME_RATIOS} <= ratios

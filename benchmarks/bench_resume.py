@@ -1,0 +1,471 @@
+"""What a preempted user waits for: the relaunch, from ``fit`` to the first
+trained step, ours beside the peers' resumes of the same state.
+
+usage: python benchmarks/bench_resume.py [--sizes 25e6,50e6,100e6]
+       [--repeats 5] [--nproc 1,2] [--caches cold,warm] [--quick]
+       [--dir runs/bench-resume]
+
+On the nets of ``bench_checkpoint.py`` (stacks of 1024x1024 linear layers,
+Adam, so the optimizer holds two tensors per parameter), trained one epoch
+of two batches per rank with a checkpoint after every step; the peers save
+the state of the epoch's end, and a second run stopped after its first
+step leaves a checkpoint inside the epoch. Then every variant is a
+relaunch in processes of its own (``nproc`` of them, launched as
+``torchrun`` would: ``tests/launcher.py``): the same script's ``net.fit``,
+timed to the first training batch, in a rotated order (round ``r`` starts
+with the ``r``-th variant, so each variant comes in every position across
+the rounds):
+
+- nothing to resume: what skorch and accelerate cost before any step
+  (``initialize``, the accelerator's ``prepare``, the loader);
+- ours: ``AccelerateLoadInitState``, from the checkpoint at the epoch's end
+  and from the one inside it (the checksums of every file verified on the
+  way, as always); its load is the time in its hooks;
+- the peers, each loading in a callback when training begins, as skorch's
+  ``LoadInitState`` does: torch DCP (``get_state_dict``, ``load``,
+  ``set_state_dict``, its documented resume), ``torch.load(weights_only=True)``
+  + ``load_state_dict``, and ``accelerator.load_state``;
+- the disk: every file of our checkpoint read into a buffer, the floor of
+  any load of those bytes.
+
+``cold``: the page cache dropped right before ``fit`` (``echo 3 >
+/proc/sys/vm/drop_caches``, which needs root; without it only ``warm``
+runs, and the report says so). ``warm``: every file of the variant read
+once before. In 2 processes (DDP on gloo) a figure is the slower rank's.
+Printed: min, median and max (ms) of the relaunch and of the load within
+it, and the ratios of medians and of mins, taken within the same run.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from bench_checkpoint import (
+    REPO,
+    WIDTH,
+    disk_of,
+    folder_bytes,
+    machine,
+    make_net,
+    ms,
+    quiet_fit,
+    table,
+)
+from skorch.callbacks import Callback
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+
+LABELS = {
+    'fresh': 'nothing to resume',
+    'ours_end': 'ours, resumed at an epoch end',
+    'ours_mid': 'ours, resumed inside an epoch',
+    'dcp': 'DCP get_state_dict + load + set_state_dict',
+    'torch': 'torch.load(weights_only=True) + load_state_dict',
+    'load_state': 'accelerator.load_state',
+    'disk': 'disk: every file of our checkpoint read',
+}
+# (label, ours, peer, measure): the relaunch or the load alone
+RATIOS = (
+    ('load: ours at an epoch end / DCP', 'ours_end', 'dcp', 'load'),
+    ('load: ours inside an epoch / DCP', 'ours_mid', 'dcp', 'load'),
+    ('load: ours at an epoch end / disk read', 'ours_end', 'disk', 'load'),
+    ('load: ours inside an epoch / disk read', 'ours_mid', 'disk', 'load'),
+    ('load: ours at an epoch end / accelerator.load_state', 'ours_end', 'load_state', 'load'),
+    ('relaunch: ours at an epoch end / DCP', 'ours_end', 'dcp', 'fit'),
+    ('relaunch: ours at an epoch end / nothing to resume', 'ours_end', 'fresh', 'fit'),
+)
+MEASURES = ('fit', 'load')
+# one epoch of two batches of 8 rows on every rank
+BATCHES_PER_RANK = 2
+BATCH_ROWS = 8
+
+
+# ---------------------------------------------------------------- processes
+
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def launched_world_size():
+    """The world size the launch gave (the process group starts later, with
+    the net's Accelerator)."""
+    return int(os.environ.get('WORLD_SIZE', 1))
+
+
+def rows(world_size):
+    gen = torch.Generator().manual_seed(0)
+    n = BATCHES_PER_RANK * BATCH_ROWS * world_size
+    return (torch.randn(n, WIDTH, generator=gen).numpy(),
+            torch.randn(n, WIDTH, generator=gen).numpy())
+
+
+def drop_page_cache():
+    barrier()
+    if rank() == 0:
+        os.sync()
+        Path('/proc/sys/vm/drop_caches').write_text('3\n')
+    barrier()
+
+
+def can_drop_page_cache():
+    return os.access('/proc/sys/vm/drop_caches', os.W_OK)
+
+
+def read_files(folder, buffer):
+    """Every file under ``folder`` read into ``buffer`` (reused): the bytes read."""
+    files = [folder] if folder.is_file() else sorted(
+        f for f in folder.rglob('*') if f.is_file())
+    view = memoryview(buffer)
+    total = 0
+    for file in files:
+        with open(file, 'rb', buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return total
+
+
+def warm(folder):
+    if folder.exists():
+        read_files(folder, bytearray(64 << 20))
+
+
+def checkpoint(dirname):
+    """Ours, as every run of the benchmark has it: a save after every step."""
+    return AccelerateCheckpoint(dirname=str(dirname), every_n_steps=1, keep_last=10)
+
+
+def last_saved(net):
+    return dict(net.callbacks_)['AccelerateCheckpoint'].last_saved_
+
+
+def state_dicts(net):
+    return {'model': net.accelerator.unwrap_model(net.module_).state_dict(),
+            'optimizer': net.optimizer_.state_dict()}
+
+
+# ---------------------------------------------------------------- the workers
+
+class StopBeforeSecondStep(Callback):
+    """Ends the fit when its second training batch begins: the checkpoint of
+    the first is committed by then (the checkpoint callback's hook runs after
+    this one's in a batch), a checkpoint inside the epoch."""
+
+    # ends a run, trains nothing: not part of the recorded settings
+    unrecorded_params = True
+
+    def initialize(self):
+        self.batches_ = 0
+        return self
+
+    def on_batch_begin(self, net, training=False, **kwargs):
+        if training:
+            self.batches_ += 1
+            if self.batches_ == 2:
+                raise StopBeforeSecondStep.Stopped
+
+    class Stopped(Exception):
+        pass
+
+
+def prepare(root, size):
+    """Train one epoch into ``ours`` and have the peers save the state of its
+    end; train again into ``ours-mid``, stopped after the first step. Rank 0
+    writes the names of the two checkpoints and the size of the first to
+    ``root/names.json``."""
+    world_size = launched_world_size()
+    net = make_net(size, max_epochs=1, callbacks=[checkpoint(root / 'ours')])
+    quiet_fit(net, rows(world_size))
+    net.accelerator.save_state(str(root / 'load_state'))
+    model_state, optimizer_state = get_state_dict(
+        net.accelerator.unwrap_model(net.module_), net.optimizer_)
+    dcp.save({'model': model_state, 'optimizer': optimizer_state},
+             checkpoint_id=str(root / 'dcp'))
+    if rank() == 0:
+        torch.save(state_dicts(net), root / 'torch.pt')
+    stopped = make_net(size, max_epochs=1, callbacks=[
+        checkpoint(root / 'ours-mid'), StopBeforeSecondStep()])
+    try:
+        quiet_fit(stopped, rows(world_size))
+    except StopBeforeSecondStep.Stopped:
+        pass
+    if rank() == 0:
+        end, mid = (root / 'ours' / last_saved(net), root / 'ours-mid' / last_saved(stopped))
+        (root / 'names.json').write_text(json.dumps({
+            'ours_end': str(end), 'ours_mid': str(mid), 'nbytes': folder_bytes(end)}))
+    barrier()
+    os.sync()
+
+
+class FirstStep(Callback):
+    """When the first training batch begins: writes the seconds since
+    ``started[0]`` and those the load spent (``load.seconds_``), and ends the
+    process there, so the checkpoints stay as they were for the next round."""
+
+    # measures, trains nothing: not part of the recorded settings
+    unrecorded_params = True
+
+    def __init__(self, started, load, out):
+        self.started = started
+        self.load = load
+        self.out = out
+
+    def on_batch_begin(self, net, training=False, **kwargs):
+        if training:
+            elapsed = time.perf_counter() - self.started[0]
+            Path(self.out).write_text(json.dumps({
+                'fit': elapsed, 'load': sum(getattr(self.load, 'seconds_', [0.0])),
+                'world_size': net.accelerator.num_processes}))
+            barrier()
+            os._exit(0)
+
+
+class TimedLoadInitState(AccelerateLoadInitState):
+    """Ours, its hooks timed: what the resume costs inside the fit."""
+
+    def initialize(self):
+        super().initialize()
+        self.seconds_ = []
+        return self
+
+    def on_train_begin(self, net, X=None, y=None, **kwargs):
+        with self._timed():
+            super().on_train_begin(net, X=X, y=y, **kwargs)
+
+    def on_epoch_begin(self, net, dataset_train=None, **kwargs):
+        with self._timed():
+            super().on_epoch_begin(net, dataset_train=dataset_train, **kwargs)
+
+    @contextlib.contextmanager
+    def _timed(self):
+        start = time.perf_counter()
+        yield
+        self.seconds_.append(time.perf_counter() - start)
+
+
+class PeerLoad(Callback):
+    """A peer's resume: its load of the state when training begins, into
+    the net that ``initialize`` built and the accelerator prepared, as
+    skorch's ``LoadInitState`` loads."""
+
+    unrecorded_params = True
+
+    def __init__(self, variant, path):
+        self.variant = variant
+        self.path = path
+
+    def initialize(self):
+        self.seconds_ = []
+        # the floor's buffer exists before the timing; the peers allocate their tensors
+        self.buffer_ = bytearray(64 << 20) if self.variant == 'disk' else None
+        return self
+
+    def on_train_begin(self, net, **kwargs):
+        start = time.perf_counter()
+        load_peer(self.variant, net, Path(self.path), self.buffer_)
+        self.seconds_.append(time.perf_counter() - start)
+
+
+def run_variant(variant, root, size, cache, out):
+    """One relaunch of ``variant``: ``fit`` to the first training batch in
+    this process; each rank writes its seconds (the whole and the load's)
+    and the world size it saw to ``out/rank-R.json``."""
+    world_size = launched_world_size()
+    names = json.loads((root / 'names.json').read_text())
+    files = {'fresh': None, 'ours_end': names['ours_end'], 'ours_mid': names['ours_mid'],
+             'dcp': root / 'dcp', 'torch': root / 'torch.pt',
+             'load_state': root / 'load_state', 'disk': names['ours_end']}[variant]
+    files = files and Path(files)
+    cp = checkpoint(files.parent if variant.startswith('ours') else root / 'fresh')
+    if variant.startswith('ours'):
+        load = TimedLoadInitState(cp, resume=str(files))
+    elif variant != 'fresh':
+        load = PeerLoad(variant, files)
+    else:
+        load = None
+    started = [0.0]
+    clock = FirstStep(started, load, Path(out) / f"rank-{os.environ.get('RANK', 0)}.json")
+    net = make_net(size, max_epochs=2, callbacks=[cp, *([load] if load else []), clock])
+    before_timing(cache, files)
+    started[0] = time.perf_counter()
+    quiet_fit(net, rows(world_size))
+    raise RuntimeError(f"{variant}: the fit reached no training batch")
+
+
+def before_timing(cache, files):
+    if cache == 'cold':
+        drop_page_cache()
+    elif files is not None:
+        warm(files)
+    barrier()
+
+
+def load_peer(variant, net, path, buffer):
+    model = net.accelerator.unwrap_model(net.module_)
+    if variant == 'dcp':
+        # DCP's recipe: state dicts whose optimizer state exists (get_state_dict
+        # creates it), loaded in place, then set into the model and optimizer
+        model_state, optimizer_state = get_state_dict(model, net.optimizer_)
+        state = {'model': model_state, 'optimizer': optimizer_state}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(model, net.optimizer_, model_state_dict=state['model'],
+                       optim_state_dict=state['optimizer'])
+    elif variant == 'torch':
+        state = torch.load(path, weights_only=True)
+        model.load_state_dict(state['model'])
+        net.optimizer_.load_state_dict(state['optimizer'])
+    elif variant == 'load_state':
+        net.accelerator.load_state(str(path))
+    else:
+        read_files(path, buffer)
+
+
+def worker(args):
+    kind, root, size, *rest = args
+    root, size = Path(root), float(size)
+    if kind == 'prepare':
+        prepare(root, size)
+    else:
+        run_variant(kind, root, size, *rest)
+    barrier()
+    if dist.is_initialized():
+        # leaving gloo's threads to the interpreter's exit sometimes aborts the process
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the driver
+
+def bench(size, nproc, caches, repeats, root, timeout):
+    """Every variant ``repeats`` times in each page cache state, a process
+    (``nproc`` ranks) each: ``({(cache, variant, measure): [seconds]},
+    checkpoint bytes)``, the measures ``'fit'`` (to the first step) and
+    ``'load'``, each the slower rank's."""
+    from launcher import launch
+    root = Path(root) / f'{nproc}-processes-{size:g}'
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    script = Path(__file__).resolve()
+    launch(script, '--worker', 'prepare', root, size, nproc=nproc, timeout=timeout).check()
+    nbytes = json.loads((root / 'names.json').read_text())['nbytes']
+    variants = list(LABELS)
+    times = {(cache, v, m): [] for cache in caches for v in variants for m in MEASURES}
+    for round_ in range(repeats):
+        shift = round_ % len(variants)
+        for cache in caches:
+            for variant in variants[shift:] + variants[:shift]:
+                out = root / 'out'
+                out.mkdir()
+                launch(script, '--worker', variant, root, size, cache, out,
+                       nproc=nproc, timeout=timeout).check()
+                seen = [json.loads((out / f'rank-{r}.json').read_text()) for r in range(nproc)]
+                worlds = {r['world_size'] for r in seen}
+                if worlds != {nproc}:
+                    raise RuntimeError(f"{variant} ran in {worlds} processes, not {nproc}")
+                for measure in MEASURES:
+                    times[cache, variant, measure].append(max(r[measure] for r in seen))
+                shutil.rmtree(out)
+                shutil.rmtree(root / 'fresh', ignore_errors=True)
+    shutil.rmtree(root)
+    return times, nbytes
+
+
+# ---------------------------------------------------------------- report
+
+def spread(values):
+    return min(values), statistics.median(values), max(values)
+
+
+def ratio_rows(size, cache, times):
+    """Ours over each peer, of medians and of mins, taken within one run."""
+    rows = []
+    for label, ours_key, peer_key, measure in RATIOS:
+        ours = spread(times[cache, ours_key, measure])
+        peer = spread(times[cache, peer_key, measure])
+        rows.append([f"{size / 1e6:g}M", cache, label, ms(ours[1]), ms(peer[1]),
+                     f"{ours[1] / peer[1]:.2f}", f"{ours[0] / peer[0]:.2f}"])
+    return rows
+
+
+def report(runs, args, root, caches, cold_refused):
+    out = [f"Machine: {machine()}; disk: {disk_of(root)}; torch {torch.__version__}; "
+           f"{args.repeats} rounds, a process per variant and round, rotated order; "
+           f"1 thread per rank; ms. Page cache: {', '.join(caches)}"
+           + (' (cold needs root: /proc/sys/vm/drop_caches)' if cold_refused else '')
+           + f". CUDA: {torch.cuda.is_available()}."]
+    for nproc, results in runs:
+        where = ('one process' if nproc == 1 else
+                 f'{nproc} processes (DDP, gloo; the world size the ranks saw), the slower rank')
+        rows, ratios = [], []
+        for size, times, nbytes in results:
+            for cache in caches:
+                for variant, label in LABELS.items():
+                    row = [f"{size / 1e6:g}M", f"{nbytes / 2 ** 20:.0f}", cache, label]
+                    for measure in MEASURES:
+                        if variant == 'fresh' and measure == 'load':
+                            row += ['-'] * 3
+                        else:
+                            row += [ms(x) for x in spread(times[cache, variant, measure])]
+                    rows.append(row)
+                ratios += ratio_rows(size, cache, times)
+        out += ['', f'A relaunch: fit to the first step, and the load within it; {where}', '',
+                table(rows, ['params', 'MiB', 'cache', 'variant', 'fit min', 'fit median',
+                             'fit max', 'load min', 'load median', 'load max']),
+                '', f'Ratios, {where}', '',
+                table(ratios, ['params', 'cache', 'ratio', 'ours (median)',
+                               'peer (median)', 'of medians', 'of mins'])]
+    return '\n'.join(out)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--sizes', default='25e6,50e6,100e6')
+    parser.add_argument('--repeats', type=int, help='rounds (default 5; 2 with --quick)')
+    parser.add_argument('--nproc', default='1,2', help='process counts, e.g. 1,2')
+    parser.add_argument('--caches', default='cold,warm',
+                        help='page cache states: cold (needs root), warm')
+    parser.add_argument('--quick', action='store_true', help='size 1e6, 2 rounds by default')
+    parser.add_argument('--dir', default=str(REPO / 'runs' / 'bench-resume'))
+    parser.add_argument('--timeout', type=float, default=600,
+                        help='seconds one launched run may take')
+    parser.add_argument('--worker', nargs='+', help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker)
+        return
+    if args.quick:
+        args.sizes = '1e6'
+    args.repeats = args.repeats or (2 if args.quick else 5)
+    caches = args.caches.split(',')
+    cold_refused = 'cold' in caches and not can_drop_page_cache()
+    if cold_refused:
+        caches.remove('cold')
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for nproc in (int(n) for n in args.nproc.split(',')):
+        results = []
+        for size in (float(s) for s in args.sizes.split(',')):
+            results.append((size, *bench(size, nproc, caches, args.repeats, root, args.timeout)))
+            print(f"{nproc} process(es): size {size:g} done", file=sys.stderr, flush=True)
+        runs.append((nproc, results))
+    print(report(runs, args, root, caches, cold_refused))
+
+
+if __name__ == '__main__':
+    main()
