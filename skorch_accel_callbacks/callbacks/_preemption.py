@@ -12,29 +12,20 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from types import FrameType
 
-from skorch_accel_callbacks._core import sync
-from skorch_accel_callbacks.callbacks import _triggers as triggers
-
-__all__ = ['Ballot', 'SignalWatch', 'StepPoll', 'check_signals']
+__all__ = ['SignalWatch', 'check_signals']
 
 # what cannot be caught, or is not a request to stop
 _REFUSED = {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGCONT}
 
 # the watch whose handlers are set (signal handlers belong to the process)
 _installed = None
-
-# steps between two votes on signals and time: about this many seconds, and
-# at most this many steps
-_VOTE_SECONDS = 0.5
-_MAX_VOTE_STEPS = 1000
 
 
 def check_signals(
@@ -172,157 +163,3 @@ class SignalWatch:
     def __getstate__(self) -> dict[str, Any]:
         # handlers belong to this process and may not pickle
         return dict(self.__dict__, _previous={}, received=None, interrupted=None)
-
-
-class Ballot(NamedTuple):
-    """One process's vote on saving, posted at an optimizer step."""
-
-    #: the number of a stop signal this process received, 0 for none
-    signal: int
-    #: (main process) ``every_n_seconds`` passed since the last save
-    time_due: bool
-    #: (main process) optimizer steps until the vote after this one
-    interval: int
-
-
-class StepPoll:
-    """Whether a signal or the time since the last save asks for a save
-    after an optimizer step: the same answer on every rank at the same step.
-
-    A signal may reach one rank only, and the time is measured on the main
-    process, so with several processes the ranks vote (:class:`sync.Vote`)
-    without waiting: a vote is posted and counted when the next one is,
-    a number of steps later that the votes themselves agree on. The main
-    process proposes as many steps as take about ``_VOTE_SECONDS`` (or half
-    of ``every_n_seconds``, if shorter), so that posting one (a few hundred
-    microseconds on gloo) costs well under 1% of training, and a signal is
-    seen within about two such intervals.
-
-    Parameters
-    ----------
-    every_n_seconds : float or None
-      Seconds between two saves asked for by time; None asks for none.
-
-    Attributes
-    ----------
-    watch : SignalWatch
-      The handlers that note the signals.
-    """
-
-    def __init__(self, every_n_seconds: float | None = None) -> None:
-        self.every_n_seconds = every_n_seconds
-        self.watch = SignalWatch()
-        self._vote: sync.Vote | None = None
-        self._last_save = time.monotonic()
-        self._is_main = True
-        self._next_vote = 0
-        self._interval = 1
-        self._voted_at = (0, self._last_save)
-
-    def begin(self, net: Any) -> None:
-        """Start counting time; with several processes, open the vote (every
-        rank needs to hear of a signal, SIGINT at least)."""
-        self._last_save = time.monotonic()
-        self._is_main = sync.is_main_process(net)
-        if sync.is_distributed(net):
-            self._vote = sync.Vote(net)
-            self._next_vote = 0
-            self._interval = 1
-            self._voted_at = (0, self._last_save)
-
-    def install(self, net: Any, owner: str, stop: tuple[signal.Signals, ...]) -> None:
-        """Watch the signals ``stop``, which save and stop training. A
-        Ctrl-C (SIGINT) stops every rank so too when there are several (one
-        rank's KeyboardInterrupt would leave the others waiting in a
-        collective); in one process it ends ``fit`` as skorch's does, noted
-        (:attr:`interrupted`) so that it is not taken for a callback's
-        decision."""
-        stop = tuple(stop)
-        if signal.SIGINT in stop:
-            self.watch.install(owner, stop)
-        elif sync.is_distributed(net):
-            self.watch.install(owner, stop + (signal.SIGINT,))
-        else:
-            self.watch.install(owner, stop, (signal.SIGINT,))
-
-    @property
-    def stop_signals(self) -> tuple[signal.Signals, ...]:
-        """The signals that save and stop training, while installed."""
-        return self.watch.stop_signals
-
-    @property
-    def interrupted(self) -> signal.Signals | None:
-        """A signal passed on to its previous handler (SIGINT in one process)."""
-        return self.watch.interrupted
-
-    def saved(self) -> None:
-        """A save was taken: the time until the next one starts now."""
-        self._last_save = time.monotonic()
-
-    def _time_due(self, now: float) -> bool:
-        return self.every_n_seconds is not None and triggers.time_due(
-            now - self._last_save, self.every_n_seconds)
-
-    def at_step(self, step: int) -> tuple[signal.Signals | None, bool]:
-        """``(signal, time due)`` after the optimizer step ``step`` (counted
-        over resumes, the same on every rank)."""
-        if self._vote is None:
-            received = self.watch.received
-            return received, self._time_due(time.monotonic())
-        if step < self._next_vote:
-            return None, False
-        now = time.monotonic()
-        proposed = 0
-        if self._is_main:
-            steps = step - self._voted_at[0]
-            seconds = max(now - self._voted_at[1], 1e-9)
-            wanted = (_VOTE_SECONDS if self.every_n_seconds is None
-                      else min(_VOTE_SECONDS, self.every_n_seconds / 2))
-            proposed = max(1, min(_MAX_VOTE_STEPS, round(wanted * steps / seconds)))
-        self._voted_at = (step, now)
-        mine = Ballot(int(self.watch.received or 0), self._is_main and self._time_due(now),
-                      proposed)
-        # none under way at an epoch's first vote: the interval agreed before
-        counted = self._count() or Ballot(0, False, self._interval)
-        self._vote.post(mine)
-        self._interval = counted.interval
-        self._next_vote = step + counted.interval
-        return _signal(counted.signal), bool(counted.time_due)
-
-    def at_epoch_end(self, step: int) -> signal.Signals | None:
-        """The signal any rank got by the end of this epoch: every rank
-        counts the vote under way and one more (the end of an epoch waits
-        for collectives anyway)."""
-        received = int(self.watch.received or 0)
-        if self._vote is not None:
-            counted = self._count() or Ballot(0, False, 1)
-            self._vote.post(Ballot(received, False, 0))
-            received = max(received, counted.signal, self._count().signal)
-            # the next epoch votes at its first step
-            self._next_vote = step + 1
-        return _signal(received)
-
-    def at_train_end(self, net: Any) -> signal.Signals | None:
-        """The signal any rank got that training did not stop for (it came
-        during the end of training): every rank counts the vote under way
-        and what every rank got since."""
-        received = int(self.watch.received or 0)
-        if self._vote is not None:
-            counted = self._count()
-            received = max(sync.gather(net, max(received, counted.signal if counted else 0)))
-        return _signal(received)
-
-    def _count(self) -> Ballot | None:
-        counted = self._vote.count()
-        return None if counted is None else Ballot(*counted)
-
-    def close(self) -> None:
-        """Put the signal handlers back and let go of the vote."""
-        self.watch.uninstall()
-        vote, self._vote = self._vote, None
-        if vote is not None:
-            vote.close()
-
-
-def _signal(number: int) -> signal.Signals | None:
-    return signal.Signals(number) if number else None

@@ -18,7 +18,7 @@ from skorch_accel_callbacks._core.base import FolderStateCallback, keyword_sugge
 from skorch_accel_callbacks._core.wrapping import bare_modules, own_registries
 from skorch_accel_callbacks.callbacks import _triggers as triggers
 from skorch_accel_callbacks.callbacks._loadable import LoadableCheckpoint
-from skorch_accel_callbacks.callbacks._preemption import StepPoll, check_signals
+from skorch_accel_callbacks.callbacks._preemption import check_signals
 from skorch_accel_callbacks.callbacks.mixin import AccelerateFixesMixin
 from skorch_accel_callbacks.engine import (
     BackgroundWriter,
@@ -348,7 +348,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             self._open(os.fspath(self.dirname))
         self.last_saved_ = None
         self.global_step_ = 0
-        self._poll = StepPoll(self.every_n_seconds)
+        self._poll = triggers.StepPoll(self.every_n_seconds)
         # training batches of the epoch under way, and the random states it began with
         self._batches = 0
         self._epoch_start = None
