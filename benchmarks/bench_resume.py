@@ -62,6 +62,7 @@ from bench_checkpoint import (
     quiet_fit,
     table,
 )
+from bench_peers import barrier, rank
 from skorch.callbacks import Callback
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -93,15 +94,6 @@ BATCH_ROWS = 8
 
 
 # ---------------------------------------------------------------- processes
-
-def rank():
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
 
 def launched_world_size():
     """The world size the launch gave (the process group starts later, with

@@ -26,11 +26,12 @@ RATIOS = ('ours durable / DCP save', 'ours durable / disk',
           'ours async blocked / DCP async blocked', 'ours async blocked / memory copy')
 
 
-def sections(text):
-    """Title -> the rows of the table below it (lists of cells)."""
+def sections(text, titles=('One save,', 'Ratios,')):
+    """Title -> the rows of the table below it (lists of cells), of the
+    tables whose titles begin with one of ``titles``."""
     found, title = {}, None
     for line in text.splitlines():
-        if line.startswith(('One save,', 'Ratios,')):
+        if line.startswith(titles):
             title = line
             found[title] = []
         elif title and line and not line.startswith(('=', 'params')):
@@ -84,18 +85,6 @@ RESUME_RATIOS = ('load: ours at an epoch end / DCP', 'load: ours inside an epoch
                  'load: ours at an epoch end / disk read', 'relaunch: ours at an epoch end / DCP')
 
 
-def resume_sections(text):
-    """Title -> rows, of ``bench_resume.py``'s report."""
-    found, title = {}, None
-    for line in text.splitlines():
-        if line.startswith(('A relaunch:', 'Ratios,')):
-            title = line
-            found[title] = []
-        elif title and line and not line.startswith(('=', 'params')):
-            found[title].append(re.split(r'\s{2,}', line.strip()))
-    return found
-
-
 # a relaunch per variant, page cache state and process count: 3 min 40 s
 # of one round on 2 loaded cores, which make test cannot spare
 @pytest.mark.slow
@@ -108,7 +97,7 @@ def test_bench_resume_quick_reports_every_variant_in_1_and_2_processes(tmp_path)
          '--dir', str(tmp_path), '--timeout', str(TIMEOUT)],
         env=env, capture_output=True, text=True, timeout=2 * TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    found = resume_sections(proc.stdout)
+    found = sections(proc.stdout, ('A relaunch:', 'Ratios,'))
     caches = {'warm', 'cold'} if os.access('/proc/sys/vm/drop_caches', os.W_OK) else {'warm'}
     # the titles' count is the world size the launched ranks reported (the
     # script refuses a run whose ranks saw another)
