@@ -88,3 +88,14 @@ def test_predictions_gathered_in_two_processes_are_held_until_gloo_let_go(run_wo
         # 32 steps of 16 rows per process, 3 tensors passed per step
         assert held['gathered'] == 32 * 3
         assert held['after_steps'] == [0] * 32 and held['after_predict'] == 0
+
+
+def test_a_pickle_of_0_2_0_finds_the_accelerators_print_where_it_named_it():
+    """0.2.0 pickled the stand-in of an accelerator's print under the mixin's
+    module; the pickling module holds it now, and those pickles still load."""
+    import pickle
+
+    from skorch_accel_callbacks.callbacks._pickling import MainProcessPrint
+    old = b'cskorch_accel_callbacks.callbacks.mixin\n_MainProcessPrint\n)\x81.'
+    assert isinstance(pickle.loads(old), MainProcessPrint)
+    assert b'callbacks._pickling' in pickle.dumps(MainProcessPrint())

@@ -1,119 +1,31 @@
-"""Fixes for skorch's ``AccelerateMixin`` (measured on skorch 1.4.0 + accelerate 1.15),
-and how a net with an accelerator is pickled (:func:`dump_net`)."""
+"""Fixes for skorch's ``AccelerateMixin`` (measured on skorch 1.4.0 + accelerate 1.15).
+
+How such a net pickles is :mod:`~skorch_accel_callbacks.callbacks._pickling`'s."""
 
 from __future__ import annotations
 
-import copy
-import pickle
 import signal
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, BinaryIO, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
-from accelerate import Accelerator, PartialState
-from accelerate.optimizer import AcceleratedOptimizer
 from skorch.callbacks import Callback, EpochScoring, LRScheduler
 from skorch.hf import AccelerateMixin
 
 from skorch_accel_callbacks._core import accelerate_io, skorch_io, sync
 from skorch_accel_callbacks._core.wrapping import bare_modules, check_plain, gathered, unwrapped
 from skorch_accel_callbacks.callbacks import _preemption as preemption
+from skorch_accel_callbacks.callbacks._pickling import (
+    MainProcessPrint as _MainProcessPrint,  # noqa: F401  pickles of 0.2.0 name it here
+    bare_optimizers,
+    picklable_state,
+)
 from skorch_accel_callbacks.errors import DivergedDecisionError, RankError
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
     from torch.utils.data import DataLoader
 
-__all__ = ['AccelerateFixesMixin', 'dump_net']
-
-class _ThisProcessAccelerator:
-    """Stands for an ``Accelerator`` in a pickle (or deep copy): unpickled,
-    it is :func:`accelerator_of_this_process` of the pickled one's settings."""
-
-    def __init__(self, accelerator: Accelerator) -> None:
-        self.settings = accelerate_io.accelerator_settings(accelerator)
-
-    def __reduce__(self) -> tuple[Callable[..., Accelerator], tuple[dict[str, Any]]]:
-        return accelerate_io.accelerator_of_this_process, (self.settings,)
-
-
-class _MainProcessPrint:
-    """Stands for an accelerator's ``print`` (skorch's ``AccelerateMixin``
-    makes it ``PrintLog``'s sink) in a pickle: prints on the main process of
-    the process that unpickled it, as ``Accelerator.print`` does, without
-    pickling the accelerator (whose registry holds the training loaders, and
-    a loader of persistent workers cannot be pickled)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        PartialState().print(*args, **kwargs)
-
-
-def _print_of(value: Any, accelerator: Any) -> bool:
-    """Whether ``value`` is ``accelerator.print``, bound."""
-    return (accelerator is not None and getattr(value, '__self__', None) is accelerator
-            and getattr(value, '__func__', None) is getattr(type(accelerator), 'print', None))
-
-
-def _without_print_of(accelerator: Any, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with :class:`_MainProcessPrint` for ``accelerator.print``
-    where a net's parameter or a callback's ``sink`` holds it (a copy of that
-    callback: the net pickled keeps its own)."""
-    state = {key: _MainProcessPrint() if _print_of(value, accelerator) else value
-             for key, value in state.items()}
-    callbacks = state.get('callbacks_')
-    if isinstance(callbacks, list):
-        replaced = []
-        for name, callback in callbacks:
-            if _print_of(getattr(callback, 'sink', None), accelerator):
-                callback = copy.copy(callback)
-                callback.sink = _MainProcessPrint()
-            replaced.append((name, callback))
-        state['callbacks_'] = replaced
-    return state
-
-
-class _NetPickler(pickle.Pickler):
-    """A pickler that pickles every ``Accelerator`` as
-    :class:`_ThisProcessAccelerator`."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, Accelerator):
-            return _ThisProcessAccelerator(obj).__reduce__()
-        return NotImplemented
-
-
-def dump_net(net: NeuralNet, file: BinaryIO) -> None:
-    """Pickle ``net`` into ``file`` (open for binary writing) without its
-    accelerator's processes.
-
-    The accelerator is pickled as its settings and unpickled as
-    :func:`accelerator_of_this_process`: a net pickled in a job of several
-    processes predicts on its own after unpickling in one process, instead
-    of believing it runs in the job's processes (skorch's ``AccelerateMixin``
-    with a plain ``pickle.dump``: its predictions came back with padding
-    rows of the job's data sharding). Other objects pickle as with
-    ``pickle.dump``.
-    """
-    _NetPickler(file, protocol=pickle.DEFAULT_PROTOCOL).dump(net)
-
-
-@contextmanager
-def _bare_optimizers(net: NeuralNet) -> Iterator[None]:
-    """Inside, the net's optimizers are the torch optimizers that accelerate's
-    ``AcceleratedOptimizer`` wraps (which carry the process state)."""
-    wrappers = {}
-    for name in skorch_io.optimizer_names(net):
-        optimizer = getattr(net, name + '_', None)
-        if isinstance(optimizer, AcceleratedOptimizer):
-            wrappers[name + '_'] = optimizer
-            setattr(net, name + '_', optimizer.optimizer)
-    try:
-        yield
-    finally:
-        for attr, wrapper in wrappers.items():
-            setattr(net, attr, wrapper)
-
+__all__ = ['AccelerateFixesMixin']
 
 # what the mixins keep of a training, not arguments of the net: sklearn's
 # clone passed them to a new net's __init__ as parameters (and refused a net
@@ -308,16 +220,13 @@ class AccelerateFixesMixin:
             raise ValueError(f"reduce_metrics must be True or False, got {self.reduce_metrics!r}")
 
     def __getstate__(self) -> dict[str, Any]:
-        with unwrapped(self), _bare_optimizers(self):
+        with unwrapped(self), bare_optimizers(self):
             state = super().__getstate__()
         # the loaders hold the data sets; the registry the accelerator's objects
         state.pop('_accelerator_loaders', None)
         state.pop('_accelerator_registered', None)
         state.pop('_sigint_watch', None)
-        state = _without_print_of(state.get('accelerator'), state)
-        if isinstance(state.get('accelerator'), Accelerator):
-            state['accelerator'] = _ThisProcessAccelerator(state['accelerator'])
-        return state
+        return picklable_state(state)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         device = state['device']
