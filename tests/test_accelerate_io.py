@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from common import make_accelerator, make_data, make_net
-from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks._core import accelerate_io, torch_archive
 
 
 class Counter:
@@ -72,7 +72,7 @@ def test_optimizer_files_are_torch_archives_without_crc(tmp_path, name):
     net.fit(*make_data(n=96))
     state = net.optimizer_.state_dict()
     path = tmp_path / name
-    accelerate_io._torch_save_without_crc(state, str(path))
+    torch_archive.save_without_crc(state, str(path))
     torch.save(state, tmp_path / 'reference.bin')
     loaded = torch.load(path, weights_only=True)
     assert repr(loaded) == repr(torch.load(tmp_path / 'reference.bin', weights_only=True))
@@ -89,10 +89,10 @@ def test_an_optimizer_file_that_cannot_be_written_raises_oserror_naming_it(tmp_p
         pytest.skip('needs /dev/full (Linux)')
     state = {'state': {0: {'exp_avg': torch.randn(256, 256)}}, 'param_groups': []}
     with pytest.raises(OSError, match='No space left on device') as info:
-        accelerate_io._torch_save_without_crc(state, '/dev/full')
+        torch_archive.save_without_crc(state, '/dev/full')
     assert info.value.filename == '/dev/full'
     # the process is alive and writes the next file as usual
-    accelerate_io._torch_save_without_crc(state, str(tmp_path / 'optimizer.bin'))
+    torch_archive.save_without_crc(state, str(tmp_path / 'optimizer.bin'))
     assert torch.equal(torch.load(tmp_path / 'optimizer.bin', weights_only=True)[
         'state'][0]['exp_avg'], state['state'][0]['exp_avg'])
 

@@ -253,6 +253,32 @@ def test_one_module_for_each_kind_of_outside_contact(path):
         assert not internals, f"{path.name} uses accelerate's internals {internals}"
     if _name(path) != 'storage/_lock.py':
         assert 'fcntl' not in imported, f"{path.name} locks outside storage/_lock.py"
+    if _name(path) != '_core/torch_archive.py':
+        private = _torch_internals(_tree(path))
+        assert not private, f"{path.name} uses torch's internals {private}"
+
+
+def _torch_internals(tree):
+    """The private names of torch that ``tree`` reaches (``torch._C``,
+    ``torch.serialization._save``, ...)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain = [node.attr]
+            inner = node.value
+            while isinstance(inner, ast.Attribute):
+                chain.append(inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id == 'torch':
+                dotted = ['torch', *reversed(chain)]
+                if any(part.startswith('_') and not part.startswith('__') for part in dotted):
+                    found.add('.'.join(dotted))
+        elif isinstance(node, ast.ImportFrom) and (node.module or '').startswith('torch'):
+            found |= {f"{node.module}.{alias.name}" for alias in node.names
+                      if alias.name.startswith('_')} | (
+                {node.module} if any(part.startswith('_') for part in node.module.split('.'))
+                else set())
+    return found
 
 
 @pytest.mark.parametrize('path', MODULES, ids=_name)

@@ -1,4 +1,5 @@
 """The core every layer above uses: the only code that talks across processes
-(sync), every use of accelerate's internals (accelerate_io), unwrapping a
-module (wrapping), and what the callbacks and the engine share (base).
+(sync), every use of accelerate's internals (accelerate_io), the one use of
+torch's (torch_archive), unwrapping a module (wrapping), and what the
+callbacks and the engine share (base).
 """

@@ -4,11 +4,10 @@ The package needs more of an ``Accelerator`` than its public API gives: the
 registries of prepared models, optimizers and loaders, accelerate's file
 names, and the body of ``Accelerator.save_state``, run here (and split in
 two for saves in the background: the small files now, the model and
-optimizer files later), with the optimizer files written by torch's own
-archive writer without CRC-32 (``torch.serialization._save``, the one use
-of torch's internals), tested on every release of :mod:`.releases`;
-``tests/test_accelerate_io.py`` checks that a save through
-:func:`save_state` writes the same files with the same contents as
+optimizer files later), with the optimizer files written by
+:func:`.torch_archive.save_without_crc`, tested on every release of
+:mod:`.releases`; ``tests/test_accelerate_io.py`` checks that a save
+through :func:`save_state` writes the same files with the same contents as
 ``Accelerator.save_state``, so an accelerate upgrade that moves these
 internals fails one obvious test.
 """
@@ -16,7 +15,6 @@ internals fails one obvious test.
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -39,6 +37,8 @@ from accelerate.utils import (
     save,
 )
 from accelerate.utils.constants import FSDP_MODEL_NAME
+
+from skorch_accel_callbacks._core import torch_archive
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -583,7 +583,7 @@ def write_large_state(
 
     Runs on any thread: it touches no accelerator and runs no collective.
     The optimizer files are ``torch.save``'s archives without the CRC-32 of
-    their records (see :func:`_torch_save_without_crc`).
+    their records (see :func:`.torch_archive.save_without_crc`).
     """
     # accelerate's ``save`` rule, which writes the model files on these only
     writes = PartialState().is_local_main_process if each_node else PartialState().is_main_process
@@ -595,69 +595,6 @@ def write_large_state(
     if writes:
         for i, state in enumerate(optimizer_states):
             path = f"{folder}/{_optimizer_file(i)}"
-            _torch_save_without_crc(state, path)
+            torch_archive.save_without_crc(state, path)
             if written is not None:
                 written(path)
-
-
-def _torch_save_without_crc(obj: Any, path: str) -> None:
-    """``torch.save(obj, path)``, except that the zip records' CRC-32 fields
-    are 0: the file ``torch.serialization.set_crc32_options(False)`` makes,
-    which ``torch.load`` reads. Computing the CRCs took half the time of
-    writing an optimizer file into the page cache (benchmarks/RESULTS.rst);
-    the manifest's checksum of the file is what a resume checks. That switch
-    is process-wide, and another thread's ``torch.save`` would lose its CRCs
-    too: the writer is made here, for this file alone.
-
-    Raises ``OSError`` (a full disk: ``ENOSPC``, naming the file) where
-    ``torch.save`` raises torch's own error, or aborts the process: its
-    archive writer that failed to write finishes the archive again when it
-    is destroyed, and terminates the process when that fails too.
-    """
-    alignment = torch.serialization._get_storage_alignment()
-    try:
-        with open(path, 'wb') as stream:
-            _write_archive(obj, stream, alignment)
-    except OSError as error:
-        # the last of the buffer, written at close, names no file
-        raise OSError(error.errno, error.strerror, path) from error
-
-
-def _write_archive(obj: Any, stream: Any, alignment: int) -> None:
-    """torch's archive of ``obj`` written into the open file ``stream``."""
-    sink = _ArchiveSink(stream)
-    writer = torch._C.PyTorchFileWriter(sink, False, alignment)
-    try:
-        torch.serialization._save(obj, writer, pickle, torch.serialization.DEFAULT_PROTOCOL,
-                                  _disable_byteorder_record=False)
-        writer.write_end_of_file()
-    finally:
-        # destroyed while its file is open: one that failed finishes its
-        # archive into the sink here, not later into a closed file
-        del writer
-    if sink.error is not None:
-        raise sink.error
-
-
-class _ArchiveSink:
-    """The file torch's archive writer writes into: every byte written (a
-    short write goes on), and after the first error nothing more, each write
-    answered as done, so that torch's writer never fails (see
-    :func:`_torch_save_without_crc`); ``error`` is that first error. The
-    file is buffered, as torch's own file is: the crash-point suite's plan
-    of a save (its write calls) stays what it was."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast('B')
-        if self.error is None:
-            try:
-                done = 0
-                while done < len(view):
-                    done += self.stream.write(view[done:])
-            except OSError as error:
-                self.error = error
-        return len(view)

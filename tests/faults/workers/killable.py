@@ -33,7 +33,7 @@ from skorch.callbacks import Callback
 import faultjob
 from common import BatchEnds, rank
 from faultjob import EpochTracker, die, hold
-from skorch_accel_callbacks._core import accelerate_io, sync
+from skorch_accel_callbacks._core import accelerate_io, sync, torch_archive
 from skorch_accel_callbacks.format import MANIFEST_NAME, PARTIAL_SUFFIX, _atomic as atomic
 from skorch_accel_callbacks.state import _training_state as training_state
 from skorch_accel_callbacks.storage import _local as local_storage
@@ -57,8 +57,9 @@ class Instrument:
     chosen point of the chosen epoch on the chosen rank.
 
     Each is replaced where the code that calls it looks it up:
-    ``accelerate.checkpointing.save`` and ``accelerate_io.save`` (model,
-    optimizer), ``torch.save`` (random states), ``training_state.save_file``
+    ``accelerate.checkpointing.save`` and ``accelerate_io.save`` (model),
+    ``torch_archive.save_without_crc`` (optimizer), ``torch.save`` (random
+    states), ``training_state.save_file``
     (loader state), ``write_json`` (manifest: ``atomic``'s, ``latest.json``:
     the local folder's), ``os.replace`` (the commit's rename), the local
     folder's ``discard_in_background`` (retention) and ``atomic.remove_path``
@@ -113,7 +114,7 @@ class Instrument:
         accelerate_io.save = accelerate_save
 
         # the package writes the optimizer file itself (without CRCs)
-        save_without_crc = accelerate_io._torch_save_without_crc
+        save_without_crc = torch_archive.save_without_crc
 
         def optimizer_save(obj, path):
             if due('optimizer-half', path):
@@ -121,7 +122,7 @@ class Instrument:
                 die('optimizer-half')
             return save_without_crc(obj, path)
 
-        accelerate_io._torch_save_without_crc = optimizer_save
+        torch_archive.save_without_crc = optimizer_save
 
         torch_save = torch.save
 
