@@ -31,7 +31,7 @@ from skorch_accel_callbacks import (
     CorruptCheckpointError,
 )
 from skorch_accel_callbacks._core import accelerate_io
-from skorch_accel_callbacks._core.base import format_bytes
+from skorch_accel_callbacks._core.messages import format_bytes
 from skorch_accel_callbacks._core.wrapping import is_wrapped
 from skorch_accel_callbacks.storage._lock import FolderLock
 from skorch_accel_callbacks.tools.export import export

@@ -1,5 +1,6 @@
 """The core every layer above uses: the only code that talks across processes
 (sync), every use of accelerate's internals (accelerate_io), the one use of
-torch's (torch_archive), unwrapping a module (wrapping), and what the
-callbacks and the engine share (base).
+torch's (torch_archive), unwrapping a module (wrapping), what the callbacks
+share (base), what they say (messages) and how they check their arguments
+(arguments).
 """

@@ -9,32 +9,24 @@
   scoring), a resume before the callbacks whose state it restores, whatever
   order the user listed them in (Lightning runs its ModelCheckpoint last for
   the same reason).
-- Messages go to ``sink`` on the main process only.
+
+What they say and how they check their arguments are in :mod:`.messages`
+and :mod:`.arguments`.
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
-import inspect
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from skorch.callbacks import PrintLog
-
-from skorch_accel_callbacks._core import sync
 
 if TYPE_CHECKING:
     from skorch import NeuralNet
     from skorch.callbacks import Callback
 
-__all__ = ['FolderStateCallback', 'InitParamsOnly', 'Resumed', 'check_one_of', 'check_sink',
-           'find_resumed', 'format_bytes', 'keyword_suggestions', 'move_callback', 'processes',
-           'say', 'suggestion']
-
-T = TypeVar('T')
+__all__ = ['FolderStateCallback', 'InitParamsOnly', 'Resumed', 'find_resumed', 'move_callback']
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,86 +70,6 @@ def find_resumed(net: NeuralNet, dirname: str | os.PathLike) -> Resumed | None:
         if isinstance(record, Resumed) and record.dirname == wanted:
             return record
     return None
-
-
-def suggestion(word: str, valid: Iterable[str]) -> str:
-    """``" (did you mean 'latest'?)"`` for the valid name nearest ``word``,
-    or ``''`` if none is near."""
-    close = difflib.get_close_matches(word, list(valid), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ''
-
-
-def check_one_of(owner: str, name: str, value: Any, valid: Sequence[str]) -> None:
-    """Raise ``ValueError`` if ``value`` is none of ``valid``, listing them
-    and suggesting the nearest."""
-    if value not in valid:
-        hint = suggestion(value, valid) if isinstance(value, str) else ''
-        raise ValueError(f"{owner}: {name} must be one of {', '.join(map(repr, valid))}, "
-                         f"got {value!r}{hint}")
-
-
-def keyword_suggestions(cls: type[T] | None = None, *,
-                        advice: Mapping[str, str] | None = None) -> Any:
-    """Make a wrong keyword argument of ``cls(...)`` name the nearest
-    valid one and list them all, instead of Python's bare ``TypeError``;
-    ``advice`` maps arguments of a class that ``cls`` stands in for (skorch's)
-    to what to do instead. A decorator, with or without ``advice``. (A class
-    whose ``__init__`` takes ``**kwargs`` checks its own: skorch's
-    ``Checkpoint`` does, and its drop-ins keep that.)"""
-    if cls is None:
-        return functools.partial(keyword_suggestions, advice=advice)
-    init = cls.__init__
-    signature = inspect.signature(init)
-    if any(param.kind == param.VAR_KEYWORD for param in signature.parameters.values()):
-        raise TypeError(f"{cls.__name__}.__init__ takes **kwargs: it checks its own")
-    keywords = [name for name, param in signature.parameters.items()
-                if name != 'self' and param.kind in (param.POSITIONAL_OR_KEYWORD,
-                                                     param.KEYWORD_ONLY)]
-    advice = dict(advice or {})
-
-    @functools.wraps(init)
-    def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        unknown = [key for key in kwargs if key not in keywords]
-        if unknown and unknown[0] in advice:
-            raise TypeError(f"{cls.__name__} has no argument {unknown[0]!r}: "
-                            f"{advice[unknown[0]]}")
-        if unknown:
-            raise TypeError(
-                f"{cls.__name__} has no argument {unknown[0]!r}"
-                f"{suggestion(unknown[0], keywords)}; its arguments: {', '.join(keywords)}")
-        init(self, *args, **kwargs)
-
-    cls.__init__ = checked_init
-    return cls
-
-
-def check_sink(sink: Any, owner: str) -> None:
-    """Raise ``ValueError`` naming ``owner`` if ``sink`` is not callable."""
-    if not callable(sink):
-        raise ValueError(
-            f"{owner}: sink must be a callable such as print or noop, got {sink!r}")
-
-
-def say(net: NeuralNet, sink: Callable[[str], Any], text: str) -> None:
-    """Send ``text`` to ``sink`` on the main process; ``print`` only when the
-    net is verbose (as skorch's callbacks do)."""
-    if sync.is_main_process(net) and (sink is not print or net.verbose):
-        sink(text)
-
-
-def processes(count: int) -> str:
-    """``'1 process'``, ``'2 processes'``."""
-    return f"{count} process" + ('' if count == 1 else 'es')
-
-
-def format_bytes(size: float) -> str:
-    """``size`` bytes for a reader: ``'512 B'``, ``'30.1 KiB'``, ``'1.2 GiB'``."""
-    value = float(size)
-    for unit in ('B', 'KiB', 'MiB', 'GiB'):
-        if value < 1024 or unit == 'GiB':
-            break
-        value /= 1024
-    return f"{int(value)} B" if unit == 'B' else f"{value:.1f} {unit}"
 
 
 class InitParamsOnly:

@@ -13,8 +13,9 @@ from skorch.callbacks import Callback, LoadInitState
 from skorch.hf import AccelerateMixin
 from skorch.utils import noop
 
-from skorch_accel_callbacks._core import accelerate_io, base, releases, skorch_io, sync
-from skorch_accel_callbacks._core.base import FolderStateCallback, keyword_suggestions
+from skorch_accel_callbacks._core import accelerate_io, base, messages, releases, skorch_io, sync
+from skorch_accel_callbacks._core.arguments import keyword_suggestions
+from skorch_accel_callbacks._core.base import FolderStateCallback
 from skorch_accel_callbacks._core.wrapping import bare_modules, own_registries
 from skorch_accel_callbacks.callbacks import _triggers as triggers
 from skorch_accel_callbacks.callbacks._loadable import LoadableCheckpoint
@@ -410,7 +411,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             raise ValueError(
                 f"{owner}: load_best=True loads the best checkpoint when training ends, and "
                 "monitor (None) marks none best: give monitor, e.g. 'valid_loss_best'")
-        base.check_sink(self.sink, owner)
+        messages.check_sink(self.sink, owner)
 
     @property
     def per_fit_dirname(self) -> bool:
@@ -591,10 +592,10 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         """``load_best``: the best checkpoint's model(s) into the net, as
         skorch's ``Checkpoint(load_best=True)`` loads its best parameters."""
         loaded = load_best_models(net, self.folder_)
-        base.say(net, self.sink,
-                 f"Loaded the model(s) of the best checkpoint, {loaded}" if loaded else
-                 f"load_best: no checkpoint in {self.folder_.dirname} is marked best "
-                 f"(monitor={self.monitor!r} never chose one): the net keeps its last model")
+        messages.say(net, self.sink,
+                     f"Loaded the model(s) of the best checkpoint, {loaded}" if loaded else
+                     f"load_best: no checkpoint in {self.folder_.dirname} is marked best "
+                     f"(monitor={self.monitor!r} never chose one): the net keeps its last model")
 
     # ------------------------------------------------------------ policy
 
@@ -623,7 +624,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         # a Ctrl-C in another callback's end of the epoch: some of them saw
         # the epoch end, some not; resuming the last checkpoint replays it
         last = self.last_saved_ or self.resumed_from_
-        base.say(net, self.sink,
+        messages.say(net, self.sink,
             f"Training was interrupted (KeyboardInterrupt) in the end of epoch "
             f"{len(net.history)}, which is not saved: "
             + (f"{self.folder_.url(last)} stands" if last else "no checkpoint was taken")
@@ -650,7 +651,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             self.wait_for_saves(net)
         finally:
             self.close()
-        base.say(net, self.sink, f"Stopping on {received.name}"
+        messages.say(net, self.sink, f"Stopping on {received.name}"
             + (f": resume from {path}" if path else ": no checkpoint could be taken "
                "inside the epoch of an IterableDataset"))
         raise TrainingPreempted(received, path)
@@ -705,7 +706,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         # the save before, and of a store's uploads only those that fill its queue
         report = self.writer_.wait(net, before_save=True)
         if report is not None:
-            base.say(net, self.sink, report.message())
+            messages.say(net, self.sink, report.message())
         name = self.checkpoint_name(net)
         inside_epoch = not epoch_completed(net)
         report = self.writer_.save(net, SaveRequest(
@@ -719,7 +720,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
             keep=(self._keep,), requested_at=requested_at,
             fit_calls=tuple(self._fit_calls)))
         if report is not None:
-            base.say(net, self.sink, report.message())
+            messages.say(net, self.sink, report.message())
         self.last_saved_ = name
         self._poll.saved()
         return self.folder_.url(name)
@@ -731,7 +732,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         :class:`~skorch_accel_callbacks.RankError`)."""
         report = self.writer_.wait(net)
         if report is not None:
-            base.say(net, self.sink, report.message())
+            messages.say(net, self.sink, report.message())
 
     def close(self) -> None:
         """Put the signal handlers back, wait for this process's background

@@ -10,17 +10,9 @@ from typing import Any
 from skorch.callbacks import Callback, Checkpoint as SkorchCheckpoint, TrainEndCheckpoint
 
 from skorch_accel_callbacks._core import accelerate_io, sync
-from skorch_accel_callbacks._core.base import (
-    FolderStateCallback,
-    Resumed,
-    check_one_of,
-    check_sink,
-    keyword_suggestions,
-    move_callback,
-    processes,
-    say,
-    suggestion,
-)
+from skorch_accel_callbacks._core.arguments import check_one_of, keyword_suggestions, suggestion
+from skorch_accel_callbacks._core.base import FolderStateCallback, Resumed, move_callback
+from skorch_accel_callbacks._core.messages import check_sink, processes, say
 from skorch_accel_callbacks._core.wrapping import net_optimizers
 from skorch_accel_callbacks.callbacks.checkpoint import AccelerateCheckpoint
 from skorch_accel_callbacks.engine import (

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
-from skorch_accel_callbacks._core.base import processes
+from skorch_accel_callbacks._core.messages import processes
 from skorch_accel_callbacks._core.wrapping import net_optimizers, own_registries, state_modules
 from skorch_accel_callbacks.engine import _consolidate as consolidate
 from skorch_accel_callbacks.errors import CheckpointError

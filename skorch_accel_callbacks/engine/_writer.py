@@ -4,8 +4,8 @@ The checkpoint callback decides when to save and hands a
 :class:`SaveRequest` to its writer. A writer has every rank write its files
 into the storage's partial place (:meth:`SyncWriter.stage`: the model,
 optimizer and random states through ``accelerator.save_state``, then one
-function per artefact of :mod:`~skorch_accel_callbacks.state._training_state`), and
-the committing process commit it (:meth:`SyncWriter.commit`, down to the
+function per artefact of :mod:`skorch_accel_callbacks.state`), and the
+committing process commit it (:meth:`SyncWriter.commit`, down to the
 storage's rename). :class:`SyncWriter` does both before it returns;
 :class:`BackgroundWriter` wraps one, as Lightning's ``AsyncCheckpointIO``
 wraps a ``CheckpointIO``: it returns once the large states are copied into
@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Protocol
 from skorch.utils import noop
 
 from skorch_accel_callbacks._core import accelerate_io, sync
-from skorch_accel_callbacks._core.base import format_bytes, say
+from skorch_accel_callbacks._core.messages import format_bytes, say
 from skorch_accel_callbacks._core.wrapping import own_registries
 from skorch_accel_callbacks.engine._stager import HostStager, Staged
 from skorch_accel_callbacks.format import EarlyFlush, manifest_content

@@ -18,7 +18,8 @@ from skorch.exceptions import SkorchException
 from skorch.utils import _check_f_arguments, noop, open_file_like
 
 from skorch_accel_callbacks._core import sync
-from skorch_accel_callbacks._core.base import InitParamsOnly, check_sink, say
+from skorch_accel_callbacks._core.base import InitParamsOnly
+from skorch_accel_callbacks._core.messages import check_sink, say
 from skorch_accel_callbacks._core.wrapping import gathered, unwrapped
 from skorch_accel_callbacks.callbacks import dump_net, monitor_says
 from skorch_accel_callbacks.params import _files as params_files

@@ -13,7 +13,8 @@ from typing import Any, Self
 from skorch.callbacks import Checkpoint, LoadInitState, TrainEndCheckpoint
 
 from skorch_accel_callbacks._core import sync
-from skorch_accel_callbacks._core.base import InitParamsOnly, keyword_suggestions
+from skorch_accel_callbacks._core.arguments import keyword_suggestions
+from skorch_accel_callbacks._core.base import InitParamsOnly
 from skorch_accel_callbacks._core.wrapping import check_plain, unwrapped
 from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.format import first_unloadable

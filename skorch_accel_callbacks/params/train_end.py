@@ -11,7 +11,8 @@ from typing import Any, Self
 from skorch.callbacks import TrainEndCheckpoint
 from skorch.utils import noop
 
-from skorch_accel_callbacks._core.base import InitParamsOnly, say
+from skorch_accel_callbacks._core.base import InitParamsOnly
+from skorch_accel_callbacks._core.messages import say
 from skorch_accel_callbacks.params.checkpoint import File, ParamsCheckpoint, check_arguments
 
 __all__ = ['TrainEndParamsCheckpoint']

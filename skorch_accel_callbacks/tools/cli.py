@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Collection, Sequence
 from typing import Any, TextIO
 
-from skorch_accel_callbacks._core.base import format_bytes
+from skorch_accel_callbacks._core.messages import format_bytes
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError, SkorchAccelError
 from skorch_accel_callbacks.format import POINTERS, is_checkpoint_name, pointed_name, pointer_name
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
