@@ -1,12 +1,20 @@
 """What a checkpoint holds beside accelerate's save_state, and who may resume
-it: the training state, random and loader states, the position in an epoch,
-the fingerprint of data and settings, the settings and compatibility checks,
-the FSDP layout.
+it: the training state, the callbacks' states, the optimizers' settings,
+random and loader states, the position in an epoch, the fingerprint of data
+and settings, the settings and compatibility checks, the FSDP layout.
 
 What the other subpackages use of it, and nothing else of it, is named
 here (``__all__``); its modules are its own.
 """
 
+from skorch_accel_callbacks.state._callback_states import (
+    apply_callback_states,
+    apply_epoch_caches,
+    load_callback_states,
+    load_epoch_caches,
+    save_epoch_caches,
+    unknown_batch_state,
+)
 from skorch_accel_callbacks.state._compat import (
     check_compatible,
     check_rank_files,
@@ -42,6 +50,12 @@ from skorch_accel_callbacks.state._loader_pass import (
     uninstall,
     worker_draws,
 )
+from skorch_accel_callbacks.state._optimizer_settings import (
+    keep_new_base_lrs,
+    keep_new_optimizer_settings,
+    optimizer_hyperparameters,
+    restore_optimizer_hyperparameters,
+)
 from skorch_accel_callbacks.state._rng_state import (
     apply_loader_state,
     capture_rng,
@@ -59,25 +73,15 @@ from skorch_accel_callbacks.state._settings import (
     fit_id,
 )
 from skorch_accel_callbacks.state._training_state import (
-    apply_callback_states,
-    apply_epoch_caches,
     encode_rank_states,
     epoch_completed,
     find_train_loader,
-    keep_new_base_lrs,
-    keep_new_optimizer_settings,
     load_buffers,
-    load_callback_states,
-    load_epoch_caches,
     load_history,
     load_rank_state,
-    optimizer_hyperparameters,
     optimizer_steps,
     per_rank_items,
-    restore_optimizer_hyperparameters,
-    save_epoch_caches,
     save_rank_state,
-    unknown_batch_state,
     write_rank_states,
 )
 
