@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from common import make_accelerator, make_data, make_net
 from skorch_accel_callbacks._core import accelerate_io, torch_archive
+from testutil import machine_lacks
 
 
 class Counter:
@@ -86,7 +87,7 @@ def test_an_optimizer_file_that_cannot_be_written_raises_oserror_naming_it(tmp_p
     OSError that names the file, and the process lives on: torch's archive
     writer, failing, would abort it when destroyed."""
     if not os.path.exists('/dev/full'):
-        pytest.skip('needs /dev/full (Linux)')
+        machine_lacks('/dev/full (Linux)')
     state = {'state': {0: {'exp_avg': torch.randn(256, 256)}}, 'param_groups': []}
     with pytest.raises(OSError, match='No space left on device') as info:
         torch_archive.save_without_crc(state, '/dev/full')

@@ -2,7 +2,6 @@
 
 import itertools
 import os
-import shutil
 import subprocess
 import sys
 
@@ -126,8 +125,6 @@ def test_parameterless_criterion(foundation):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which('torchrun') is None and not os.path.exists(
-    os.path.join(os.path.dirname(sys.executable), 'torchrun')), reason='no torchrun')
 def test_runs_under_real_torchrun(tmp_path):
     """The launcher's environment contract is torchrun's: the same script
     runs unchanged under ``torchrun --standalone``."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from skorch_accel_callbacks.engine import _stager
+from testutil import machine_lacks
 
 CHUNK = _stager.COPY_CHUNK
 
@@ -34,7 +35,7 @@ def test_every_tensor_arrives_whole():
 
 def test_the_pieces_are_copied_on_the_copy_threads(monkeypatch):
     if _stager.COPY_THREADS < 2:
-        pytest.skip("one CPU: the pieces are copied on the calling thread")
+        machine_lacks("a second CPU: with one the pieces are copied on the calling thread")
     threads = []
     real = np.copyto
 

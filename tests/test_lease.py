@@ -21,6 +21,7 @@ import skorch_accel_callbacks.storage._lease as lease_module
 from s3server import Proxy, filesystem, new_bucket
 from skorch_accel_callbacks.errors import FolderInUseError, LeaseLostError
 from skorch_accel_callbacks.storage._lease import ObjectLease
+from testutil import machine_lacks
 
 ROOT = Path(__file__).resolve().parents[1]
 ME = f"pid {os.getpid()} on host {socket.gethostname()}"
@@ -153,12 +154,12 @@ def test_a_live_lease_of_a_killed_process_of_another_pid_namespace_runs_its_cour
 
 
 @pytest.mark.slow  # two fresh interpreters in namespaces of their own
-@pytest.mark.skipif(shutil.which('unshare') is None or os.geteuid() != 0,
-                    reason='needs unshare (util-linux) and root, as CI has')
 def test_a_job_in_another_pid_namespace_is_refused_a_live_lease(s3, s3_endpoint):
     """Two containers (pods) of one machine: the second job, in a PID
     namespace of its own, cannot see the first's pid and must not take its
     live lease for a killed process's."""
+    if shutil.which('unshare') is None or os.geteuid() != 0:
+        machine_lacks('unshare (util-linux) and root')
     fs, path = s3
     held = ObjectLease(fs, path).acquire()
     script = textwrap.dedent(f"""

@@ -20,7 +20,7 @@ import pytest
 
 from faultsuite import run_job
 from skorch_accel_callbacks.format import read_manifest
-from testutil import assert_identical, final_state, read_json
+from testutil import assert_identical, final_state, machine_lacks, read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.needs_root]
 
@@ -78,8 +78,8 @@ def fs(request, tmp_path_factory):
     refused = capability_drop_refused()
     if refused:
         # root here would write the read-only folder: the tests would fail
-        pytest.skip("cannot drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH for the "
-                    f"ranks (prctl(PR_CAPBSET_DROP) needs CAP_SETPCAP): {refused}")
+        machine_lacks("dropping CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH for the ranks "
+                      f"(prctl(PR_CAPBSET_DROP) needs CAP_SETPCAP): {refused}")
     # asked for only now: no reference run for tests that skip
     request.getfixturevalue('reference')
     base = tmp_path_factory.mktemp('fs')
@@ -115,9 +115,9 @@ def fs(request, tmp_path_factory):
 
 def need_tmpfs(fs):
     if fs['resumed'] is None:
-        pytest.skip("mount -t tmpfs is not permitted here; the full-disk case with a "
-                    "patched write is tests/test_checkpoint.py::"
-                    "test_failed_save_on_one_rank_raises_on_every_rank")
+        machine_lacks("mount -t tmpfs, not permitted here; the full-disk case with a "
+                      "patched write is tests/test_checkpoint.py::"
+                      "test_failed_save_on_one_rank_raises_on_every_rank")
 
 
 def test_ranks_ran_without_dac_override(fs):
