@@ -9,11 +9,11 @@ training. No collective may run outside the main thread.
 
 import json
 import threading
-import time
 
 import pytest
 import torch
 from sklearn.base import clone
+from skorch.callbacks import Callback
 
 from common import make_accelerator, make_data, make_net
 from launcher import launch
@@ -75,24 +75,50 @@ def test_failed_background_write_raises_on_every_rank(tmp_path, epoch):
     assert not (ckpt / f'epoch-{epoch + 1:04d}').exists()
 
 
+class EpochsEnded(Callback):
+    """Counts the epochs that ended, each before the checkpoint's hook of
+    the same epoch runs (it comes first in the callbacks)."""
+
+    unrecorded_params = True
+
+    def __init__(self, count):
+        self.count = count
+
+    def on_epoch_end(self, net, **kwargs):
+        with self.count:
+            self.count.ended += 1
+            self.count.notify_all()
+
+
+class Count(threading.Condition):
+    ended = 0
+
+
 def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
     writing, overlaps, written = [], [], []
+    count, next_epoch_ended = Count(), []
     original = accelerate_io.write_large_state
 
-    def slow_write(folder, *args):
+    def held_write(folder, *args):
         overlaps.append(len(writing))
         writing.append(folder)
-        time.sleep(0.3)  # longer than an epoch of this net
+        epoch = len(overlaps)
+        # in flight until the next epoch has ended and asked for its save
+        # (none after the last: the end of fit waits for this one)
+        if epoch < 4:
+            with count:
+                next_epoch_ended.append(count.wait_for(lambda: count.ended > epoch, 60))
         original(folder, *args)
         written.append(folder)
         writing.remove(folder)
 
-    monkeypatch.setattr(accelerate_io, 'write_large_state', slow_write)
+    monkeypatch.setattr(accelerate_io, 'write_large_state', held_write)
     cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'), async_save=True)
     torch.manual_seed(0)
-    net = make_net(make_accelerator(), callbacks=[cp, AccelerateLoadInitState(cp)],
-                   max_epochs=4)
+    net = make_net(make_accelerator(), max_epochs=4, callbacks=[
+        EpochsEnded(count), cp, AccelerateLoadInitState(cp)])
     net.fit(*make_data(n=64))
+    assert next_epoch_ended == [True] * 3
     assert overlaps == [0, 0, 0, 0]
     assert len(written) == 4 and not cp.writer_.busy()
     assert cp.committed() == ['epoch-0003', 'epoch-0004']

@@ -7,7 +7,7 @@ import copy
 import inspect
 import os
 import pickle
-import time
+import threading
 import warnings
 
 import numpy as np
@@ -170,12 +170,14 @@ class RaiseAtEpoch(Callback):
 
 def test_retry_after_a_fit_raised_during_a_background_save(tmp_path, monkeypatch):
     original = accelerate_io.write_large_state
+    fit_raised = threading.Event()
 
-    def slow(*args, **kwargs):
-        time.sleep(1.0)
+    def held(*args, **kwargs):
+        # held until the fit has raised: the save is in flight then
+        assert fit_raised.wait(60), "the test never let the write go on"
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(accelerate_io, 'write_large_state', slow)
+    monkeypatch.setattr(accelerate_io, 'write_large_state', held)
     cp, load = callbacks(tmp_path / 'ck', async_save=True)
     net = make_net(make_accelerator(), max_epochs=3,
                    callbacks=[('acp', cp), ('load', load), ('raise', RaiseAtEpoch(2))])
@@ -183,6 +185,7 @@ def test_retry_after_a_fit_raised_during_a_background_save(tmp_path, monkeypatch
     with pytest.raises(RuntimeError, match='on purpose'):
         net.fit(X, y)
     assert cp.writer_.busy()  # the save of epoch 1 is still being written
+    fit_raised.set()
     net.set_params(callbacks__raise__epoch=-1)
     net.fit(X, y)  # the notebook retry
     assert load.loaded_from_.endswith('epoch-0001')
@@ -191,8 +194,11 @@ def test_retry_after_a_fit_raised_during_a_background_save(tmp_path, monkeypatch
 
 
 def test_a_failed_background_save_of_the_fit_that_raised_is_reported(tmp_path, monkeypatch):
+    fit_raised = threading.Event()
+
     def failing(*args, **kwargs):
-        time.sleep(0.5)
+        # fails once the fit has raised: a failure that no fit is left to raise
+        assert fit_raised.wait(60), "the test never let the write go on"
         raise OSError(28, 'No space left on device')
 
     monkeypatch.setattr(accelerate_io, 'write_large_state', failing)
@@ -201,6 +207,7 @@ def test_a_failed_background_save_of_the_fit_that_raised_is_reported(tmp_path, m
                    callbacks=[('acp', cp), ('load', load), ('raise', RaiseAtEpoch(2))])
     with pytest.raises(RuntimeError, match='on purpose'):
         net.fit(*make_data(n=96))
+    fit_raised.set()
     with pytest.warns(UserWarning, match='written in the background failed: OSError'):
         net.initialize()
 
