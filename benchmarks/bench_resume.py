@@ -26,7 +26,10 @@ the rounds):
   ``set_state_dict``, its documented resume), ``torch.load(weights_only=True)``
   + ``load_state_dict``, and ``accelerator.load_state``;
 - the disk: every file of our checkpoint read into a buffer, the floor of
-  any load of those bytes.
+  any load of those bytes; and read into memory allocated for it in the
+  timing (one tensor a file), the floor of a load that creates what it
+  loads, as the optimizer's state is created (its pages are faulted in
+  and zeroed by the kernel as they are written).
 
 ``cold``: the page cache dropped right before ``fit`` (``echo 3 >
 /proc/sys/vm/drop_caches``, which needs root; without it only ``warm``
@@ -76,6 +79,7 @@ LABELS = {
     'torch': 'torch.load(weights_only=True) + load_state_dict',
     'load_state': 'accelerator.load_state',
     'disk': 'disk: every file of our checkpoint read',
+    'disk_fresh': 'disk: every file read into new memory',
 }
 # (label, ours, peer, measure): the relaunch or the load alone
 RATIOS = (
@@ -83,6 +87,7 @@ RATIOS = (
     ('load: ours inside an epoch / DCP', 'ours_mid', 'dcp', 'load'),
     ('load: ours at an epoch end / disk read', 'ours_end', 'disk', 'load'),
     ('load: ours inside an epoch / disk read', 'ours_mid', 'disk', 'load'),
+    ('load: ours at an epoch end / read into new memory', 'ours_end', 'disk_fresh', 'load'),
     ('load: ours at an epoch end / accelerator.load_state', 'ours_end', 'load_state', 'load'),
     ('relaunch: ours at an epoch end / DCP', 'ours_end', 'dcp', 'fit'),
     ('relaunch: ours at an epoch end / nothing to resume', 'ours_end', 'fresh', 'fit'),
@@ -120,17 +125,35 @@ def can_drop_page_cache():
     return os.access('/proc/sys/vm/drop_caches', os.W_OK)
 
 
+def files_of(folder):
+    return [folder] if folder.is_file() else sorted(
+        f for f in folder.rglob('*') if f.is_file())
+
+
 def read_files(folder, buffer):
     """Every file under ``folder`` read into ``buffer`` (reused): the bytes read."""
-    files = [folder] if folder.is_file() else sorted(
-        f for f in folder.rglob('*') if f.is_file())
     view = memoryview(buffer)
     total = 0
-    for file in files:
+    for file in files_of(folder):
         with open(file, 'rb', buffering=0) as f:
             while n := f.readinto(view):
                 total += n
     return total
+
+
+def read_into_new_memory(folder):
+    """Every file under ``folder`` read into a tensor of its size,
+    allocated here: the tensors."""
+    tensors = []
+    for file in files_of(folder):
+        tensor = torch.empty(file.stat().st_size, dtype=torch.uint8)
+        view = memoryview(tensor.numpy())
+        with open(file, 'rb', buffering=0) as f:
+            done = 0
+            while done < len(view) and (n := f.readinto(view[done:])):
+                done += n
+        tensors.append(tensor)
+    return tensors
 
 
 def warm(folder):
@@ -282,7 +305,8 @@ def run_variant(variant, root, size, cache, out):
     names = json.loads((root / 'names.json').read_text())
     files = {'fresh': None, 'ours_end': names['ours_end'], 'ours_mid': names['ours_mid'],
              'dcp': root / 'dcp', 'torch': root / 'torch.pt',
-             'load_state': root / 'load_state', 'disk': names['ours_end']}[variant]
+             'load_state': root / 'load_state', 'disk': names['ours_end'],
+             'disk_fresh': names['ours_end']}[variant]
     files = files and Path(files)
     cp = checkpoint(files.parent if variant.startswith('ours') else root / 'fresh')
     if variant.startswith('ours'):
@@ -324,6 +348,8 @@ def load_peer(variant, net, path, buffer):
         net.optimizer_.load_state_dict(state['optimizer'])
     elif variant == 'load_state':
         net.accelerator.load_state(str(path))
+    elif variant == 'disk_fresh':
+        read_into_new_memory(path)
     else:
         read_files(path, buffer)
 
