@@ -14,7 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 
@@ -137,6 +136,9 @@ def machine_lacks(what):
     """Skip a test that this machine cannot run (``what`` says why), except
     in CI, whose machine has what the suite needs: there a missing piece
     fails the test instead of leaving its case untested."""
+    # here, not at the top: the launched workers import this module too,
+    # and need no pytest in their start-up
+    import pytest
     if os.environ.get('CI'):
         pytest.fail(f"CI's machine should have what this test needs: {what}")
     pytest.skip(what)
