@@ -337,3 +337,63 @@ def test_no_paragraph_of_a_user_page_is_longer_than_8_lines():
             for page in USER_PAGES
             for number, lines in prose_paragraphs(page.read_text()) if len(lines) > 8]
     assert long == []
+
+
+def _inventories():
+    sys.path.insert(0, str(DOCS))
+    try:
+        import inventories
+    finally:
+        sys.path.remove(str(DOCS))
+    return inventories
+
+
+def _resolve(name):
+    """The object a dotted name stands for: the longest importable module
+    prefix, then attributes."""
+    import importlib
+    parts = name.split('.')
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module('.'.join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            obj = getattr(obj, attribute)
+        return obj
+    raise ImportError(name)
+
+
+def test_every_object_of_the_kept_inventories_exists_and_is_linked_to():
+    # docs/inventories/ stands in for the sites' own (the build is offline):
+    # a name that the installed library lacks would link to nothing, and one
+    # that no page links to is dead weight
+    inventories = _inventories()
+    sources = [*PAGES, *sorted((REPO / 'skorch_accel_callbacks').rglob('*.py'))]
+    text = '\n'.join(path.read_text() for path in sources)
+    listed = {path.stem: inventories.names(path)
+              for path in sorted(inventories.HERE.glob('*.txt'))}
+    assert sorted(listed) == ['accelerate', 'skorch', 'torch']
+    for project, names in listed.items():
+        assert names, project
+        for name in names:
+            assert name.split('.')[0] == project, (project, name)
+            assert callable(_resolve(name)), name
+            assert re.search(rf"(:[a-z]+:`~?|<){re.escape(name)}(`|>)", text), \
+                f"no page or docstring links to {name} ({project}.txt)"
+
+
+def test_the_built_inventories_are_what_intersphinx_reads(tmp_path):
+    # Sphinx is a tool of make docs, not of the support matrix's environments
+    inventory = pytest.importorskip('sphinx.util.inventory')
+    inventories = _inventories()
+    mapping = inventories.compile_inventories(tmp_path)
+    for project, (site, path) in mapping.items():
+        assert site.startswith('https://') and site.endswith('/'), site
+        with open(path, 'rb') as f:
+            loaded = inventory.InventoryFile.load(f, site, lambda base, uri: base + uri)
+        found = {name: entry for objects in loaded.values() for name, entry in objects.items()}
+        assert sorted(found) == sorted(inventories.names(inventories.HERE / f'{project}.txt'))
+        for name, entry in found.items():
+            # the '$' of a line stands for its name, as in Sphinx's own files
+            assert entry.uri.startswith(site) and entry.uri.endswith('#' + name), entry
