@@ -13,6 +13,11 @@ is the newest that installs here), so the Python axis is 3.11. The pins of
 the test tools are requirements-dev.txt's.
 """
 
+import glob
+import os
+import shutil
+import subprocess
+
 import nox
 
 nox.options.default_venv_backend = 'venv'
@@ -21,17 +26,19 @@ nox.options.reuse_existing_virtualenvs = False
 # name: the releases of that combination (setup.cfg's ranges are the span of
 # these; skorch_accel_callbacks/_core/accelerate_io.py's TESTED the same)
 STACKS = {
-    'oldest': {'python': '3.11', 'torch': '2.13.0', 'accelerate': '1.13.0', 'skorch': '1.3.1'},
-    'accelerate-1.14': {'python': '3.11', 'torch': '2.13.0', 'accelerate': '1.14.0',
-                        'skorch': '1.4.0'},
+    'oldest': {'python': '3.11', 'torch': '2.11.0', 'accelerate': '1.13.0', 'skorch': '1.3.1'},
+    'torch-2.12': {'python': '3.12', 'torch': '2.12.1', 'accelerate': '1.14.0',
+                   'skorch': '1.4.0'},
     'pinned': {'python': '3.11', 'torch': '2.13.0', 'accelerate': '1.15.0', 'skorch': '1.4.0'},
-    'newest': {'python': '3.11', 'torch': '2.14.1', 'accelerate': '1.16.0', 'skorch': '1.4.0'},
+    'newest': {'python': '3.13', 'torch': '2.14.1', 'accelerate': '1.16.0', 'skorch': '1.4.0'},
 }
 # requirements-dev.txt's pins but the stack under test and the tools no
-# test imports (lint, docs, release): what the quick subset needs besides
+# test imports (lint, docs, release): what the quick subset needs besides.
+# setuptools and wheel build the release only, and torch pins its own
+# setuptools on Python 3.12 and newer
 STACK = ('torch', 'accelerate', 'skorch')
 NOT_FOR_TESTS = ('ruff', 'sphinx', 'pydata-sphinx-theme', 'nox', 'build',
-                 'twine', 'matplotlib')
+                 'twine', 'matplotlib', 'setuptools', 'wheel')
 
 
 def test_requirements() -> list[str]:
@@ -54,7 +61,7 @@ def compat(session: nox.Session, stack: str) -> None:
     quick subset (``make test-quick``'s selection) in it."""
     releases = STACKS[stack]
     venv = f'.nox/compat-{stack}'
-    session.run('python' + releases['python'], '-m', 'venv', '--clear', venv, external=True)
+    session.run(interpreter(releases['python']), '-m', 'venv', '--clear', venv, external=True)
     python = f'{venv}/bin/python'
     session.run(python, '-m', 'pip', 'install', '--quiet', f"torch=={releases['torch']}",
                 f"accelerate=={releases['accelerate']}", f"skorch=={releases['skorch']}",
@@ -64,6 +71,23 @@ def compat(session: nox.Session, stack: str) -> None:
     session.run(python, '-m', 'pytest', '-n', '2', '--dist', 'loadfile',
                 '--no-loadscope-reorder', '-q', '-p', 'no:cacheprovider',
                 '-m', 'not slow and not faults and not release', 'tests', external=True)
+
+
+def interpreter(version: str) -> str:
+    """The path of a Python ``version`` (``'3.12'``): ``python3.12`` on the
+    PATH if it runs, else one that pyenv installed but did not put on the
+    PATH (its shims answer only for the versions it was told to use)."""
+    command = f'python{version}'
+    found = shutil.which(command)
+    if found and subprocess.run([found, '--version'], capture_output=True).returncode == 0:
+        return found
+    root = os.environ.get('PYENV_ROOT', os.path.expanduser('~/.pyenv'))
+    installed = sorted(glob.glob(os.path.join(root, 'versions', f'{version}.*', 'bin', command)))
+    if installed:
+        return installed[-1]
+    raise nox.command.CommandFailed(f"no Python {version} here ({command} is not on the PATH "
+                                    f"and not under {root}/versions): install it to run "
+                                    "this combination")
 
 
 # the environment holds the combination asked for, not what pip preferred

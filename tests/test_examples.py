@@ -71,11 +71,13 @@ def test_demo_ran_distributed_and_really_killed_the_job(demo):
     assert summary['module_type'] == 'DistributedDataParallel'
     assert 'torchrun exit code -9' in demo['output']
     # killed in epoch 3 of 4, resumed from a step checkpoint inside it, which
-    # leaves less than a checkpoint interval of work to redo
+    # leaves at most a checkpoint interval of work to redo: the checkpoint
+    # callback runs last in a batch's end, so the demo may have heard of the
+    # batch a save is due at, and killed the job before that save
     kill = summary['kill']
     assert kill['epoch'] == 3 and kill['stopped_at'][0] == 3
     assert re.fullmatch(r'epoch-0002-step-\d{8}', os.path.basename(kill['resumed_from']))
-    assert 0 <= kill['lost_batches'] < summary['every_n_steps']
+    assert 0 <= kill['lost_batches'] <= summary['every_n_steps']
     assert 'Resumed from' in demo['output']
 
 

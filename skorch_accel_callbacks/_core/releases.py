@@ -17,7 +17,7 @@ from packaging.version import Version
 # project name: (oldest, newest) tested minor release; noxfile.py's STACKS
 # span these, setup.cfg's install_requires begins at the oldest
 TESTED: dict[str, tuple[str, str]] = {
-    'torch': ('2.13', '2.14'),
+    'torch': ('2.11', '2.14'),
     'accelerate': ('1.13', '1.16'),
     'skorch': ('1.3', '1.4'),
 }
