@@ -14,7 +14,6 @@ checkpoint with on_world_size_change='reseed'.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import old_version
 from common import MLP, make_accelerator, make_data, make_net
 from launcher import REPO, free_port, launch
 from skorch_accel_callbacks import (
@@ -40,7 +40,8 @@ from testutil import assert_nested_equal, edit_manifest, read_json, read_results
 EPOCH_END = 'epoch-0002'
 MID_EPOCH = 'epoch-0002-step-00000009'
 RESUMED = {'epoch': EPOCH_END, 'mid': MID_EPOCH}
-# written by the 'ddp-full' training at commit f5cb08a (tests/data/README.rst)
+# kept as the 'ddp-full' training at commit f5cb08a wrote them
+# (tests/data/README.rst); the test writes them anew on this machine
 OLD_CHECKPOINTS = REPO / 'tests' / 'data' / 'f5cb08a-2proc'
 ONE_PROCESS = {'WORLD_SIZE': '1', 'RANK': '0', 'LOCAL_RANK': '0', 'LOCAL_WORLD_SIZE': '1',
                'MASTER_ADDR': '127.0.0.1'}
@@ -72,8 +73,10 @@ def runs(tmp_path_factory):
                       'every_n_steps': 3, 'resume': os.path.join(root / 'ddp' / 'full', EPOCH_END)})
     trainings.append({'dirname': str(root / 'agree'), 'tag': 'agree', 'agree': True,
                       'max_epochs': 2})
-    # checkpoints of these trainings that the package wrote before its restructure
-    old = shutil.copytree(OLD_CHECKPOINTS, root / 'old-checkpoints')
+    # checkpoints of these trainings that the package wrote before its
+    # restructure, written here: the uninterrupted training they are
+    # compared with is computed here (old_version says why)
+    old = write_old_checkpoints(root / 'old-checkpoints', results)
     for kind, name in RESUMED.items():
         trainings.append({'dirname': str(root / 'old' / kind), 'tag': f'old-{kind}',
                           'every_n_steps': 3, 'resume': str(old / name)})
@@ -81,6 +84,24 @@ def runs(tmp_path_factory):
     launch_runs(results, [{'dirname': str(root / 'reseed'), 'tag': 'reseed', 'reseed': True,
                            'resume': str(root / 'ddp' / 'full' / EPOCH_END)}], nproc=1)
     return root, results
+
+
+def write_old_checkpoints(out, results):
+    """The 'ddp-full' training of this module as the package at
+    ``old_version.COMMIT`` ran it (its own worker script), writing the
+    checkpoints of :data:`OLD_CHECKPOINTS` into ``out``."""
+    tree = old_version.old_tree(out.parent / 'old-tree')
+    env = old_version.old_environment(tree, tree / 'tests', tree / 'tests' / 'workers')
+    env.update(COLLECTIVE_TIMEOUT='30', RESULT_DIR=str(results), RUNS=json.dumps(
+        [{'dirname': str(out), 'tag': 'old-version', 'backend': 'ddp', 'every_n_steps': 3}]))
+    launch(tree / 'tests' / 'workers' / 'per_rank.py', nproc=2, timeout=420, env=env).check()
+    # the same checkpoints as those kept, which users of that version have
+    for name in RESUMED.values():
+        kept = read_json(OLD_CHECKPOINTS / name / _manifest.MANIFEST_NAME)
+        fresh = read_json(out / name / _manifest.MANIFEST_NAME)
+        assert (kept['format_version'], sorted(kept['files']), kept['per_rank']) == \
+            (fresh['format_version'], sorted(fresh['files']), fresh['per_rank']), name
+    return out
 
 
 def rank_state(results, tag, rank):
