@@ -6,10 +6,12 @@ one of them (``make compat`` runs the oldest and the newest, as CI does). The
 package is installed from this checkout with its dependencies resolved by
 pip against setup.cfg, so a combination that setup.cfg refuses fails here.
 
-What bounds the matrix on the machines we test on: the package registry has
-a CPU build of torch 2.13.0 for Python 3.11 only (newer torch releases on it
-are CUDA builds, which run on the CPU too but weigh several GB each: 2.14.1
-is the newest that installs here), so the Python axis is 3.11. The pins of
+Every supported release of torch, accelerate and skorch is in some
+combination, and each Python the package supports (3.11 to 3.13; an
+interpreter that pyenv installed is found without being on the PATH). The
+registry has a CPU build of torch 2.13.0 for Python 3.11 only; the other
+torch builds are CUDA builds, which run on the CPU too but download a few GB
+each (2.14.1 is the newest that installs on our test machines). The pins of
 the test tools are requirements-dev.txt's.
 """
 

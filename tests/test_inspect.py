@@ -30,7 +30,7 @@ from skorch_accel_callbacks import (
     CheckpointError,
     CorruptCheckpointError,
 )
-from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks._core import accelerate_io, releases
 from skorch_accel_callbacks._core.messages import format_bytes
 from skorch_accel_callbacks._core.wrapping import is_wrapped
 from skorch_accel_callbacks.storage._lock import FolderLock
@@ -143,11 +143,14 @@ def test_plain_net_loads_the_newest_checkpoint(trained):
     # the history of the checkpoint came with it
     assert len(net.history) == 3
     assert net.history[-1, 'valid_loss'] == trained['net'].history[-1, 'valid_loss']
-    # the argument older torch versions need works too
-    again = plain_net()
-    again.load_params(checkpoint=AccelerateCheckpoint(dirname=trained['dirname']),
-                      use_safetensors=True)
-    assert_params(again, trained['params'][3])
+    # where torch.load reads the safetensors files, they are handed over as
+    # they are, which skorch also reads with use_safetensors=True (with an
+    # older torch they come in torch's format: test_releases)
+    if releases.torch_loads_safetensors():
+        again = plain_net()
+        again.load_params(checkpoint=AccelerateCheckpoint(dirname=trained['dirname']),
+                          use_safetensors=True)
+        assert_params(again, trained['params'][3])
 
 
 @pytest.mark.parametrize('which', ['best', 'epoch-0002', 'path'])

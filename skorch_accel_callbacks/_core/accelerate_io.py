@@ -19,6 +19,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,7 @@ from accelerate.utils import (
 from accelerate.utils.constants import FSDP_MODEL_NAME
 
 from skorch_accel_callbacks._core import torch_archive
+from skorch_accel_callbacks._core.releases import TESTED, next_minor
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -57,11 +59,15 @@ __all__ = [
     'fsdp_model_file',
     'fsdp_state_dict_type',
     'gradients_applied',
+    'ATTRIBUTES',
+    'GRADIENT_STATE',
+    'check_internals',
     'is_fsdp2',
     'is_fsdp_model_path',
     'leave_loader',
     'load_sharded_models',
     'load_state',
+    'missing_internals',
     'model_file',
     'models',
     'optimizers',
@@ -84,6 +90,15 @@ __all__ = [
     'write_large_state',
 ]
 
+#: the private attributes of an ``Accelerator`` that the package reads,
+#: which its ``__init__`` sets: the registries of what ``prepare`` and
+#: ``register_for_checkpointing`` took, and ``save_state``'s hooks
+ATTRIBUTES = ('_models', '_optimizers', '_schedulers', '_dataloaders', '_custom_objects',
+              '_save_model_state_pre_hook')
+#: what the package reads of its ``gradient_state`` (where a pass over a
+#: loader is, and the accumulation's settings)
+GRADIENT_STATE = ('plugin_kwargs', 'dataloader_references', 'end_of_dataloader', 'remainder')
+
 # back-ends that save models through collectives of their own -> what
 # selects them
 _NOT_PLAIN = {
@@ -105,6 +120,39 @@ _WHY_NOT = {
     None: (": it shards or places the models itself and saves them with "
            "collectives of its own"),
 }
+
+
+# ---------------------------------------------------------------- internals
+
+def missing_internals(accelerator: Accelerator) -> list[str]:
+    """What of accelerate's internals the package uses ``accelerator`` lacks,
+    as ``'Accelerator._models'`` (:data:`ATTRIBUTES`) or
+    ``'GradientState.remainder'`` (:data:`GRADIENT_STATE`)."""
+    missing = [f'Accelerator.{name}' for name in ATTRIBUTES if not hasattr(accelerator, name)]
+    state = getattr(accelerator, 'gradient_state', None)
+    missing += [f'GradientState.{name}' for name in GRADIENT_STATE
+                if not hasattr(state, name)]
+    return missing
+
+
+def check_internals(accelerator: Accelerator, owner: str) -> None:
+    """Refuse an accelerate release that moved an internal the package uses
+    (:func:`missing_internals`), before training; ``owner`` begins the
+    message.
+
+    Raises
+    ------
+    RuntimeError
+      Naming what is missing, the installed accelerate and the tested range.
+    """
+    missing = missing_internals(accelerator)
+    if missing:
+        oldest, newest = TESTED['accelerate']
+        raise RuntimeError(
+            f"{owner}: accelerate {metadata.version('accelerate')} has no "
+            f"{', '.join(missing)}, which this package uses (tested with accelerate "
+            f"{oldest} to {newest}); install a tested accelerate: pip install "
+            f"'accelerate>={oldest},<{next_minor(newest)}'")
 
 
 # ---------------------------------------------------------------- registries
@@ -515,9 +563,9 @@ def rows_of_data_in_last_batch(accelerator: Accelerator) -> int | None:
     batch of a pass; None where all are. ``Accelerator.gather_for_metrics``'
     rule: at the end of the loader under way, if its data set has a length
     that the processes' batches do not divide."""
-    state = accelerator.gradient_state
-    if state.end_of_dataloader and state.remainder > 0:
-        return state.remainder
+    remainder = accelerator.gradient_state.remainder
+    if accelerator.gradient_state.end_of_dataloader and remainder > 0:
+        return remainder
     return None
 
 

@@ -23,6 +23,18 @@ TESTED: dict[str, tuple[str, str]] = {
 }
 
 
+def next_minor(release: str) -> str:
+    """The minor release after ``release``: ``'1.16'`` -> ``'1.17'``."""
+    major, minor = release.split('.')[:2]
+    return f'{major}.{int(minor) + 1}'
+
+
+def torch_loads_safetensors() -> bool:
+    """Whether ``torch.load`` reads a ``.safetensors`` file (from torch 2.13
+    on), as skorch's ``load_params`` does without ``use_safetensors``."""
+    return Version(metadata.version('torch')).release[:2] >= (2, 13)
+
+
 def untested() -> list[str]:
     """Each installed release newer than the newest tested of its project,
     as ``'accelerate 1.17.0 (tested: 1.13 to 1.16)'``."""

@@ -22,7 +22,7 @@ from importlib import metadata
 from skorch import NeuralNet
 from skorch.hf import AccelerateMixin
 
-from skorch_accel_callbacks._core.releases import TESTED
+from skorch_accel_callbacks._core.releases import TESTED, next_minor
 
 __all__ = [
     'ATTRIBUTES',
@@ -120,9 +120,4 @@ def check_internals(owner: str) -> None:
         raise RuntimeError(
             f"{owner}: skorch {metadata.version('skorch')} has no {', '.join(missing)}, "
             f"which this package uses (tested with skorch {oldest} to {newest}); install "
-            f"a tested skorch: pip install 'skorch>={oldest},<{_next_minor(newest)}'")
-
-
-def _next_minor(release: str) -> str:
-    major, minor = release.split('.')[:2]
-    return f'{major}.{int(minor) + 1}'
+            f"a tested skorch: pip install 'skorch>={oldest},<{next_minor(newest)}'")

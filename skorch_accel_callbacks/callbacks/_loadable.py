@@ -92,14 +92,16 @@ class LoadableCheckpoint:
         :class:`AccelerateLoadInitState`'s). Where the checkpoint holds
         every rank's own history, rank 0's is loaded; the module buffers
         are those of accelerate's model files (for every rank's own under
-        FSDP2, rank 0's, ``export()`` the checkpoint). With a torch older than 2.13,
-        pass ``use_safetensors=True`` to ``load_params``.
+        FSDP2, rank 0's, ``export()`` the checkpoint).
 
-        A model that FSDP2 saved sharded is merged in this process
-        (as ``export()`` merges it) and comes as an
-        in-memory file of torch's format: load it without
-        ``use_safetensors=True``, in one process (in a job of several,
-        ``export()`` it first and load the exported files).
+        The models come as ``load_params`` reads them without
+        ``use_safetensors`` (do not pass it): the safetensors files
+        themselves, which ``torch.load`` reads from torch 2.13 on, and with
+        an older torch their tensors in an in-memory file of torch's format.
+        A model that FSDP2 saved sharded is merged in this process (as
+        ``export()`` merges it) into such an in-memory file, in one process
+        (in a job of several, ``export()`` it first and load the exported
+        files).
 
         Parameters
         ----------

@@ -74,7 +74,8 @@ def _warn_without_fixes(net: Any, owner: str) -> None:
 def _check_checkpointable(net: NeuralNet, what: str, async_save: bool = False) -> None:
     """Raise naming ``what`` (and ``async_save``) if the accelerator of
     ``net`` cannot be checkpointed by ``AccelerateCheckpoint``: ``TypeError``
-    without an accelerator, ``ValueError`` with
+    without an accelerator, ``RuntimeError`` for an accelerate release that
+    moved an internal the package uses, ``ValueError`` with
     ``automatic_checkpoint_naming`` (the callback names and retires its
     folders itself), a back-end it cannot save (``accelerate_io.check_plain_state``)
     or FSDP2 with compiled modules."""
@@ -85,6 +86,7 @@ def _check_checkpointable(net: NeuralNet, what: str, async_save: bool = False) -
         raise TypeError(
             f"{what} needs a net with skorch's AccelerateMixin "
             "(an `accelerator` attribute); for a plain net use ParamsCheckpoint")
+    accelerate_io.check_internals(accelerator, what)
     if accelerate_io.uses_automatic_naming(accelerator):
         raise ValueError(
             f"{what} names and retires its checkpoint folders itself; "

@@ -211,6 +211,7 @@ class AccelerateFixesMixin:
 
     def initialize(self) -> Self:
         skorch_io.check_internals(type(self).__name__)
+        accelerate_io.check_internals(self.accelerator, type(self).__name__)
         skorch_io.set_wrapped(self, False)
         return super().initialize()
 

@@ -32,8 +32,14 @@ from accelerate.utils import SAFE_WEIGHTS_NAME, merge_fsdp_weights
 from safetensors.torch import load_file
 
 from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks._core.releases import torch_loads_safetensors
 from skorch_accel_callbacks.errors import CorruptCheckpointError
-from skorch_accel_callbacks.format import DCP_METADATA_NAME, load_without_code, read_naming_fault
+from skorch_accel_callbacks.format import (
+    DCP_METADATA_NAME,
+    kind_of,
+    load_without_code,
+    read_naming_fault,
+)
 from skorch_accel_callbacks.state import model_files as recorded_model_files
 
 __all__ = ['check_sharded_model', 'is_sharded_model', 'loadable', 'model_files',
@@ -212,12 +218,19 @@ def read_model(path: str | os.PathLike) -> Any:
 
 
 def loadable(path: str) -> str | io.BytesIO:
-    """``path`` as skorch's ``load_params`` takes it: a file as it is, a
-    sharded model folder merged (:func:`read_sharded_model`) into an
-    in-memory file of torch's format."""
-    if not is_sharded_model(path):
+    """``path`` as skorch's ``load_params`` takes it (by default, through
+    ``torch.load``): a file as it is, a sharded model folder merged
+    (:func:`read_sharded_model`) into an in-memory file of torch's format,
+    and so a safetensors file where ``torch.load`` does not read one (torch
+    older than 2.13), so that ``load_params(checkpoint=...)`` needs no
+    ``use_safetensors`` on any supported torch."""
+    if is_sharded_model(path):
+        state = read_sharded_model(path)
+    elif kind_of(os.path.basename(path)) == 'safetensors' and not torch_loads_safetensors():
+        state = read_model(path)
+    else:
         return path
-    merged = io.BytesIO()
-    torch.save(read_sharded_model(path), merged)
-    merged.seek(0)
-    return merged
+    in_torch_format = io.BytesIO()
+    torch.save(state, in_torch_format)
+    in_torch_format.seek(0)
+    return in_torch_format
