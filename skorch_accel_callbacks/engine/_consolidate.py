@@ -57,12 +57,17 @@ _METADATA_CLASSES = {
     'collections': {'OrderedDict'},
     'pathlib': {'Path', 'PosixPath', 'WindowsPath', 'PurePosixPath', 'PureWindowsPath'},
 }
+# where Python 3.13 on defines pathlib's classes (a .metadata written there
+# names them so), the same classes as pathlib's
+_PATHLIB_OF_3_13 = 'pathlib._local'
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles a ``.metadata`` file, refusing every class it does not hold."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if module == _PATHLIB_OF_3_13:
+            module = 'pathlib'
         is_dtype = module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)
         if not is_dtype and name not in _METADATA_CLASSES.get(module, ()):
             raise pickle.UnpicklingError(
