@@ -54,9 +54,9 @@ wheel: $(STAMP)
 	$(PY) -m twine check --strict dist/*
 
 # the release, built and installed into a fresh virtual environment, running
-# the quick start there (plain and with [s3]): tests/test_release.py
+# the quick start there (plain and with [s3]): tests/project/test_release.py
 release-check: $(STAMP)
-	$(PY) -m pytest -m release tests/test_release.py
+	$(PY) -m pytest -m release tests/project/test_release.py
 
 # every crash point of a local save (1 and 2 processes) and of an upload,
 # killed and relaunched (tests/faults/test_crash_points.py; make test runs a
@@ -73,7 +73,7 @@ FUZZ_EXAMPLES ?= 500
 FUZZ_LAUNCHED ?= 14
 fuzz: $(STAMP)
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_LAUNCHED=$(FUZZ_LAUNCHED) FUZZ_BATCH=2 FUZZ_COMPILE=1 \
-		$(PY) -m pytest -n 2 --dist load --timeout 14400 tests/test_contract_fuzz.py
+		$(PY) -m pytest -n 2 --dist load --timeout 14400 tests/callbacks/test_contract_fuzz.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

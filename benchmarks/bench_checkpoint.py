@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / 'tests')]
+sys.path[:0] = [str(REPO), str(REPO / 'tests' / 'support')]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -300,7 +300,7 @@ def bench_resume(root, size, repeats):
     # a checkpoint after epoch 1 of 2: resuming trains epoch 2
     cp = AccelerateCheckpoint(dirname=str(ckpt))
     quiet_fit(make_net(size, callbacks=[cp], max_epochs=1))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / 'tests')]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / 'tests' / 'support')]))
     times = {'fresh': [], 'resumed': [], 'fresh_fit': [], 'resumed_fit': []}
     for i in range(repeats):
         for kind in ('fresh', 'resumed'):

@@ -25,7 +25,7 @@ into a new folder, ``os.sync()`` before each timed call:
   runs in the background while training goes on, and is timed apart
   (``retirement``: waited for after the save, outside its time).
 
-In 2 processes (``tests/launcher.py``, ``Accelerator(cpu=True)``: DDP on
+In 2 processes (``tests/support/launcher.py``, ``Accelerator(cpu=True)``: DDP on
 gloo) a figure is the slower rank's; DCP's ``async_save`` gets a gloo
 group of its own (its thread's collectives must not meet the main
 thread's). In one process there is no process group (DCP saves without

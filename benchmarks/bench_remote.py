@@ -9,7 +9,7 @@ the local server moves 15-75 MB/s; ``--sizes 100e6 --repeats 5`` (1.1 GiB a
 checkpoint) took 10.5-11.5 minutes there.
 
 Against a local S3 server that the script starts itself (moto's
-``ThreadedMotoServer`` on 127.0.0.1, port 0, as ``tests/s3server.py``), in a
+``ThreadedMotoServer`` on 127.0.0.1, port 0, as ``tests/support/s3server.py``), in a
 process of its own, so that the server's request handling does not share
 the benchmark's interpreter lock, with its objects in memory
 (``/dev/shm``), so that it does not share the disk of the saves timed (a
@@ -83,7 +83,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / 'tests'), str(REPO / 'benchmarks')]
+sys.path[:0] = [str(REPO), str(REPO / 'tests' / 'support'), str(REPO / 'benchmarks')]
 
 from bench_checkpoint import folder_bytes, machine, new_epoch, table, trained_net  # noqa: E402
 

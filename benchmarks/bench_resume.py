@@ -11,7 +11,7 @@ of two batches per rank with a checkpoint after every step; the peers save
 the state of the epoch's end, and a second run stopped after its first
 step leaves a checkpoint inside the epoch. Then every variant is a
 relaunch in processes of its own (``nproc`` of them, launched as
-``torchrun`` would: ``tests/launcher.py``): the same script's ``net.fit``,
+``torchrun`` would: ``tests/support/launcher.py``): the same script's ``net.fit``,
 timed to the first training batch, in a rotated order (round ``r`` starts
 with the ``r``-th variant, so each variant comes in every position across
 the rounds):

@@ -10,7 +10,7 @@ site's address. accelerate's site publishes no inventory (its pages are not
 built by Sphinx); its lines follow the anchors of its reference pages.
 
 :func:`compile_inventories` writes each as the zlib-compressed file that
-intersphinx reads; ``tests/test_docs.py`` checks that every name listed is an
+intersphinx reads; ``tests/project/test_docs.py`` checks that every name listed is an
 object of the installed library and that the pages link to every one.
 """
 

@@ -4,7 +4,7 @@ Hugging Face accelerate, in one process or many.
 The public API is what this module exports; every public exception is in
 :mod:`skorch_accel_callbacks.errors`. The subpackages, from the top down
 (a module imports only from its own subpackage and those below it;
-tests/test_structure.py checks it): ``tools`` (the command line,
+tests/project/test_structure.py checks it): ``tools`` (the command line,
 inspection, export), ``params`` (the skorch drop-ins), ``callbacks`` (the
 checkpoint and resume callbacks, what they read, the net mixin, triggers,
 preemption), ``engine`` (writing and restoring a checkpoint, merging FSDP

@@ -1,10 +1,14 @@
 """Fixtures and report hooks of the whole suite.
 
-The modules the tests import (tests/, tests/workers, tests/faults,
-tests/faults/workers) are on ``sys.path`` through ``pythonpath`` in
-setup.cfg; helpers shared by test modules are in testutil.py (a module
-named ``conftest`` cannot be imported: pytest owns the name, and
-tests/faults has one of its own).
+The tests mirror the package: tests/<subpackage>/ holds the tests of
+skorch_accel_callbacks/<subpackage>/ (tests/core those of _core), with
+tests/project for what the repository promises as a whole (docs, examples,
+the release, the package's shape, the suite's own rules) and tests/faults
+for the crash, kill and bad-input suite. The modules the tests import
+(tests/support, tests/workers, tests/faults, tests/faults/workers) are on
+``sys.path`` through ``pythonpath`` in setup.cfg; helpers shared by test
+modules are in tests/support (a module named ``conftest`` cannot be
+imported: pytest owns the name, and tests/faults has one of its own).
 """
 
 import logging

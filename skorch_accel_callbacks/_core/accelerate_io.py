@@ -6,7 +6,7 @@ names, and the body of ``Accelerator.save_state``, run here (and split in
 two for saves in the background: the small files now, the model and
 optimizer files later), with the optimizer files written by
 :func:`.torch_archive.save_without_crc`, tested on every release of
-:mod:`.releases`; ``tests/test_accelerate_io.py`` checks that a save
+:mod:`.releases`; ``tests/core/test_accelerate_io.py`` checks that a save
 through :func:`save_state` writes the same files with the same contents as
 ``Accelerator.save_state``, so an accelerate upgrade that moves these
 internals fails one obvious test.

@@ -1,6 +1,6 @@
 """The one use of torch's internals: ``torch.save``'s archive, written
 without the CRC-32 of its records, for the optimizer files of a checkpoint
-(:func:`save_without_crc` says why); ``tests/test_accelerate_io.py`` checks
+(:func:`save_without_crc` says why); ``tests/core/test_accelerate_io.py`` checks
 on every release of :mod:`.releases` that ``torch.load`` reads what it
 writes.
 """

@@ -48,7 +48,7 @@ def reference(tmp_path_factory):
 def zygote(tmp_path_factory):
     """The fork server of the module's launches (tests/faults/workers/zygote.py):
     each launch a fork of one interpreter that imported the job's modules,
-    one process a rank with the environment of tests/launcher.py, killed
+    one process a rank with the environment of tests/support/launcher.py, killed
     ``grace`` s after the first rank fails, as a launch of its own is."""
     server = Zygote(tmp_path_factory.mktemp('zygote'))
     server.warm_up()

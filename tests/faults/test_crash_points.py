@@ -37,7 +37,7 @@ commits; rank 1 writes its own files). The launches go through a fork
 server (tests/faults/workers/zygote.py) that imported torch once: each
 costs seconds instead of tens of seconds on 2 busy cores; the traced
 uninterrupted launch is checked bit-identical to a real launch
-(tests/launcher.py), so forking changes nothing the test compares.
+(tests/support/launcher.py), so forking changes nothing the test compares.
 
 ``make test`` runs a seeded subset (in 1 process one point of each syscall
 kind, in 2 one point of each rank, 3 requests of the upload in 1 process

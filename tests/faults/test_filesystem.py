@@ -116,7 +116,7 @@ def fs(request, tmp_path_factory):
 def need_tmpfs(fs):
     if fs['resumed'] is None:
         machine_lacks("mount -t tmpfs, not permitted here; the full-disk case with a "
-                      "patched write is tests/test_checkpoint.py::"
+                      "patched write is tests/callbacks/test_checkpoint.py::"
                       "test_failed_save_on_one_rank_raises_on_every_rank")
 
 

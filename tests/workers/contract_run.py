@@ -1,6 +1,6 @@
-"""Run the resume contract's drawn configurations (tests/test_contract_fuzz.py).
+"""Run the resume contract's drawn configurations (tests/callbacks/test_contract_fuzz.py).
 
-A *configuration* is a JSON-able dict drawn by tests/contract_fuzz.py: a net
+A *configuration* is a JSON-able dict drawn by tests/support/contract_fuzz.py: a net
 (an MLP, maybe with BatchNorm1d and dropout, on tiny random data), skorch's
 own callbacks and a user callback with per-rank state, a schedule of saves,
 a script (``fit``, ``fit`` then ``partial_fit``, or two ``fit`` calls with

@@ -1,5 +1,5 @@
 """Train a FixedNet under FSDP2 and save its parameters and a sharded
-checkpoint, for tests/test_fsdp_params.py to load into plain nets.
+checkpoint, for tests/engine/test_fsdp_params.py to load into plain nets.
 
 usage: fsdp_params.py FOLDER
   In every process: fit with a ``ParamsCheckpoint`` (torch files, every

@@ -1,4 +1,4 @@
-"""Checkpoint, kill and resume a FixedNet under FSDP2, for tests/test_fsdp.py.
+"""Checkpoint, kill and resume a FixedNet under FSDP2, for tests/callbacks/test_fsdp.py.
 
 usage: fsdp_resume.py
   Environment RUNS: a JSON list of trainings to run one after the other in

@@ -1,4 +1,4 @@
-"""Train a FixedNet under FSDP2 and under DDP, for tests/test_fsdp.py.
+"""Train a FixedNet under FSDP2 and under DDP, for tests/callbacks/test_fsdp.py.
 
 usage: fsdp_train.py
   In every process of the launch, the same net and data: ``fit``,

@@ -1,5 +1,5 @@
 """Train with ``AccelerateCheckpoint(load_best=True)`` and record the model
-each rank ends with, for tests/test_load_best.py.
+each rank ends with, for tests/callbacks/test_load_best.py.
 
 usage: load_best.py DIRNAME TAG
   Environment BACKEND: ``ddp`` (default) or ``fsdp2`` (forced on CPU,

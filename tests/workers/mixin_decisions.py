@@ -1,5 +1,5 @@
 """Callbacks that decide on the epoch's metrics, in every process of a
-launch, for tests/test_decisions.py.
+launch, for tests/callbacks/test_decisions.py.
 
 usage: mixin_decisions.py FOLDER
   Runs every scenario of :data:`SCENARIOS` in turn in one launch and

@@ -1,4 +1,4 @@
-"""The gather of a FixedNet's predictions, for tests/test_mixin.py.
+"""The gather of a FixedNet's predictions, for tests/callbacks/test_mixin.py.
 
 usage: mixin_predict.py
   In every process of the launch: :func:`predictions`, results in

@@ -1,5 +1,5 @@
 """Clone and pickle a FixedNet after a fit that was preempted, that ended
-normally and that raised, for tests/test_mixin.py.
+normally and that raised, for tests/callbacks/test_mixin.py.
 
 usage: mixin_roundtrip.py roundtrip FOLDER
   In every process of the launch: :func:`roundtrips` (each rank pickles

@@ -1,4 +1,4 @@
-"""Jobs for tests/test_params_parity.py.
+"""Jobs for tests/params/test_params_parity.py.
 
 usage: params_parity.py hold FN_PREFIX MARKERS
   One process, a plain skorch net whose ParamsCheckpoint keeps the default

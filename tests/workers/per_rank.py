@@ -1,5 +1,5 @@
 """Trainings whose ranks' states differ, uninterrupted and resumed, for
-tests/test_per_rank.py.
+tests/state/test_per_rank.py.
 
 usage: per_rank.py
   Environment RUNS: a JSON list of trainings to run one after the other in

@@ -7,7 +7,7 @@ The suite launches the fault job a few hundred times; importing torch,
 accelerate and skorch takes most of each launch's 5 to 20 s on 2 busy cores.
 This process imports them once; each launch is a ``fork`` of it that runs
 a worker's ``main()`` with the launch's argv and environment, as
-``tests/launcher.py`` would start it (one process a rank, ``RANK``,
+``tests/support/launcher.py`` would start it (one process a rank, ``RANK``,
 ``WORLD_SIZE``, ``MASTER_PORT``, ... set; its own session; output to a
 file). The parent never trains, never initialises a process group, and
 starts no thread, so every child starts from the state of a fresh

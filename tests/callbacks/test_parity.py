@@ -72,7 +72,7 @@ def test_clone_of_a_fitted_net_fits_and_resumes_in_its_own_folder(tmp_path):
 
 def test_loader_whose_checkpoint_is_not_a_callback_of_the_net(tmp_path):
     # it would train on without saving where it resumes from: refused
-    # (tests/test_clones.py has the message)
+    # (tests/callbacks/test_clones.py has the message)
     fitted(tmp_path / 'ck', max_epochs=2)
     cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'))  # never initialized by a net
     net = make_net(make_accelerator(), callbacks=[AccelerateLoadInitState(cp)], max_epochs=3)

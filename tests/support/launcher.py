@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-WORKERS = Path(__file__).parent / 'workers'
-REPO = Path(__file__).parent.parent
+WORKERS = Path(__file__).parent.parent / 'workers'
+REPO = Path(__file__).parent.parent.parent
 
 
 def free_port():

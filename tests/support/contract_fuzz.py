@@ -328,7 +328,7 @@ def data_pipelines(draw):
     augment = draw(st.sampled_from((None, 'torch', 'numpy', 'python')))
     pipeline = {'num_workers': workers}
     # persistent workers that draw are refused at the first batch
-    # (tests/test_data_pipeline.py), not resumed
+    # (tests/state/test_data_pipeline.py), not resumed
     if workers and augment is None:
         pipeline['persistent_workers'] = draw(st.booleans())
     if augment is not None:
@@ -344,7 +344,8 @@ def reproduction(configs_):
     """How to rerun a failing example: its configuration(s) and a command."""
     text = json.dumps(configs_, sort_keys=True)
     return (f"configuration(s): {text}\nrerun: CONTRACT_CONFIG={shlex.quote(text)} "
-            "PYTHONPATH=.:tests:tests/workers .venv/bin/python tests/test_contract_fuzz.py")
+            "PYTHONPATH=.:tests/support:tests/workers .venv/bin/python "
+            "tests/callbacks/test_contract_fuzz.py")
 
 
 CHECKPOINT_NAME = re.compile(r'epoch-\d{4}(-step-\d{8})?')

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from testutil import machine_lacks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # the last commit before the package was split into subpackages (format 4)
 COMMIT = 'f5cb08a'
 

@@ -29,7 +29,7 @@ from skorch_accel_callbacks.storage import open_storage
 from skorch_accel_callbacks.storage._transfer import REACHABLE_SECONDS
 from testutil import assert_identical, machine_lacks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope='module')

@@ -2,7 +2,7 @@
 f5cb08a, format 4) resume with the code of now, bit for bit, and the command
 line lists and verifies them.
 
-tests/old_format_run.py, run against that commit's package, writes them:
+tests/support/old_format_run.py, run against that commit's package, writes them:
 ``epoch-end`` at the end of epoch 2, ``in-epoch`` at step 6, inside epoch 2.
 The resume tests have it write them on this machine (``old_version``: the
 uninterrupted fit they are compared with is computed here); each is resumed
@@ -10,7 +10,7 @@ from a copy, trained to the end of epoch 3 and compared with an
 uninterrupted fit of 3 epochs made now. tests/data/f5cb08a-1proc/ keeps the
 folders it wrote when the commit was new, which the command line lists and
 verifies, and which the fresh ones match file for file. Those of 2 processes
-(each rank's state its own) resume in the launch of tests/test_per_rank.py.
+(each rank's state its own) resume in the launch of tests/state/test_per_rank.py.
 """
 
 import json
@@ -27,7 +27,7 @@ import old_version
 from checkpointed import state
 from testutil import assert_identical
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / 'tests' / 'data' / 'f5cb08a-1proc'
 CLI_TIMEOUT = 120
 MAX_EPOCHS = 3
@@ -46,8 +46,8 @@ def written_now(tmp_path_factory):
     out = tmp_path_factory.mktemp('old-checkpoints')
     # the old package first on the path: the script imports only the root's names
     ran = subprocess.run(
-        [sys.executable, str(REPO / 'tests' / 'old_format_run.py'), str(out)], cwd=tree,
-        env=old_version.old_environment(tree, REPO / 'tests'),
+        [sys.executable, str(REPO / 'tests' / 'support' / 'old_format_run.py'), str(out)], cwd=tree,
+        env=old_version.old_environment(tree, REPO / 'tests' / 'support'),
         capture_output=True, text=True, timeout=CLI_TIMEOUT)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     return out

@@ -1,9 +1,10 @@
-"""Helpers shared by the test modules of tests/ and tests/faults/.
+"""Helpers shared by the test modules of every folder of tests/.
 
 A plain module with a name of its own (``conftest`` is pytest's: there is
 one in tests/ and one in tests/faults/). The pytest configuration puts
-tests/, tests/workers, tests/faults and tests/faults/workers on
-``sys.path`` (``pythonpath`` in setup.cfg).
+tests/support (the helpers: this module, the launcher, the local S3
+server, the shared fits), tests/workers, tests/faults and
+tests/faults/workers on ``sys.path`` (``pythonpath`` in setup.cfg).
 """
 
 import ast

@@ -29,7 +29,7 @@ def test_a_misspelled_argument_names_the_nearest_and_lists_them_all(cls, wrong, 
 
 def test_the_params_drop_ins_keep_skorch_s_own_check():
     # skorch's Checkpoint takes f_<module> names (**kwargs) and checks them
-    # at initialize, with its own suggestion (tests/test_params_parity.py)
+    # at initialize, with its own suggestion (tests/params/test_params_parity.py)
     from skorch_accel_callbacks import ParamsCheckpoint
     with pytest.raises(TypeError, match="^ParamsCheckpoint got an unexpected argument "
                                         "'foobar', did you mean 'f_foobar'"):

@@ -21,7 +21,7 @@ from skorch_accel_callbacks._core import accelerate_io, releases, skorch_io
 from skorch_accel_callbacks.engine import _consolidate
 from testutil import parse_source
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def matrix():

@@ -1,8 +1,8 @@
-"""The fits of tests/test_old_checkpoints.py, importable by the package as it
+"""The fits of tests/format/test_old_checkpoints.py, importable by the package as it
 was before the restructure (commit f5cb08a) and as it is now: only the names
 of the package root, which both have.
 
-``python tests/old_format_run.py OUT`` with ``PYTHONPATH=<old tree>:tests``
+``python tests/support/old_format_run.py OUT`` with ``PYTHONPATH=<old tree>:tests``
 wrote tests/data/f5cb08a-1proc/ (see tests/data/README.rst).
 """
 

@@ -14,7 +14,7 @@ import pytest
 
 from testutil import parse_source
 
-PACKAGE = Path(__file__).resolve().parents[1] / 'skorch_accel_callbacks'
+PACKAGE = Path(__file__).resolve().parents[2] / 'skorch_accel_callbacks'
 MODULES = sorted(PACKAGE.rglob('*.py'))
 CALLBACK_MODULES = ('callbacks/checkpoint.py', 'callbacks/load_state.py',
                     'params/checkpoint.py', 'params/load.py', 'params/train_end.py')

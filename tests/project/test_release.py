@@ -18,7 +18,7 @@ import pytest
 
 from test_docs import DOCS, python_blocks
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # torch as requirements-dev.txt pins it: an unpinned one is a CUDA build of GBs
 TORCH = next(line.strip() for line in (REPO / 'requirements-dev.txt').read_text().splitlines()
              if line.startswith('torch=='))

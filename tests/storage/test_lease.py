@@ -23,7 +23,7 @@ from skorch_accel_callbacks.errors import FolderInUseError, LeaseLostError
 from skorch_accel_callbacks.storage._lease import ObjectLease
 from testutil import machine_lacks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ME = f"pid {os.getpid()} on host {socket.gethostname()}"
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / 'skorch_accel_callbacks'
+PACKAGE = Path(__file__).resolve().parents[2] / 'skorch_accel_callbacks'
 MODULES = sorted(
     '.'.join(('skorch_accel_callbacks', *path.relative_to(PACKAGE).with_suffix('').parts))
     .removesuffix('.__init__') for path in PACKAGE.rglob('*.py'))

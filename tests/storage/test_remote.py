@@ -245,8 +245,12 @@ def test_a_second_job_on_the_url_is_refused_by_the_lease(s3_bucket, tmp_path):
 
 
 def test_a_missing_protocol_package_is_refused_before_training(s3_bucket, monkeypatch):
-    # gcsfs made unimportable, as where the [gcs] extra is not installed
+    # gcsfs made unimportable, as where the [gcs] extra is not installed;
+    # and unknown to fsspec, which keeps the class of a protocol it opened
+    # once in this process (test_gcs opens gs://)
     monkeypatch.setitem(sys.modules, 'gcsfs', None)
+    for protocol in ('gs', 'gcs'):
+        monkeypatch.delitem(sys.modules['fsspec.registry']._registry, protocol, raising=False)
     url = 'gs://bucket/run'
     hint = r"\(pip install gcsfs: the package's \[gcs\] extra\)"
     with pytest.raises(CheckpointError, match=f"cannot open {url}: .*gcsfs.* {hint}"):

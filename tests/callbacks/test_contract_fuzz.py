@@ -1,7 +1,7 @@
 """The resume contract, fuzzed (issue 28): Hypothesis draws a net, skorch's
 callbacks and a user callback with per-rank state, a schedule of saves, a
 script of fit calls, an interruption and a change between launches; the
-oracle (tests/contract_fuzz.py) checks the relaunch against the
+oracle (tests/support/contract_fuzz.py) checks the relaunch against the
 uninterrupted run on every rank.
 
 - test_one_process_contract: in this process (each "launch" a fresh net
@@ -61,7 +61,7 @@ where these tests fail (shrunk examples in the fuzz helper's report):
   but after the relaunch (resumed from epoch-0001) the folder keeps
   ['epoch-0001'] besides ['epoch-0006']" (with 6 there too: differs_params);
 - beyond the issue: skorch's Freezer (found from a hand-written
-  configuration, now tests/test_fsdp.py's frozen test): under FSDP2 the
+  configuration, now tests/callbacks/test_fsdp.py's frozen test): under FSDP2 the
   relaunch crashed in torch.distributed.checkpoint's load (``Missing key
   in checkpoint state_dict: optimizer.state.lin.bias.momentum_buffer``);
   in 1 process and DDP a relaunch after the Freezer's epoch trained the
