@@ -10,20 +10,20 @@ a damaged newest checkpoint, and the checkpoint a fit resumed from is
 retired once that fit is over.
 """
 
+import functools
 import os
 import re
 import warnings
 
 import fsspec
 import pytest
-import torch
 from skorch import NeuralNetClassifier
 
-from common import MLP, make_accelerator, make_data, make_net
+import checkpointed
+from common import MLP, make_data
 from fit_calls import Interrupt
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
-    AccelerateLoadInitState,
     CheckpointError,
     TrainingPreempted,
 )
@@ -31,19 +31,7 @@ from skorch_accel_callbacks import (
 # 256 rows, 205 trained on: 7 batches of 32 an epoch, 13 of 16
 
 
-def fit(dirname, *extra, max_epochs=3, batch_size=32, resume='latest', **cp_kwargs):
-    cp = AccelerateCheckpoint(dirname=str(dirname), **cp_kwargs)
-    load = AccelerateLoadInitState(cp, resume=resume)
-    torch.manual_seed(0)
-    net = make_net(make_accelerator(), callbacks=[cp, load, *extra], max_epochs=max_epochs,
-                   batch_size=batch_size)
-    try:
-        net.fit(*make_data())
-    except CheckpointError:
-        # a refused job ends, and its process's claim of a store with it
-        cp.close()
-        raise
-    return net, cp, load
+fit = functools.partial(checkpointed.fit, data=make_data())
 
 
 def preempt_inside_epoch(dirname, epoch, batch, **cp_kwargs):
@@ -67,12 +55,12 @@ def test_a_refused_batch_size_names_an_epoch_end_checkpoint_that_exists(tmp_path
     # checkpoints rotated epoch-0002 (step 14) out of keep_last=2
     assert preempt_inside_epoch(dirname, 3, 5, every_n_steps=3) == 'epoch-0002-step-00000019'
     with pytest.raises(CheckpointError, match='batch_size') as refused:
-        fit(dirname, batch_size=16, every_n_steps=3)
+        fit(dirname, net_kwargs={'batch_size': 16}, every_n_steps=3)
     path, name = advised(refused.value)
     assert (path, name) == (str(dirname / 'epoch-0002'), 'epoch-0002')
     assert os.path.isfile(os.path.join(path, 'manifest.json'))
     # the advice works: the epoch-end checkpoint resumes with the new batch size
-    net, _, load = fit(dirname, batch_size=16, resume=name, every_n_steps=3)
+    net, _, load = fit(dirname, net_kwargs={'batch_size': 16}, resume=name, every_n_steps=3)
     assert load.loaded_from_ == path and len(net.history) == 3
     assert net.history[-1, 'train_batch_count'] == 13
 
@@ -91,12 +79,12 @@ def test_without_an_epoch_end_checkpoint_the_advice_says_what_to_do(tmp_path):
     dirname = tmp_path / 'ck'
     assert preempt_inside_epoch(dirname, 1, 4, every_n_steps=3) == 'epoch-0000-step-00000004'
     with pytest.raises(CheckpointError, match='batch_size') as refused:
-        fit(dirname, batch_size=16, every_n_steps=3)
+        fit(dirname, net_kwargs={'batch_size': 16}, every_n_steps=3)
     assert ("there is no checkpoint taken at an epoch's end to resume instead: resume it "
             "as it was saved, with max_epochs=1") in str(refused.value)
     # doing so saves the end of epoch 1, which the new batch size resumes
     fit(dirname, max_epochs=1, every_n_steps=3)
-    net, _, load = fit(dirname, batch_size=16, every_n_steps=3)
+    net, _, load = fit(dirname, net_kwargs={'batch_size': 16}, every_n_steps=3)
     assert load.loaded_from_.endswith('epoch-0001') and len(net.history) == 3
 
 
@@ -109,10 +97,10 @@ def test_a_store_keeps_and_advises_its_newest_epoch_end_checkpoint(s3_bucket, tm
     fs.invalidate_cache()
     assert fs.exists(f'{s3_bucket}/run/epoch-0002/manifest.json')
     with pytest.raises(CheckpointError, match='batch_size') as refused:
-        fit(url, batch_size=16, **options)
+        fit(url, net_kwargs={'batch_size': 16}, **options)
     path, name = advised(refused.value)
     assert (path, name) == (f'{url}/epoch-0002', 'epoch-0002')
-    net, _, load = fit(url, batch_size=16, resume=name, **options)
+    net, _, load = fit(url, net_kwargs={'batch_size': 16}, resume=name, **options)
     assert load.loaded_from_ == path and len(net.history) == 3
 
 

@@ -8,30 +8,17 @@ launches.
 import json
 
 import pytest
-import torch
 from accelerate.utils import ProjectConfiguration
 from sklearn.base import clone
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
 
+from checkpointed import fit
 from common import MLP, make_accelerator, make_data, make_net
 from resume_runs import run
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
 from skorch_accel_callbacks.format._manifest import SHARED_STATES_FORMAT
 from testutil import assert_identical, edit_manifest, final_state, read_results
-
-
-def fit(dirname, max_epochs=3, resume='latest', accelerator=None, **cp_kwargs):
-    """Fit a small single-process net with checkpoint and resume callbacks."""
-    cp = AccelerateCheckpoint(dirname=str(dirname), **cp_kwargs)
-    load = AccelerateLoadInitState(cp, resume=resume)
-    torch.manual_seed(0)
-    net = make_net(accelerator or make_accelerator(), callbacks=[cp, load],
-                   max_epochs=max_epochs)
-    X, y = make_data(n=160)
-    net.fit(X, y)
-    return net, cp, load
-
 
 # ---------------------------------------------------------------- in process
 

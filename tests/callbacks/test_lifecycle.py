@@ -3,6 +3,7 @@ callback's own stop, ``partial_fit``, a failed fit, a signal during the end
 of training, a resumed epoch's duration. Each test failed before these
 were fixed; those that need processes run in 1 and 2, launched."""
 
+import functools
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import torch
 from sklearn.base import clone
 from skorch.callbacks import Callback
 
+import checkpointed
 from common import NotTrainingState, make_accelerator, make_data, make_net
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, TrainingPreempted
 from skorch_accel_callbacks.callbacks._triggers import STOPPED_EARLY
@@ -21,13 +23,7 @@ from skorch_accel_callbacks.tools import cli
 DATA = dict(n=96)
 
 
-def fit(dirname, *extra, max_epochs=3, **cp_kwargs):
-    cp = AccelerateCheckpoint(dirname=str(dirname), **cp_kwargs)
-    load = AccelerateLoadInitState(cp)
-    torch.manual_seed(0)
-    net = make_net(make_accelerator(), callbacks=[cp, load, *extra], max_epochs=max_epochs)
-    net.fit(*make_data(**DATA))
-    return net, cp, load
+fit = functools.partial(checkpointed.fit, data=make_data(**DATA))
 
 
 def manifest_of(folder):

@@ -11,22 +11,12 @@ import pytest
 import torch
 from skorch.callbacks import Callback
 
+from checkpointed import fit
 from common import make_accelerator, make_data, make_net
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
-    AccelerateLoadInitState,
     TrainingPreempted,
 )
-
-
-def fit(dirname, max_epochs=3, callbacks=(), resume='latest', **cp_kwargs):
-    cp = AccelerateCheckpoint(dirname=str(dirname), **cp_kwargs)
-    load = AccelerateLoadInitState(cp, resume=resume)
-    torch.manual_seed(0)
-    net = make_net(make_accelerator(), callbacks=[cp, load, *callbacks],
-                   max_epochs=max_epochs)
-    net.fit(*make_data(n=160))
-    return net, cp, load
 
 
 def manifest_of(folder):
@@ -98,7 +88,7 @@ def best_at_epoch_2(net):
 def test_keep_best_saves_every_epoch_and_keeps_the_best(tmp_path):
     crash = Crash(5)
     with pytest.raises(RuntimeError, match='crash'):
-        fit(tmp_path / 'ck', max_epochs=8, callbacks=[crash], monitor=best_at_epoch_2,
+        fit(tmp_path / 'ck', crash, max_epochs=8, monitor=best_at_epoch_2,
             keep_best=1, keep_last=1)
     folder = tmp_path / 'ck'
     assert AccelerateCheckpoint(dirname=str(folder)).committed() == ['epoch-0002', 'epoch-0004']
@@ -142,7 +132,7 @@ def test_handlers_are_set_while_fit_runs_and_put_back(tmp_path):
     before = signal.signal(signal.SIGUSR1, users_handler)
     try:
         with pytest.raises(TrainingPreempted) as info:
-            fit(tmp_path / 'ck', callbacks=[SignalAt(2, 1, signal.SIGUSR1)],
+            fit(tmp_path / 'ck', SignalAt(2, 1, signal.SIGUSR1),
                 save_on_signal=('SIGUSR1',))
         # the user's handler ran too, and is back
         assert seen == [signal.SIGUSR1]
@@ -225,10 +215,10 @@ class CountBatches(Callback):
 def test_a_resume_inside_an_epoch_names_callbacks_it_cannot_vouch_for(tmp_path):
     with pytest.raises(RuntimeError, match='crash'):
         # 4 steps an epoch: step 6 is saved, the fit fails after batch 7
-        fit(tmp_path / 'ck', callbacks=[CountBatches(fail_at=7)], every_n_steps=3)
+        fit(tmp_path / 'ck', CountBatches(fail_at=7), every_n_steps=3)
     with pytest.warns(UserWarning, match=r"taken inside an epoch; the callback\(s\) "
                                          r"'CountBatches' act on every batch"):
-        net, _, load = fit(tmp_path / 'ck', callbacks=[CountBatches()], every_n_steps=3)
+        net, _, load = fit(tmp_path / 'ck', CountBatches(), every_n_steps=3)
     assert load.loaded_from_.endswith('epoch-0001-step-00000006')
     # its fitted attribute came back as saved: 6 batches, then the other 6
     assert dict(net.callbacks_)['CountBatches'].seen_ == 12
@@ -239,11 +229,11 @@ def test_a_resume_inside_an_epoch_vouches_for_gradient_norm_clipping(tmp_path):
     to warn about (the contract fuzzer saw the warning name it)."""
     from skorch.callbacks import GradientNormClipping
     with pytest.raises(RuntimeError, match='crash'):
-        fit(tmp_path / 'ck', callbacks=[CountBatches(fail_at=7), GradientNormClipping(1.0)],
+        fit(tmp_path / 'ck', CountBatches(fail_at=7), GradientNormClipping(1.0),
             every_n_steps=3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
-        _, _, load = fit(tmp_path / 'ck', callbacks=[CountBatches(), GradientNormClipping(1.0)],
+        _, _, load = fit(tmp_path / 'ck', CountBatches(), GradientNormClipping(1.0),
                          every_n_steps=3)
     assert load.loaded_from_.endswith('epoch-0001-step-00000006')
     unknown = [str(w.message) for w in caught if 'act on every batch' in str(w.message)]

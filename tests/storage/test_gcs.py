@@ -112,7 +112,7 @@ def test_a_manifest_committed_by_another_job_is_not_overwritten(gcs, tmp_path):
     manifest = f'{bucket}/run/epoch-0001/{MANIFEST_NAME}'
     with pytest.raises(CheckpointError, match=f'{url}/epoch-0001/{MANIFEST_NAME} '
                                               'exists already') as info:
-        fit(url, max_epochs=1, callbacks=[AnotherWriter(fs, manifest)],
+        fit(url, AnotherWriter(fs, manifest), max_epochs=1,
             local_dir=str(tmp_path / 'staging'), storage_options=options)
     # the server refused the upload (412 on the upload's URL), not a check
     # of gcsfs before it, which another writer could have raced

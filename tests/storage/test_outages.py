@@ -62,7 +62,7 @@ def test_every_request_of_an_upload_rides_out_a_10_s_outage(s3_bucket, network, 
     uploaded = UploadsEnded(epochs=range(1, 4), timeout=120)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
-        _, cp, _ = fit(url, max_epochs=3, callbacks=[uploaded], keep_last=1,
+        _, cp, _ = fit(url, uploaded, max_epochs=3, keep_last=1,
                        storage_options=through(network))
     restoring.join()
     assert network.fired.is_set(), f"the {request_cut} request was never cut"
@@ -106,7 +106,7 @@ def test_a_store_that_never_answers_fails_the_save_within_a_bounded_time(
     began = None
     with pytest.raises(StoreUnavailableError) as raised:
         began = time.monotonic()
-        fit(url, max_epochs=4, callbacks=[silence], outage_seconds=5,
+        fit(url, silence, max_epochs=4, outage_seconds=5,
             storage_options=through(network))
     failed_after = time.monotonic() - silence.silenced_at_
     assert network.fired.is_set()
@@ -154,7 +154,7 @@ def test_saves_due_faster_than_uploads_wait_for_no_upload(s3_bucket, network):
     delay = 2.0
     network.delay_on = (rb'PUT /[^ ]*/run/epoch-[^ /]*/model\.safetensors', delay)
     said, clock = [], Clock()
-    _, cp, _ = fit(url, max_epochs=2, every_n_steps=1, callbacks=[clock], sink=said.append,
+    _, cp, _ = fit(url, clock, max_epochs=2, every_n_steps=1, sink=said.append,
                    storage_options=through(network))
     assert network.fired.is_set()
     saves = [line for line in said if line.startswith('Saved checkpoint')]

@@ -155,7 +155,7 @@ class AnotherWriter(Callback):
 def test_a_manifest_committed_by_another_job_is_not_overwritten(s3_bucket):
     manifest = f'{s3_bucket}/run/epoch-0001/manifest.json'
     with pytest.raises(CheckpointError, match=f's3://{s3_bucket}/run/epoch-0001') as info:
-        fit(f's3://{s3_bucket}/run', max_epochs=1, callbacks=[AnotherWriter(manifest)])
+        fit(f's3://{s3_bucket}/run', AnotherWriter(manifest), max_epochs=1)
     # the create-only write was refused by the server
     assert isinstance(info.value.__cause__, FileExistsError)
     assert s3().cat_file(manifest) == b'{"written by": "another job"}'
