@@ -15,9 +15,16 @@ import torch
 from sklearn.base import clone
 from skorch.callbacks import EarlyStopping
 
-from common import FixedNet, StockNet, make_accelerator, make_data, make_net, plain_criterion
+from common import (
+    FixedNet,
+    StockNet,
+    history_rows,
+    make_accelerator,
+    make_data,
+    make_net,
+    plain_criterion,
+)
 from launcher import launch
-from mixin_decisions import history_rows
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
     AccelerateLoadInitState,
@@ -190,7 +197,7 @@ def fitted_history(net_cls, **kwargs):
     net = make_net(make_accelerator(), net_cls=net_cls, criterion=plain_criterion,
                    max_epochs=4, callbacks=[EarlyStopping(patience=1)], **kwargs)
     net.fit(X, y)
-    return history_rows(net)
+    return history_rows(net.history)
 
 
 def test_one_process_histories_are_stock_skorchs_either_way():

@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
-from skorch import NeuralNetClassifier
 
-from common import MLP, make_data
+from common import MLP, make_data, plain_net
 from launcher import REPO
 from skorch_accel_callbacks import AccelerateCheckpoint, CorruptCheckpointError
 from skorch_accel_callbacks.engine._consolidate import (
@@ -38,6 +37,9 @@ from skorch_accel_callbacks.engine._consolidate import (
 )
 from skorch_accel_callbacks.tools.export import export
 from skorch_accel_callbacks.tools.inspection import verify
+
+# plain_net(batch_size=32): a net that loads a checkpoint predicts in batches of
+# the trained net's size, the same batches, the same floats
 
 
 def plain_state(seed=0):
@@ -161,10 +163,6 @@ def test_an_entry_other_than_a_tensor_is_refused(tmp_path):
 
 # ---------------------------------------------------------------- 2 processes
 
-def plain_net():
-    # the batch size of the trained net: the same batches, the same floats
-    return NeuralNetClassifier(MLP, batch_size=32).initialize()
-
 
 def assert_predicts(net, expected):
     np.testing.assert_array_equal(net.predict_proba(make_data(n=160)[0]), expected)
@@ -217,7 +215,7 @@ def test_what_a_fsdp2_job_saves_loads_into_plain_nets(tmp_path, run_workers):
     for f_params, kwargs in [(params / 'params.pt', {}),
                              (params / 'train_end_params.pt', {'use_safetensors': True}),
                              (tmp_path / 'direct.pt', {})]:
-        net = plain_net()
+        net = plain_net(batch_size=32).initialize()
         net.load_params(f_params=f_params, **kwargs)
         assert_predicts(net, expected)
 
@@ -225,12 +223,12 @@ def test_what_a_fsdp2_job_saves_loads_into_plain_nets(tmp_path, run_workers):
     ck = tmp_path / 'ck'
     sharded = ck / 'epoch-0002' / 'pytorch_model_fsdp_0'
     assert pieces(sharded) == ['__0_0.distcp', '__1_0.distcp']
-    net = plain_net()
+    net = plain_net(batch_size=32).initialize()
     net.load_params(checkpoint=AccelerateCheckpoint(dirname=str(ck)))
     assert_predicts(net, expected)
     assert len(net.history) == 2
-    files = export(ck, tmp_path / 'exported')
-    net = plain_net()
+    files = export(ck, out=tmp_path / 'exported')
+    net = plain_net(batch_size=32).initialize()
     net.load_params(**files, use_safetensors=True)
     assert_predicts(net, expected)
     proc = cli('export', ck, tmp_path / 'by-command')
@@ -245,7 +243,7 @@ def test_what_a_fsdp2_job_saves_loads_into_plain_nets(tmp_path, run_workers):
     missing = damaged / 'pytorch_model_fsdp_0' / '__1_0.distcp'
     os.remove(missing)
     with pytest.raises(CorruptCheckpointError, match=rf"^{missing} is missing"):
-        export(damaged, tmp_path / 'not-exported')
+        export(damaged, out=tmp_path / 'not-exported')
     assert not (tmp_path / 'not-exported').exists()
     assert any(str(missing) in damage for damage in verify(damaged).damaged)
     with pytest.raises(CorruptCheckpointError, match=rf"^{missing} is missing: "):

@@ -20,7 +20,7 @@ from sklearn.base import clone
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback, Checkpoint, LoadInitState, TrainEndCheckpoint
 
-from common import MLP, make_data
+from common import MLP, make_data, plain_net
 from launcher import launch
 from skorch_accel_callbacks import (
     LoadInitParams,
@@ -296,17 +296,15 @@ def test_clone_and_get_params():
 
 def test_clone_after_fit(tmp_path):
     cp = ParamsCheckpoint(monitor=None, dirname=str(tmp_path), on_error='raise')
-    plain_net([cp, LoadInitParams(cp)], max_epochs=1).fit(*make_data(n=64))
+    seeded_plain_net([cp, LoadInitParams(cp)], max_epochs=1).fit(*make_data(n=64))
     cloned = clone(cp)
     assert cloned is not cp and cloned.on_error == 'raise'
 
 
-def plain_net(callbacks, **kwargs):
+def seeded_plain_net(callbacks, **kwargs):
+    """plain_net of 3 epochs, its weights drawn from the same seed each time."""
     torch.manual_seed(0)
-    params = dict(module=MLP, max_epochs=3, lr=0.1, callbacks=callbacks,
-                  train_split=None, verbose=0)
-    params.update(kwargs)
-    return NeuralNetClassifier(**params)
+    return plain_net(callbacks, **{'max_epochs': 3, **kwargs})
 
 
 def test_plain_net_same_files_and_events_as_skorch(tmp_path):
@@ -317,12 +315,12 @@ def test_plain_net_same_files_and_events_as_skorch(tmp_path):
         cp = cls(monitor='train_loss_best', dirname=str(folder), fn_prefix='run_',
                  f_params='params_{last_epoch[epoch]}.pt', f_pickle='net.pkl',
                  load_best=True)
-        net = plain_net([cp]).fit(X, y)
+        net = seeded_plain_net([cp]).fit(X, y)
         listings.append(sorted(os.listdir(folder)))
         events.append(net.history[:, 'event_cp'])
         with open(folder / 'run_net.pkl', 'rb') as f:
             probas.append(pickle.load(f).predict_proba(X))
-        fresh = plain_net([cp]).initialize()
+        fresh = seeded_plain_net([cp]).initialize()
         fresh.load_params(checkpoint=cp)
         np.testing.assert_allclose(fresh.predict_proba(X), net.predict_proba(X))
     # ours removes the lock of its files when training ends: no lock file left
@@ -360,12 +358,12 @@ def test_train_end_checkpoint_and_load_init_resume(tmp_path):
     X, y = make_data()
     sink = []
     te = TrainEndParamsCheckpoint(dirname=str(tmp_path), sink=sink.append)
-    first = plain_net([te, LoadInitParams(te)], max_epochs=2).fit(X, y)
+    first = seeded_plain_net([te, LoadInitParams(te)], max_epochs=2).fit(X, y)
     assert sink == ['Final checkpoint triggered']
     assert sorted(os.listdir(tmp_path)) == [
         'train_end_criterion.pt', 'train_end_history.json',
         'train_end_optimizer.pt', 'train_end_params.pt']
-    second = plain_net([te, LoadInitParams(te)], max_epochs=0).fit(X, y)
+    second = seeded_plain_net([te, LoadInitParams(te)], max_epochs=0).fit(X, y)
     # the history and parameters of the first run were loaded
     assert len(second.history) == 2
     np.testing.assert_allclose(second.predict_proba(X), first.predict_proba(X))
@@ -375,8 +373,8 @@ def test_safetensors_round_trip(tmp_path):
     X, y = make_data()
     cp = ParamsCheckpoint(monitor='train_loss_best', dirname=str(tmp_path), f_optimizer=None,
                           use_safetensors=True, load_best=True)
-    net = plain_net([cp]).fit(X, y)
-    fresh = plain_net([LoadInitParams(cp, use_safetensors=True)], max_epochs=0)
+    net = seeded_plain_net([cp]).fit(X, y)
+    fresh = seeded_plain_net([LoadInitParams(cp, use_safetensors=True)], max_epochs=0)
     fresh.fit(X, y)
     np.testing.assert_allclose(fresh.predict_proba(X), net.predict_proba(X))
 
@@ -395,7 +393,7 @@ def test_raise_mode_in_one_process_names_the_file(tmp_path):
         def on_epoch_end(self, net, **kwargs):
             shutil.rmtree(tmp_path / 'out', ignore_errors=True)
 
-    net = plain_net([FolderGone(), cp], max_epochs=2)
+    net = seeded_plain_net([FolderGone(), cp], max_epochs=2)
     with pytest.raises(Exception) as info:
         net.fit(X, y)
     assert not isinstance(info.value, RankError)
@@ -407,10 +405,10 @@ def test_damaged_journal_is_named_before_anything_loads(tmp_path):
     X, y = make_data()
     cp = ParamsCheckpoint(monitor=None, dirname=str(tmp_path), f_optimizer=None,
                           f_criterion=None)
-    plain_net([cp], max_epochs=1).fit(X, y)
+    seeded_plain_net([cp], max_epochs=1).fit(X, y)
     with open(cp.journal_path, 'w') as f:
         f.write('{"moves": [["only one path"]]}')
-    net = plain_net([LoadInitParams(cp)], max_epochs=1)
+    net = seeded_plain_net([LoadInitParams(cp)], max_epochs=1)
     with pytest.raises(CorruptCheckpointError, match=re.escape(cp.journal_path)):
         net.fit(X, y)
     assert len(net.history) == 0

@@ -29,12 +29,11 @@ import torch
 from accelerate.state import AcceleratorState
 from sklearn.base import clone
 from sklearn.model_selection import cross_validate
-from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback, Checkpoint, TrainEndCheckpoint
 from skorch.exceptions import DeviceWarning, SkorchException
 from skorch.tests.callbacks import test_training as skorch_tests
 
-from common import MLP, make_accelerator, make_data, make_net, plain_criterion
+from common import make_accelerator, make_data, make_net, plain_criterion, plain_net
 from launcher import REPO, WORKERS
 from skorch_accel_callbacks import (
     FolderInUseError,
@@ -47,13 +46,6 @@ from skorch_accel_callbacks.storage import PrefixLock
 
 DEADLINE_S = 180
 FILES = ['criterion.pt', 'history.json', 'optimizer.pt', 'params.pt']
-
-
-def plain_net(callbacks: list, **kwargs: Any) -> NeuralNetClassifier:
-    params = dict(module=MLP, max_epochs=2, lr=0.1, callbacks=callbacks,
-                  train_split=None, verbose=0)
-    params.update(kwargs)
-    return NeuralNetClassifier(**params)
 
 
 # ---------------------------------------------------------------- the lock

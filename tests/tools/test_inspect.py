@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
 
-from common import MLP, log_nll, make_accelerator, make_data, make_net
+from common import MLP, log_nll, make_accelerator, make_data, make_net, plain_net
 from launcher import REPO
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
@@ -37,6 +37,9 @@ from skorch_accel_callbacks.storage._lock import FolderLock
 from skorch_accel_callbacks.tools.export import export
 
 CLI_TIMEOUT = 300
+
+# plain_net(batch_size=32): a net that loads a checkpoint predicts in batches of
+# the trained net's size, the same batches, the same floats
 
 
 class Snapshot(Callback):
@@ -78,11 +81,6 @@ def trained(tmp_path_factory):
     """3 epochs: 1 and 2 saved because of the monitor (best.json names 2),
     3 when training ended (finished, latest.json)."""
     return train(tmp_path_factory.mktemp('trained') / 'ck', monitor=best_until_2, keep_last=3)
-
-
-def plain_net():
-    # the batch size of the trained net: the same batches, the same floats
-    return NeuralNetClassifier(MLP, batch_size=32).initialize()
 
 
 def assert_params(net, expected):
@@ -135,7 +133,7 @@ def flip_header_byte(file):
 
 def test_plain_net_loads_the_newest_checkpoint(trained):
     """A script without accelerate: a new callback on the folder, no fit."""
-    net = plain_net()
+    net = plain_net(batch_size=32).initialize()
     net.load_params(checkpoint=AccelerateCheckpoint(dirname=trained['dirname']))
     assert_params(net, trained['params'][3])
     np.testing.assert_array_equal(net.predict_proba(trained['X']),
@@ -147,7 +145,7 @@ def test_plain_net_loads_the_newest_checkpoint(trained):
     # they are, which skorch also reads with use_safetensors=True (with an
     # older torch they come in torch's format: test_releases)
     if releases.torch_loads_safetensors():
-        again = plain_net()
+        again = plain_net(batch_size=32).initialize()
         again.load_params(checkpoint=AccelerateCheckpoint(dirname=trained['dirname']),
                           use_safetensors=True)
         assert_params(again, trained['params'][3])
@@ -158,7 +156,7 @@ def test_which_checkpoint(trained, which):
     cp = AccelerateCheckpoint(dirname=trained['dirname'])
     if which == 'path':
         which = os.path.join(trained['dirname'], 'epoch-0002')
-    net = plain_net()
+    net = plain_net(batch_size=32).initialize()
     net.load_params(**cp.get_formatted_files(net, which=which))
     assert_params(net, trained['params'][2])
     assert len(net.history) == 2
@@ -185,7 +183,7 @@ def test_no_checkpoint_and_damaged_checkpoint_name_the_folder_and_file(tmp_path,
     empty = tmp_path / 'empty'
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match=re.escape(f"no checkpoint in {empty}")):
-        plain_net().load_params(checkpoint=AccelerateCheckpoint(dirname=str(empty)))
+        plain_net(batch_size=32).initialize().load_params(checkpoint=AccelerateCheckpoint(dirname=str(empty)))
     with pytest.raises(FileNotFoundError, match="no checkpoint epoch-0009 in"):
         AccelerateCheckpoint(dirname=trained['dirname']).get_formatted_files(
             None, which='epoch-0009')
@@ -194,7 +192,7 @@ def test_no_checkpoint_and_damaged_checkpoint_name_the_folder_and_file(tmp_path,
     with open(model, 'r+b') as f:
         f.truncate(100)
     with pytest.raises(CorruptCheckpointError, match=re.escape(model)):
-        plain_net().load_params(**AccelerateCheckpoint(dirname=folder).get_formatted_files(
+        plain_net(batch_size=32).initialize().load_params(**AccelerateCheckpoint(dirname=folder).get_formatted_files(
             None, which='best'))
 
 
@@ -220,7 +218,7 @@ def test_export_writes_skorch_files_for_each_model(tmp_path):
     assert [name for name, _ in saved['models']] == ['criterion', 'module']
     assert {'model.safetensors', 'model_1.safetensors'} <= set(saved['files'])
 
-    files = export(tmp_path / 'ck', tmp_path / 'out')
+    files = export(tmp_path / 'ck', out=tmp_path / 'out')
     out = str(tmp_path / 'out')
     assert files == {'f_params': os.path.join(out, 'params.safetensors'),
                      'f_criterion': os.path.join(out, 'criterion.safetensors'),
@@ -241,7 +239,7 @@ def test_export_writes_skorch_files_for_each_model(tmp_path):
 def test_export_refuses_to_write_into_the_checkpoint(trained):
     folder = os.path.join(trained['dirname'], 'epoch-0003')
     with pytest.raises(ValueError, match='inside the checkpoint'):
-        export(folder, os.path.join(folder, 'exported'))
+        export(folder, out=os.path.join(folder, 'exported'))
     assert not os.path.exists(os.path.join(folder, 'exported'))
 
 
@@ -492,7 +490,7 @@ def test_export_command_then_load_params(tmp_path, trained):
     assert (f"load them with net.load_params(f_params={params!r}, "
             f"f_history={os.path.join(out, 'history.json')!r}, use_safetensors=True)"
             in proc.stdout)
-    net = plain_net()
+    net = plain_net(batch_size=32).initialize()
     net.load_params(f_params=params, use_safetensors=True)
     assert_params(net, trained['params'][2])
 
@@ -545,7 +543,7 @@ def test_export_into_a_file_names_it_and_exits_2(tmp_path, trained):
                            "folder, or one an earlier export wrote\n")
     assert target.read_bytes() == b'mine'
     with pytest.raises(FileExistsError, match=re.escape(f"{target} exists and is not a folder")):
-        export(trained['dirname'], target)
+        export(trained['dirname'], out=target)
 
 
 @pytest.mark.slow
@@ -570,11 +568,11 @@ def test_export_a_checkpoint_missing_a_random_state_file_warns_and_exports(tmp_p
             f"warning: {folder}/epoch-0003 is not a complete checkpoint, it cannot be resumed "
             f"from: {missing} is missing (listed in {folder}/epoch-0003/manifest.json); its "
             "model files and history are intact and are exported")
-        net = plain_net()
+        net = plain_net(batch_size=32).initialize()
         net.load_params(f_params=out / 'params.safetensors', use_safetensors=True)
         assert_params(net, trained['params'][3])
     with pytest.warns(UserWarning, match=re.escape(f"{missing} is missing")):
-        files = export(folder, tmp_path / 'api')
+        files = export(folder, out=tmp_path / 'api')
     assert load_file(files['f_params']).keys() == trained['params'][3].keys()
 
 
@@ -632,7 +630,7 @@ def test_checkpoint_of_two_processes_in_every_kind_of_net(tmp_path, run_workers)
     assert {'random_states_0.pkl', 'random_states_1.pkl'} <= set(saved['files'])
 
     # without accelerate, in this one process
-    net = plain_net()
+    net = plain_net(batch_size=32).initialize()
     net.load_params(checkpoint=AccelerateCheckpoint(dirname=dirname))
     np.testing.assert_array_equal(net.predict_proba(make_data(n=160)[0]),
                                   np.array(expected, dtype=np.float32))

@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from skorch import NeuralNetClassifier
 
-from common import MLP, make_accelerator, make_data, make_net
+from common import make_accelerator, make_data, make_net, plain_net
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 from skorch_accel_callbacks.storage._remote import default_staging
 from skorch_accel_callbacks.tools import cli
@@ -42,12 +41,8 @@ def trained(s3_bucket):
     return url, probas
 
 
-def plain_net():
-    return NeuralNetClassifier(MLP, train_split=None).initialize()
-
-
 def predictions(files):
-    net = plain_net()
+    net = plain_net().initialize()
     net.load_params(**files, use_safetensors=True)
     return net.predict_proba(X)
 
@@ -59,12 +54,12 @@ def leftovers():
 
 def test_export_and_load_params_from_a_url(trained, tmp_path, monkeypatch, s3_endpoint):
     url, probas = trained
-    files = export(url, tmp_path / 'newest')
+    files = export(url, out=tmp_path / 'newest')
     assert set(files) == {'f_params', 'f_history'}
     np.testing.assert_allclose(predictions(files), probas[-1], rtol=0, atol=0)
     assert leftovers() == []
 
-    net = plain_net()
+    net = plain_net().initialize()
     net.load_params(checkpoint=AccelerateCheckpoint(dirname=url))
     np.testing.assert_allclose(net.predict_proba(X), probas[-1], rtol=0, atol=0)
     assert len(net.history) == 3
@@ -72,7 +67,7 @@ def test_export_and_load_params_from_a_url(trained, tmp_path, monkeypatch, s3_en
     # only the options reach the server: without them the default endpoint
     # (real AWS) would be asked, which this machine cannot reach
     monkeypatch.delenv('AWS_ENDPOINT_URL')
-    files = export(url, tmp_path / 'second', which='epoch-0002', storage_options={
+    files = export(url, out=tmp_path / 'second', which='epoch-0002', storage_options={
         'key': 'testing', 'secret': 'testing', 'client_kwargs': {'endpoint_url': s3_endpoint}})
     np.testing.assert_allclose(predictions(files), probas[1], rtol=0, atol=0)
 

@@ -91,6 +91,24 @@ def make_data(n=256, n_features=20, seed=0):
     return X, y
 
 
+def plain_net(callbacks=(), **kwargs):
+    """A skorch net of :class:`MLP` without accelerate, not fitted:
+    ``callbacks`` and ``kwargs`` over quiet defaults, no validation split."""
+    params = dict(module=MLP, max_epochs=2, lr=0.1, callbacks=list(callbacks),
+                  train_split=None, verbose=0)
+    params.update(kwargs)
+    return NeuralNetClassifier(**params)
+
+
+def history_rows(history, drop=('dur',), keep=None):
+    """The rows of a skorch history as plain dicts, to compare runs: every
+    column but ``drop`` (the times, which no two runs share), or only the
+    columns ``keep`` (None where a row lacks one)."""
+    if keep is not None:
+        return [{key: row.get(key) for key in keep} for row in history]
+    return [{key: value for key, value in row.items() if key not in drop} for row in history]
+
+
 def make_net(accelerator, net_cls=FixedNet, **kwargs):
     params = dict(
         module=MLP, max_epochs=2, lr=0.1, batch_size=32,

@@ -61,6 +61,7 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, ReduceLROnPlat
 from common import (
     NotTrainingState,
     data_pipeline,
+    history_rows,
     make_accelerator,
     make_data,
     make_net,
@@ -448,13 +449,11 @@ def plain(value, where='', depth=0):
     return f'<{type(value).__qualname__} {value!r}>'
 
 
-def history_rows(net):
-    rows = []
-    for row in net.history:
-        row = {key: value for key, value in row.items() if key not in UNCOMPARED_COLUMNS}
-        row['batches'] = [dict(batch) for batch in row.get('batches', [])]
-        rows.append(plain(row))
-    return rows
+def comparable_history(net):
+    """The history's rows as the oracle compares them: without the columns
+    no two runs share, every batch's row a plain dict."""
+    return [plain(dict(row, batches=[dict(batch) for batch in row.get('batches', [])]))
+            for row in history_rows(net.history, drop=UNCOMPARED_COLUMNS)]
 
 
 def callback_states(net):
@@ -513,7 +512,7 @@ def final_state(net, cp, by_index):
     return {
         'params': params, 'optimizer': optimizer, 'buffers': buffers,
         'random': plain(random_states(net)),
-        'history': history_rows(net), 'callbacks': callback_states(net),
+        'history': comparable_history(net), 'callbacks': callback_states(net),
         'settings': settings_in_force(net, by_index),
         'global_step': cp.global_step_, 'loader_batches': list(recorder.loader_batches_),
     }

@@ -34,9 +34,17 @@ from skorch.dataset import ValidSplit
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.optim.lr_scheduler import StepLR
 
-from common import NotTrainingState, make_data, make_net, rank, settle_gloo, write_result
+from common import (
+    NotTrainingState,
+    history_rows,
+    make_data,
+    make_net,
+    rank,
+    settle_gloo,
+    write_result,
+)
 from fsdp_backend import fsdp_accelerator
-from resume import KillBefore, history_rows
+from resume import HISTORY_KEYS, KillBefore
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 from skorch_accel_callbacks._core import accelerate_io, sync
 
@@ -50,7 +58,7 @@ def save_full_state(net, history, name):
                                                                cpu_offload=True))
     if rank() == 0:
         torch.save({'params': {'module': model}, 'optimizers': {'optimizer': optimizer},
-                    'history': history_rows(history)},
+                    'history': history_rows(history, keep=HISTORY_KEYS)},
                    os.path.join(os.environ.get('RESULT_DIR', '.'), name))
 
 
@@ -109,7 +117,7 @@ def run(dirname, tag, state_dict='SHARDED_STATE_DICT', every_n_steps=None, kill=
         net.fit(X, y)
     write_result(tag, {
         'num_processes': sync.num_processes(net),
-        'history': history_rows(net.history),
+        'history': history_rows(net.history, keep=HISTORY_KEYS),
         'committed': cp.committed(),
         'loaded_from': load.loaded_from_ and os.path.basename(load.loaded_from_),
         'warnings': [str(w.message) for w in caught if issubclass(w.category, UserWarning)],

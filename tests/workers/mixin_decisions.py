@@ -25,6 +25,7 @@ from skorch.helper import predefined_split
 
 from common import (
     NotTrainingState,
+    history_rows,
     make_accelerator,
     make_data,
     make_net,
@@ -134,12 +135,6 @@ class SigtermOnRank(NotTrainingState, Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def history_rows(net):
-    """The history without the times, which no two runs share."""
-    return [{key: value for key, value in row.items() if key != 'dur'}
-            for row in net.history]
-
-
 def fit(accelerator, *callbacks, reduce_metrics, max_epochs=15, valid_rows=VALID_ROWS):
     torch.manual_seed(0)
     X, y = train_data()
@@ -157,7 +152,7 @@ def fit(accelerator, *callbacks, reduce_metrics, max_epochs=15, valid_rows=VALID
                   'hook': exc.hook, 'epoch': exc.epoch, 'stopped': list(exc.stopped),
                   'went_on': list(exc.went_on)}
     return net, {'raised': raised, 'seconds': time.monotonic() - began,
-                 'epochs': len(net.history), 'history': history_rows(net),
+                 'epochs': len(net.history), 'history': history_rows(net.history),
                  'own_losses': dict(net.callbacks_)['losses'].rows_}
 
 

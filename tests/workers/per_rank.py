@@ -26,7 +26,15 @@ import torch
 from skorch.callbacks import Callback, EarlyStopping
 from skorch.dataset import ValidSplit
 
-from common import make_accelerator, make_data, make_net, rank, settle_gloo, write_result
+from common import (
+    history_rows,
+    make_accelerator,
+    make_data,
+    make_net,
+    rank,
+    settle_gloo,
+    write_result,
+)
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 from skorch_accel_callbacks._core import sync
 
@@ -74,10 +82,6 @@ def _local(value):
     if isinstance(value, (list, tuple)):
         return type(value)(_local(item) for item in value)
     return value
-
-
-def history_rows(history):
-    return [{key: value for key, value in row.items() if key != 'dur'} for row in history]
 
 
 def _accelerator(backend):

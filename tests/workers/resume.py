@@ -67,6 +67,7 @@ from common import (
     NotTrainingState,
     StockNet,
     data_pipeline,
+    history_rows,
     make_accelerator,
     make_data,
     make_net,
@@ -241,10 +242,6 @@ HISTORY_KEYS = ('epoch', 'train_loss', 'valid_loss', 'event_acp', 'event_lr', 't
                 'train_batch_count')
 
 
-def history_rows(history):
-    return [{key: row.get(key) for key in HISTORY_KEYS} for row in history]
-
-
 def save_state(net, history, name):
     """Rank 0's parameters, optimizer states and ``history`` to RESULT_DIR."""
     modules = {name: getattr(net, name + '_') for name in net._modules}
@@ -253,7 +250,7 @@ def save_state(net, history, name):
                    for name, m in modules.items()},
         'optimizers': {name: getattr(net, name + '_').state_dict()
                        for name in net._optimizers},
-        'history': history_rows(history),
+        'history': history_rows(history, keep=HISTORY_KEYS),
     }, os.path.join(os.environ.get('RESULT_DIR', '.'), name))
 
 
@@ -383,7 +380,7 @@ def main():
         'num_processes': sync.num_processes(net),
         'module_type': getattr(recorder, 'module_type_', None),
         'digest': params_digest(net.module_),
-        'history': history_rows(net.history),
+        'history': history_rows(net.history, keep=HISTORY_KEYS),
         'registry': [len(accelerator._models), len(accelerator._optimizers)],
         'committed': cp.committed(),
         'loaded_from': [cb.loaded_from_ for _, cb in net.callbacks_
