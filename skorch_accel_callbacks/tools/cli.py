@@ -258,7 +258,7 @@ def _export_from(source: str, name: str | None, out_dir: str,
                 f"the newest checkpoint, {storage.url(newest)}, cannot be exported (see the "
                 f"warning above); the newest that can is {os.path.basename(path)}: name it, "
                 "or pass --allow-older to take it")
-        files = exporting.export(path, out_dir)
+        files = exporting.export(path, out=out_dir)
     return storage.url(os.path.basename(path)), files
 
 

@@ -256,7 +256,10 @@ def _take_rank_0_buffers(path: str, saved: dict[str, Any],
 
 
 def export(
-        source: str | os.PathLike, out: str | os.PathLike, which: str | os.PathLike = 'latest',
+        source: str | os.PathLike,
+        *,
+        out: str | os.PathLike,
+        which: str | os.PathLike = 'latest',
         storage_options: dict[str, Any] | None = None,
 ) -> dict[str, str]:
     """Write the model(s) of a checkpoint into ``out`` as safetensors files
@@ -324,7 +327,7 @@ def export(
     Examples
     --------
     A checkpoint of two epochs, exported and loaded into a plain net (a
-    store's URL, ``export('s3://bucket/run1', 'model', which='best')``,
+    store's URL, ``export('s3://bucket/run1', out='model', which='best')``,
     works as a folder does):
 
     >>> import numpy as np
@@ -344,7 +347,7 @@ def export(
     ...                    callbacks=[AccelerateCheckpoint(dirname='checkpoints')],
     ...                    ).fit(X, y)  # doctest: +ELLIPSIS
       epoch    train_loss...
-    >>> files = export('checkpoints', 'model')  # the newest checkpoint
+    >>> files = export('checkpoints', out='model')  # the newest checkpoint
     >>> files
     {'f_params': 'model/params.safetensors', 'f_history': 'model/history.json'}
     >>> net = NeuralNetClassifier(**model).initialize()

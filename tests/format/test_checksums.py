@@ -220,5 +220,5 @@ def test_export_refuses_a_model_file_whose_checksum_differs(ckpt, tmp_path):
     flip_tensor_byte(model)
     assert load_file(model)  # the fault leaves a file that loads
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"{model} has checksum")):
-        export(ckpt, tmp_path / 'out', which='epoch-0002')
+        export(ckpt, out=tmp_path / 'out', which='epoch-0002')
     assert not (tmp_path / 'out').exists()

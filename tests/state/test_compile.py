@@ -78,7 +78,7 @@ def test_the_checkpoint_holds_the_module_s_own_names(runs):
 @pytest.mark.parametrize('written_by', ['export', 'ParamsCheckpoint'])
 def test_a_plain_skorch_net_loads_what_a_compiled_one_saved(runs, written_by):
     if written_by == 'export':
-        params = export(runs['folder'] / 'full', runs['folder'] / 'exported')['f_params']
+        params = export(runs['folder'] / 'full', out=runs['folder'] / 'exported')['f_params']
     else:
         params = runs['folder'] / 'params' / 'params.safetensors'
     plain = NeuralNetClassifier(MLP, max_epochs=1).initialize()

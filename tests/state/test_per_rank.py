@@ -178,7 +178,7 @@ def test_fsdp2_buffers_are_per_rank_warned_of_and_exported_from_rank_0(runs, tmp
     assert not [w for w in read_results(results, 'ddp-full', 2)[0]['warnings']
                 if 'SyncBatchNorm' in w]
     with pytest.warns(UserWarning, match=r"exported with rank 0's .*buffers_0\.safetensors"):
-        files = export(root / 'fsdp2' / 'full', tmp_path / 'out', which='epoch-0004')
+        files = export(root / 'fsdp2' / 'full', out=tmp_path / 'out', which='epoch-0004')
     exported = load_file(files['f_params'])
     for key, tensor in buffers[0].items():
         assert torch.equal(exported[key], tensor), key
