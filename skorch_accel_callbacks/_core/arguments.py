@@ -1,7 +1,9 @@
 """How the package's classes check their arguments: a wrong value or
 keyword is refused at once, listing the valid ones and suggesting the
 nearest (``resume='lastest'`` -> ``did you mean 'latest'?``), instead of
-failing later, or with Python's bare ``TypeError``.
+failing later, or with Python's bare ``TypeError``; an argument of the
+skorch class a class stands in for, which means nothing to it, is taken
+with a warning that says what happens instead.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -38,9 +41,12 @@ def keyword_suggestions(cls: type[T] | None = None, *,
     """Make a wrong keyword argument of ``cls(...)`` name the nearest
     valid one and list them all, instead of Python's bare ``TypeError``;
     ``advice`` maps arguments of a class that ``cls`` stands in for (skorch's)
-    to what to do instead. A decorator, with or without ``advice``. (A class
-    whose ``__init__`` takes ``**kwargs`` checks its own: skorch's
-    ``Checkpoint`` does, and its drop-ins keep that.)"""
+    to what happens instead: ``cls`` takes them and warns with it, so that a
+    script written for skorch's class runs (they are no parameters of
+    ``cls``: ``get_params`` and ``clone`` leave them out). A decorator, with
+    or without ``advice``. (A class whose ``__init__`` takes ``**kwargs``
+    checks its own: skorch's ``Checkpoint`` does, and its drop-ins keep
+    that.)"""
     if cls is None:
         return functools.partial(keyword_suggestions, advice=advice)
     init = cls.__init__
@@ -54,10 +60,10 @@ def keyword_suggestions(cls: type[T] | None = None, *,
 
     @functools.wraps(init)
     def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        for key in [key for key in kwargs if key in advice and key not in keywords]:
+            warnings.warn(f"{cls.__name__} ignores {key}={kwargs.pop(key)!r}: {advice[key]}",
+                          UserWarning, stacklevel=2)
         unknown = [key for key in kwargs if key not in keywords]
-        if unknown and unknown[0] in advice:
-            raise TypeError(f"{cls.__name__} has no argument {unknown[0]!r}: "
-                            f"{advice[unknown[0]]}")
         if unknown:
             raise TypeError(
                 f"{cls.__name__} has no argument {unknown[0]!r}"

@@ -101,12 +101,13 @@ def _check_checkpointable(net: NeuralNet, what: str, async_save: bool = False) -
 
 
 # skorch's Checkpoint's arguments for its files, which a checkpoint of the
-# whole state does not have: what to do instead
+# whole state does not have: what happens instead
 _FILES_ADVICE = (
     "skorch's Checkpoint names its files; AccelerateCheckpoint saves the whole training "
-    "state into <dirname>/epoch-NNNN under fixed names (the models as safetensors). Leave "
-    "it out; for skorch's own files beside the checkpoints, add ParamsCheckpoint({arg}=...) "
-    "to the callbacks (docs: From skorch's Checkpoint and LoadInitState)")
+    "state into <dirname>/epoch-NNNN under fixed names (the models as safetensors), which "
+    "net.load_params(checkpoint=...) reads. Leave it out; for skorch's own files beside the "
+    "checkpoints, add ParamsCheckpoint({arg}=...) to the callbacks (docs: From skorch's "
+    "Checkpoint and LoadInitState)")
 _SKORCH_FILE_ARGUMENTS = {
     arg: _FILES_ADVICE.format(arg=arg) for arg in (
         'f_params', 'f_optimizer', 'f_criterion', 'f_history', 'f_pickle', 'fn_prefix',
@@ -235,6 +236,15 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
 
     signals_ : tuple of signal.Signals
       The signals of ``save_on_signal``.
+
+    Warns
+    -----
+    UserWarning
+      When created with an argument of skorch's ``Checkpoint`` for its
+      files (``f_params``, ``f_optimizer``, ``f_criterion``, ``f_history``,
+      ``f_pickle``, ``fn_prefix``, ``use_safetensors``), which it ignores:
+      the warning says what it writes instead, and that ``ParamsCheckpoint``
+      writes skorch's own files.
 
     Raises
     ------

@@ -111,3 +111,24 @@ def test_a_net_without_the_fixes_is_warned_of_once_when_training_begins(tmp_path
 def test_a_net_with_the_fixes_is_not_warned_of(tmp_path, capsys, recwarn):
     fit_verbose(FixedNet, tmp_path, capsys)
     assert not [w for w in recwarn if 'AccelerateFixesMixin' in str(w.message)]
+
+
+@pytest.mark.parametrize('argument', ['f_params', 'f_optimizer', 'f_criterion', 'f_history',
+                                      'f_pickle', 'fn_prefix', 'use_safetensors'])
+def test_skorch_s_file_arguments_are_taken_with_a_warning_that_says_what_happens(
+        tmp_path, argument):
+    # a script written for skorch's Checkpoint runs: the argument is ignored,
+    # and the warning says what is written instead and how to get the file
+    value = 'x.pt' if argument.startswith('f') else True
+    with pytest.warns(UserWarning) as caught:
+        cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'), **{argument: value})
+    message = str(caught[0].message)
+    assert message.startswith(f"AccelerateCheckpoint ignores {argument}={value!r}: skorch's "
+                              "Checkpoint names its files; AccelerateCheckpoint saves the "
+                              "whole training state into <dirname>/epoch-NNNN"), message
+    assert f"add ParamsCheckpoint({argument}=...) to the callbacks" in message
+    assert argument not in cp.get_params()
+    net = make_net(make_accelerator(), max_epochs=1, callbacks=[cp])
+    net.fit(*make_data(n=64))
+    assert (tmp_path / 'ck' / 'epoch-0001' / 'model.safetensors').is_file()
+    assert not list(tmp_path.rglob('x.pt'))
