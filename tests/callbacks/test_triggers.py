@@ -12,7 +12,7 @@ import torch
 from skorch.callbacks import Callback
 
 from checkpointed import fit
-from common import make_accelerator, make_data, make_net
+from common import CountBatches, make_accelerator, make_data, make_net
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
     TrainingPreempted,
@@ -189,27 +189,6 @@ def test_iterable_dataset_cannot_save_inside_an_epoch(tmp_path):
                    iterator_train__shuffle=False)
     net.fit(Rows(), None)
     assert cp.committed() == ['epoch-0001']
-
-
-class CountBatches(Callback):
-    """Acts on every batch, with no state_dict: what a resume inside an
-    epoch cannot vouch for. Fails the fit after batch ``fail_at``."""
-
-    # observes or injects a fault, trains nothing: not recorded, may come and go
-    unrecorded_params = True
-
-    def __init__(self, fail_at=None):
-        self.fail_at = fail_at
-
-    def initialize(self):
-        self.seen_ = 0
-        return self
-
-    def on_batch_end(self, net, training=False, **kwargs):
-        if training:
-            self.seen_ += 1
-            if self.seen_ == self.fail_at:
-                raise RuntimeError('crash')
 
 
 def test_a_resume_inside_an_epoch_names_callbacks_it_cannot_vouch_for(tmp_path):

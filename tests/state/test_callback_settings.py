@@ -17,7 +17,7 @@ from skorch.callbacks import (
 )
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, StepLR
 
-from common import NotTrainingState, make_accelerator, make_data, make_net
+from common import FailAt, NotTrainingState, make_accelerator, make_data, make_net
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
     AccelerateLoadInitState,
@@ -26,23 +26,6 @@ from skorch_accel_callbacks import (
 
 # 160 rows: 128 training rows, 4 batches of 32 an epoch
 N_ROWS = 160
-
-
-class FailAt(NotTrainingState, Callback):
-    """Fails the fit after training batch ``batch`` (counted over the fit)."""
-
-    def __init__(self, batch):
-        self.batch = batch
-
-    def initialize(self):
-        self.seen_ = 0
-        return self
-
-    def on_batch_end(self, net, training=False, **kwargs):
-        if training:
-            self.seen_ += 1
-            if self.seen_ == self.batch:
-                raise RuntimeError('crash')
 
 
 class LrSeen(NotTrainingState, Callback):

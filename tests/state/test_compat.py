@@ -16,38 +16,12 @@ from sklearn.base import clone
 from skorch.callbacks import Callback
 from skorch.dataset import ValidSplit
 
-from common import NotTrainingState, make_accelerator, make_data, make_net
+from common import FailAt, NotTrainingState, make_accelerator, make_data, make_net
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
 from skorch_accel_callbacks.state import _fingerprint as fingerprint, data_fingerprint
 
 # 160 rows: 128 training rows, 4 batches of 32 an epoch
 N_ROWS = 160
-
-
-class FailAt(Callback):
-    """Fails the fit after training batch ``batch`` (counted over the fit)."""
-
-    # observes or injects a fault, trains nothing: not recorded, may come and go
-    unrecorded_params = True
-
-    def __init__(self, batch):
-        self.batch = batch
-
-    def initialize(self):
-        self.seen_ = 0
-        return self
-
-    def on_batch_end(self, net, training=False, **kwargs):
-        if training:
-            self.seen_ += 1
-            if self.seen_ == self.batch:
-                raise RuntimeError('crash')
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 class OptimizerSettings(NotTrainingState, Callback):

@@ -179,6 +179,34 @@ class NotTrainingState:
         pass
 
 
+class CountBatches(Callback):
+    """Counts the fit's training batches (``seen_``) and fails the fit with
+    ``RuntimeError('crash')`` after batch ``fail_at`` (None: never). It acts
+    on every batch and has no ``state_dict``: what a resume inside an epoch
+    cannot vouch for."""
+
+    # observes or injects a fault, trains nothing: not recorded, may come and go
+    unrecorded_params = True
+
+    def __init__(self, fail_at=None):
+        self.fail_at = fail_at
+
+    def initialize(self):
+        self.seen_ = 0
+        return self
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training:
+            self.seen_ += 1
+            if self.seen_ == self.fail_at:
+                raise RuntimeError('crash')
+
+
+class FailAt(NotTrainingState, CountBatches):
+    """:class:`CountBatches` that says it holds no training state, which a
+    resume inside an epoch then vouches for."""
+
+
 class UploadsEnded(Callback):
     """At the beginning of each epoch of ``epochs``, on the process that uploads,
     wait (up to ``timeout`` s) until the uploads to the store queued so far
