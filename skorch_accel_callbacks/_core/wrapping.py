@@ -27,8 +27,8 @@ from skorch_accel_callbacks._core import accelerate_io, skorch_io
 if TYPE_CHECKING:
     from skorch import NeuralNet
 
-__all__ = ['bare_modules', 'check_plain', 'gathered', 'is_sharded', 'is_wrapped', 'net_optimizers',
-           'own_registries', 'state_modules', 'unwrapped']
+__all__ = ['bare_modules', 'check_plain', 'gathered', 'is_sharded', 'is_wrapped',
+           'named_optimizers', 'net_optimizers', 'own_registries', 'state_modules', 'unwrapped']
 
 # accelerate's unwrap with keep_fp32_wrapper=False (what skorch uses, so that
 # an unwrapped module pickles) replaces these instance attributes of the inner
@@ -130,10 +130,16 @@ def state_modules(net: NeuralNet) -> dict[str, torch.nn.Module]:
             for name, module in bare_modules(net).items()}
 
 
+def named_optimizers(net: NeuralNet) -> dict[str, torch.optim.Optimizer]:
+    """The optimizers of ``net`` by name (``'optimizer'``), in skorch's order
+    (as prepared by accelerate, if they are)."""
+    return {name: getattr(net, name + '_') for name in skorch_io.optimizer_names(net)
+            if getattr(net, name + '_', None) is not None}
+
+
 def net_optimizers(net: NeuralNet) -> list[torch.optim.Optimizer]:
     """The optimizers of ``net`` (as prepared by accelerate, if they are)."""
-    return [getattr(net, name + '_') for name in skorch_io.optimizer_names(net)
-            if getattr(net, name + '_', None) is not None]
+    return list(named_optimizers(net).values())
 
 
 def own_registries(net: NeuralNet) -> AbstractContextManager[None]:

@@ -13,7 +13,7 @@ from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.arguments import check_one_of, keyword_suggestions, suggestion
 from skorch_accel_callbacks._core.base import FolderStateCallback, Resumed, move_callback
 from skorch_accel_callbacks._core.messages import check_sink, processes, say
-from skorch_accel_callbacks._core.wrapping import net_optimizers
+from skorch_accel_callbacks._core.wrapping import named_optimizers
 from skorch_accel_callbacks.callbacks.checkpoint import AccelerateCheckpoint
 from skorch_accel_callbacks.engine import (
     InsideEpoch,
@@ -551,9 +551,10 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         # states, and an optimizer's new lr as its schedulers' base
         apply_callback_states(
             net, restored.callbacks, changed_callback_settings(restored.changed_params))
-        restore_optimizer_hyperparameters(net_optimizers(net),
-                                                         restored.hyperparameters)
-        keep_new_base_lrs(net, restored.changed_params)
+        optimizers = named_optimizers(net)
+        restore_optimizer_hyperparameters(optimizers.values(), restored.hyperparameters)
+        keep_new_base_lrs(optimizers, [callback for _, callback in net.callbacks_],
+                          restored.changed_params)
         return restored
 
     def on_train_end(self, net: Any, **kwargs: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.messages import processes
-from skorch_accel_callbacks._core.wrapping import net_optimizers, own_registries, state_modules
+from skorch_accel_callbacks._core.wrapping import named_optimizers, own_registries, state_modules
 from skorch_accel_callbacks.engine import _consolidate as consolidate
 from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.format import (
@@ -285,7 +285,9 @@ def _read_rank_states(net: Any, path: str, manifest: dict,
 def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params: Any) -> list:
     """``accelerator.load_state(path)``; the optimizers' settings to restore
     (the new values of the parameters allowed to change take effect)."""
-    fresh = optimizer_hyperparameters(net_optimizers(net))
+    # load_state fills these objects: they are read before and after it
+    optimizers = named_optimizers(net)
+    fresh = optimizer_hyperparameters(optimizers.values())
     make_room_for_group_settings(net.accelerator, manifest)
     # before the optimizers' state: under FSDP2 accelerate loads it with
     # torch.distributed.checkpoint, planned after the state a fresh
@@ -295,14 +297,14 @@ def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params:
     read_naming_fault(_model_and_optimizer_files(path),
                       lambda: accelerate_io.load_state(net.accelerator, path),
                       error=CheckpointError, failed='could not be loaded', fallback=path)
-    saved = optimizer_hyperparameters(net_optimizers(net))
+    saved = optimizer_hyperparameters(optimizers.values())
     if accelerate_io.is_fsdp2(net.accelerator):
         # from a full state dict rank 0 alone read the optimizers: the
         # settings that a fresh optimizer lacks (an LR scheduler's
         # initial_lr) reach the other ranks from it
         saved = sync.broadcast(net, saved)
-        restore_optimizer_hyperparameters(net_optimizers(net), saved)
-    keep_new_optimizer_settings(net, changed_params, fresh, saved)
+        restore_optimizer_hyperparameters(optimizers.values(), saved)
+    keep_new_optimizer_settings(list(optimizers), changed_params, fresh, saved)
     return saved
 
 

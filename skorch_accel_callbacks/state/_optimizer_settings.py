@@ -7,14 +7,9 @@ on a new lr (:func:`keep_new_base_lrs` states the rule).
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-from skorch_accel_callbacks._core import skorch_io
-
-if TYPE_CHECKING:
-    from skorch import NeuralNet
 
 __all__ = [
     'keep_new_base_lrs',
@@ -42,33 +37,33 @@ def _new_keys(optimizer: str, names: Collection[str]) -> set[str]:
 
 
 def keep_new_optimizer_settings(
-        net: NeuralNet,
+        optimizers: Sequence[str],
         names: Collection[str],
         fresh: Sequence[Sequence[dict[str, Any]]],
         saved: Sequence[Sequence[dict[str, Any]]],
 ) -> None:
     """Make the values that the net's parameters ``names`` give its
-    optimizers now (``fresh``, as :func:`optimizer_hyperparameters` read
-    them before the checkpoint was loaded) win over those of the checkpoint
-    (``saved``, changed in place): ``lr`` sets every optimizer's ``lr``,
-    ``<optimizer>__<key>`` that optimizer's ``key``, and
-    ``<optimizer>__param_groups`` all its settings. An LR scheduler's view
-    of a new lr follows in :func:`keep_new_base_lrs`."""
-    present = [name for name in skorch_io.optimizer_names(net)
-               if getattr(net, name + '_', None) is not None]
-    for optimizer, new_groups, old_groups in zip(present, fresh, saved, strict=True):
+    optimizers (named ``optimizers``, in order) now (``fresh``, as
+    :func:`optimizer_hyperparameters` read them before the checkpoint was
+    loaded) win over those of the checkpoint (``saved``, changed in place):
+    ``lr`` sets every optimizer's ``lr``, ``<optimizer>__<key>`` that
+    optimizer's ``key``, and ``<optimizer>__param_groups`` all its settings.
+    An LR scheduler's view of a new lr follows in :func:`keep_new_base_lrs`."""
+    for optimizer, new_groups, old_groups in zip(optimizers, fresh, saved, strict=True):
         keys = _new_keys(optimizer, names)
         for new, old in zip(new_groups, old_groups, strict=True):
             taken = new if 'param_groups' in keys else keys & set(new)
             old.update({key: new[key] for key in taken})
 
 
-def keep_new_base_lrs(net: NeuralNet, names: Collection[str]) -> None:
-    """Make the new lr of the optimizers whose ``lr`` the net's parameters
-    ``names`` changed (see :func:`keep_new_optimizer_settings`; their param
-    groups hold it now) the new base of the LR schedulers restored on them
-    (an attribute of a callback, as skorch's ``LRScheduler.lr_scheduler_``),
-    which would else go on from the checkpoint's ``base_lrs``.
+def keep_new_base_lrs(optimizers: Mapping[str, torch.optim.Optimizer],
+                      callbacks: Iterable[Any], names: Collection[str]) -> None:
+    """Make the new lr of the ``optimizers`` (by name) whose ``lr`` the net's
+    parameters ``names`` changed (see :func:`keep_new_optimizer_settings`;
+    their param groups hold it now) the new base of the LR schedulers
+    restored on them (an attribute of one of the ``callbacks``, as skorch's
+    ``LRScheduler.lr_scheduler_``), which would else go on from the
+    checkpoint's ``base_lrs``.
 
     The rule: the new lr replaces the base lr, and the schedule keeps its
     position. The scheduler's ``base_lrs`` and each group's
@@ -82,11 +77,9 @@ def keep_new_base_lrs(net: NeuralNet, names: Collection[str]) -> None:
     ``CosineAnnealingLR`` with ``eta_min=0``...). ``ReduceLROnPlateau`` keeps
     no base lr: the new lr is the lr from now on, reduced further on
     plateaus."""
-    present = [name for name in skorch_io.optimizer_names(net)
-               if getattr(net, name + '_', None) is not None]
-    changed = [getattr(net, name + '_') for name in present
+    changed = [optimizer for name, optimizer in optimizers.items()
                if {'lr', 'param_groups'} & _new_keys(name, names)]
-    for _, callback in net.callbacks_:
+    for callback in callbacks:
         for value in list(vars(callback).values()):
             if isinstance(value, torch.optim.lr_scheduler.LRScheduler) and any(
                     value.optimizer is optimizer for optimizer in changed):
