@@ -15,8 +15,6 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -27,7 +25,6 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from common import MLP, make_data, plain_net
-from launcher import REPO
 from skorch_accel_callbacks import AccelerateCheckpoint, CorruptCheckpointError
 from skorch_accel_callbacks.engine._consolidate import (
     check_sharded_model,
@@ -37,6 +34,7 @@ from skorch_accel_callbacks.engine._consolidate import (
 )
 from skorch_accel_callbacks.tools.export import export
 from skorch_accel_callbacks.tools.inspection import verify
+from testutil import cli
 
 # plain_net(batch_size=32): a net that loads a checkpoint predicts in batches of
 # the trained net's size, the same batches, the same floats
@@ -166,14 +164,6 @@ def test_an_entry_other_than_a_tensor_is_refused(tmp_path):
 
 def assert_predicts(net, expected):
     np.testing.assert_array_equal(net.predict_proba(make_data(n=160)[0]), expected)
-
-
-def cli(*args):
-    """``python -m skorch_accel_callbacks ARGS`` as a user runs it."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO), os.environ.get('PYTHONPATH', '')]))
-    return subprocess.run([sys.executable, '-m', 'skorch_accel_callbacks', *map(str, args)],
-                          env=env, capture_output=True, text=True, timeout=300)
 
 
 SHARDED = r"net\.module_ is sharded by FSDP2 \(each rank holds a shard of its parameters\): "

@@ -6,12 +6,9 @@ checksums still resume."""
 
 import importlib.util
 import json
-import os
 import re
 import shutil
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,9 +31,7 @@ from skorch_accel_callbacks.format import (
 )
 from skorch_accel_callbacks.format._manifest import SHARED_STATES_FORMAT
 from skorch_accel_callbacks.tools.export import export
-from testutil import edit_manifest
-
-CLI_TIMEOUT = 300
+from testutil import cli, edit_manifest
 
 
 class Snapshot(NotTrainingState, Callback):
@@ -77,15 +72,6 @@ def assert_same_params(a, b):
     assert a.keys() == b.keys()
     for key, value in a.items():
         assert torch.equal(value, b[key]), key
-
-
-def cli(*args):
-    """``python -m skorch_accel_callbacks ARGS`` as a user runs it."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO), os.environ.get('PYTHONPATH', '')]))
-    return subprocess.run(
-        [sys.executable, '-m', 'skorch_accel_callbacks', *map(str, args)], env=env,
-        capture_output=True, text=True, timeout=CLI_TIMEOUT)
 
 
 def bench_checksum():

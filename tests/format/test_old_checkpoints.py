@@ -25,11 +25,10 @@ import pytest
 import old_format_run
 import old_version
 from checkpointed import state
-from testutil import assert_identical
+from testutil import CLI_TIMEOUT, assert_identical, cli
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / 'tests' / 'data' / 'f5cb08a-1proc'
-CLI_TIMEOUT = 120
 MAX_EPOCHS = 3
 # the case, the AccelerateCheckpoint arguments it was written with, the checkpoint resumed
 CASES = [
@@ -67,15 +66,6 @@ def test_the_kept_folders_are_what_the_old_version_writes(written_now):
                 (written_now / case / manifest.parent.name / manifest.name).read_text())
             assert kept_manifest['format_version'] == fresh_manifest['format_version']
             assert sorted(kept_manifest['files']) == sorted(fresh_manifest['files'])
-
-
-def cli(*args):
-    """``python -m skorch_accel_callbacks ARGS`` as a user runs it."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO), os.environ.get('PYTHONPATH', '')]))
-    return subprocess.run(
-        [sys.executable, '-m', 'skorch_accel_callbacks', *map(str, args)], env=env,
-        capture_output=True, text=True, timeout=CLI_TIMEOUT)
 
 
 # StopAt, which acts on every batch, has no state_dict: the warning says so

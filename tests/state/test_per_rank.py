@@ -14,8 +14,6 @@ checkpoint with on_world_size_change='reseed'.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -33,7 +31,7 @@ from skorch_accel_callbacks import (
 from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.tools import inspection
 from skorch_accel_callbacks.tools.export import export
-from testutil import assert_nested_equal, edit_manifest, read_json, read_results
+from testutil import assert_nested_equal, cli, edit_manifest, read_json, read_results
 
 # 256 training rows, 128 a rank in batches of 32: 4 optimizer steps an
 # epoch; with every_n_steps=3 the checkpoint after step 9 is inside epoch 3
@@ -228,11 +226,8 @@ def test_list_and_verify_read_per_rank_checkpoints(runs):
     # the score of rank 0's history
     history = read_json(folder / EPOCH_END / 'history_0.json')
     assert rows[EPOCH_END]['score'] == ('valid_loss', history[-1]['valid_loss'])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO), os.environ.get('PYTHONPATH', '')]))
     for args in (['list', folder], ['verify', folder / EPOCH_END], ['verify', folder / MID_EPOCH]):
-        out = subprocess.run([sys.executable, '-m', 'skorch_accel_callbacks', *map(str, args)],
-                             env=env, capture_output=True, text=True, timeout=120)
+        out = cli(*args)
         assert out.returncode == 0, out.stdout + out.stderr
 
 

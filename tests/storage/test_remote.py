@@ -11,7 +11,6 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -39,7 +38,7 @@ from skorch_accel_callbacks.format import _manifest
 from skorch_accel_callbacks.storage import CheckpointStorage, _transfer as transfer, open_storage
 from skorch_accel_callbacks.storage._local import CheckpointFolder
 from skorch_accel_callbacks.storage._remote import RemoteStorage, default_staging
-from testutil import assert_identical, final_state, read_results
+from testutil import assert_identical, cli, final_state, read_results
 
 FILES = {'callbacks.json', 'callbacks.safetensors', 'history.json', 'loader_state_0.safetensors',
          'manifest.json', 'model.safetensors', 'optimizer.bin', 'random_states_0.pkl'}
@@ -281,31 +280,26 @@ def test_a_damaged_checkpoint_in_the_bucket_is_skipped_for_latest(s3_bucket):
 
 # ---------------------------------------------------------------- the command
 
-def command(*args):
-    return subprocess.run([sys.executable, '-m', 'skorch_accel_callbacks', *args],
-                          capture_output=True, text=True, timeout=120, check=False)
-
-
 @pytest.mark.slow
 def test_list_and_verify_a_url(s3_bucket):
     url = f's3://{s3_bucket}/run'
     fit(url, max_epochs=2)
-    listed = command('list', url)
+    listed = cli('list', url)
     assert listed.returncode == 0, listed.stderr
     assert f'{url}: 2 checkpoint(s)' in listed.stdout
     assert 'latest.json -> epoch-0002' in listed.stdout
-    verified = command('verify', url)
+    verified = cli('verify', url)
     assert verified.returncode == 0, verified.stderr
     assert f'{url}/epoch-0001: intact' in verified.stdout
     assert f'{url}/epoch-0002: intact' in verified.stdout
     model = f'{s3_bucket}/run/epoch-0001/model.safetensors'
     s3().pipe_file(model, b'0' * len(s3().cat_file(model)))
-    damaged = command('verify', url, 'epoch-0001')
+    damaged = cli('verify', url, 'epoch-0001')
     assert damaged.returncode == 1, damaged.stdout + damaged.stderr
     assert f'{url}/epoch-0001: DAMAGED' in damaged.stdout
     # same-size garbage: its checksum, as a local folder's list says (issue 30
     # item 6), and exits 1
-    listed = command('list', url)
+    listed = cli('list', url)
     assert listed.returncode == 1, listed.stdout + listed.stderr
     rows = {line.split()[0]: line.split()[-1] for line in listed.stdout.splitlines()
             if line.split()[:1] in (['epoch-0001'], ['epoch-0002']) and ' is ' not in line}

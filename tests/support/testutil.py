@@ -143,3 +143,20 @@ def machine_lacks(what):
     if os.environ.get('CI'):
         pytest.fail(f"CI's machine should have what this test needs: {what}")
     pytest.skip(what)
+
+
+#: how long one command of the package's command line may take (a fresh
+#: interpreter that imports torch, and a checkpoint's files read)
+CLI_TIMEOUT = 300
+
+
+def cli(*args, cwd=None):
+    """``python -m skorch_accel_callbacks ARGS`` as a user runs it, with the
+    package of this checkout: the completed process, output as text."""
+    import subprocess
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(repo), os.environ.get('PYTHONPATH', '')]))
+    return subprocess.run(
+        [sys.executable, '-m', 'skorch_accel_callbacks', *map(str, args)], cwd=cwd, env=env,
+        capture_output=True, text=True, timeout=CLI_TIMEOUT)

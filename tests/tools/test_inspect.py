@@ -10,8 +10,6 @@ tests' launcher (two).
 import json
 import os
 import re
-import subprocess
-import sys
 from datetime import UTC, datetime
 
 import numpy as np
@@ -35,8 +33,7 @@ from skorch_accel_callbacks._core.messages import format_bytes
 from skorch_accel_callbacks._core.wrapping import is_wrapped
 from skorch_accel_callbacks.storage._lock import FolderLock
 from skorch_accel_callbacks.tools.export import export
-
-CLI_TIMEOUT = 300
+from testutil import cli
 
 # plain_net(batch_size=32): a net that loads a checkpoint predicts in batches of
 # the trained net's size, the same batches, the same floats
@@ -90,15 +87,6 @@ def assert_params(net, expected):
     assert state.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
-
-
-def cli(*args, cwd=None):
-    """``python -m skorch_accel_callbacks ARGS`` as a user runs it."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO), os.environ.get('PYTHONPATH', '')]))
-    return subprocess.run(
-        [sys.executable, '-m', 'skorch_accel_callbacks', *map(str, args)], cwd=cwd, env=env,
-        capture_output=True, text=True, timeout=CLI_TIMEOUT)
 
 
 def tree(path):
