@@ -10,19 +10,10 @@ import pytest
 import torch
 from accelerate import DataLoaderConfiguration
 
-from common import make_accelerator, make_data, make_net
-from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
+from checkpointed import fit
+from common import make_accelerator, make_net
+from skorch_accel_callbacks import CheckpointError
 from skorch_accel_callbacks.state import _settings as settings
-
-
-def fit(dirname, max_epochs, accelerator_kwargs, **load_kwargs):
-    cp = AccelerateCheckpoint(dirname=dirname)
-    torch.manual_seed(0)
-    net = make_net(make_accelerator(**accelerator_kwargs), max_epochs=max_epochs,
-                   callbacks=[AccelerateLoadInitState(cp, **load_kwargs), cp])
-    net.fit(*make_data(n=160))
-    return net
-
 
 CHANGES = [
     ('accelerator.mixed_precision', {'mixed_precision': 'bf16'}, {},
@@ -38,10 +29,10 @@ CHANGES = [
 @pytest.mark.parametrize('name, before, after, said', CHANGES, ids=[c[0] for c in CHANGES])
 def test_a_changed_setting_is_refused_by_name_before_a_step(tmp_path, name, before, after,
                                                             said):
-    saved = fit(tmp_path, 2, before)
+    saved, _, _ = fit(tmp_path, max_epochs=2, accelerator=make_accelerator(**before))
     weights = saved.module_.lin.weight.detach().clone()
     with pytest.raises(CheckpointError) as refused:
-        fit(tmp_path, 3, after)
+        fit(tmp_path, accelerator=make_accelerator(**after))
     message = str(refused.value)
     assert said in message, message
     assert f'check_params={(name,)!r}' in message, message
@@ -51,8 +42,8 @@ def test_a_changed_setting_is_refused_by_name_before_a_step(tmp_path, name, befo
 
 
 def test_a_setting_named_in_check_params_may_change(tmp_path):
-    fit(tmp_path, 2, {'mixed_precision': 'bf16'})
-    net = fit(tmp_path, 3, {}, check_params=('accelerator.mixed_precision',))
+    fit(tmp_path, max_epochs=2, accelerator=make_accelerator(mixed_precision='bf16'))
+    net, _, _ = fit(tmp_path, load_kwargs={'check_params': ('accelerator.mixed_precision',)})
     assert len(net.history) == 3
     assert net.accelerator.mixed_precision == 'no'
 

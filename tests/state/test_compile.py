@@ -8,15 +8,16 @@ had ``_orig_mod.`` keys and a switch was refused as "saved from another
 model", naming a parameter.
 """
 
+import functools
+
 import pytest
 import torch
 from safetensors import safe_open
 from skorch import NeuralNetClassifier
 
-from common import MLP, make_accelerator, make_data, make_net
+import checkpointed
+from common import MLP
 from skorch_accel_callbacks import (
-    AccelerateCheckpoint,
-    AccelerateLoadInitState,
     CheckpointError,
     ParamsCheckpoint,
 )
@@ -27,18 +28,14 @@ from testutil import assert_identical
 pytestmark = pytest.mark.slow
 
 
-def fit(dirname, max_epochs, compile_=True, params_dir=None):
-    cp = AccelerateCheckpoint(dirname=dirname)
-    callbacks = [AccelerateLoadInitState(cp), cp]
-    if params_dir is not None:
-        callbacks.append(ParamsCheckpoint(dirname=params_dir, f_params='params.safetensors',
-                                          f_optimizer=None, f_history=None, f_criterion=None,
-                                          use_safetensors=True))
-    torch.manual_seed(0)
-    net = make_net(make_accelerator(), compile=compile_, max_epochs=max_epochs,
-                   callbacks=callbacks)
-    net.fit(*make_data(n=160))
-    return net
+# a compiled net, checkpointed and resumed
+fit = functools.partial(checkpointed.fit, net_kwargs={'compile': True})
+
+
+def params_checkpoint(dirname):
+    """The module's parameters in skorch's files, beside the checkpoints."""
+    return ParamsCheckpoint(dirname=dirname, f_params='params.safetensors', f_optimizer=None,
+                            f_history=None, f_criterion=None, use_safetensors=True)
 
 
 def state(net):
@@ -54,9 +51,9 @@ def state(net):
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp('compiled')
-    full = fit(folder / 'full', 3, params_dir=folder / 'params')
-    fit(folder / 'resumed', 2)
-    resumed = fit(folder / 'resumed', 3)
+    full, _, _ = fit(folder / 'full', params_checkpoint(folder / 'params'))
+    fit(folder / 'resumed', max_epochs=2)
+    resumed, _, _ = fit(folder / 'resumed')
     return dict(folder=folder, full=full, resumed=resumed)
 
 
@@ -89,7 +86,7 @@ def test_a_plain_skorch_net_loads_what_a_compiled_one_saved(runs, written_by):
 
 
 def test_a_resume_with_compile_switched_is_refused_naming_compile(runs, tmp_path):
-    fit(tmp_path, 2)
+    fit(tmp_path, max_epochs=2)
     with pytest.raises(CheckpointError) as refused:
-        fit(tmp_path, 3, compile_=False)
+        fit(tmp_path, net_kwargs={'compile': False})
     assert 'compile: True in the checkpoint, False now' in str(refused.value)
