@@ -19,7 +19,6 @@ import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,8 +38,7 @@ from accelerate.utils import (
 )
 from accelerate.utils.constants import FSDP_MODEL_NAME
 
-from skorch_accel_callbacks._core import torch_archive
-from skorch_accel_callbacks._core.releases import TESTED, next_minor
+from skorch_accel_callbacks._core import releases, torch_archive
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -145,14 +143,7 @@ def check_internals(accelerator: Accelerator, owner: str) -> None:
     RuntimeError
       Naming what is missing, the installed accelerate and the tested range.
     """
-    missing = missing_internals(accelerator)
-    if missing:
-        oldest, newest = TESTED['accelerate']
-        raise RuntimeError(
-            f"{owner}: accelerate {metadata.version('accelerate')} has no "
-            f"{', '.join(missing)}, which this package uses (tested with accelerate "
-            f"{oldest} to {newest}); install a tested accelerate: pip install "
-            f"'accelerate>={oldest},<{next_minor(newest)}'")
+    releases.refuse_moved_internals(owner, 'accelerate', missing_internals(accelerator))
 
 
 # ---------------------------------------------------------------- registries

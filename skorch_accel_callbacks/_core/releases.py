@@ -23,6 +23,19 @@ TESTED: dict[str, tuple[str, str]] = {
 }
 
 
+def refuse_moved_internals(owner: str, project: str, missing: list[str]) -> None:
+    """Raise ``RuntimeError`` if ``missing`` (internals of ``project`` that
+    the package uses, as ``'Accelerator._models'``) is not empty: it names
+    them, the installed release, the tested range and the ``pip install``
+    of a tested release; ``owner`` begins the message."""
+    if missing:
+        oldest, newest = TESTED[project]
+        raise RuntimeError(
+            f"{owner}: {project} {metadata.version(project)} has no {', '.join(missing)}, "
+            f"which this package uses (tested with {project} {oldest} to {newest}); install "
+            f"a tested {project}: pip install '{project}>={oldest},<{next_minor(newest)}'")
+
+
 def next_minor(release: str) -> str:
     """The minor release after ``release``: ``'1.16'`` -> ``'1.17'``."""
     major, minor = release.split('.')[:2]

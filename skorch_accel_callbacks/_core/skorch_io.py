@@ -17,12 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib import metadata
 
 from skorch import NeuralNet
 from skorch.hf import AccelerateMixin
 
-from skorch_accel_callbacks._core.releases import TESTED, next_minor
+from skorch_accel_callbacks._core import releases
 
 __all__ = [
     'ATTRIBUTES',
@@ -114,10 +113,4 @@ def check_internals(owner: str) -> None:
     RuntimeError
       Naming what is missing, the installed skorch and the tested range.
     """
-    missing = missing_internals()
-    if missing:
-        oldest, newest = TESTED['skorch']
-        raise RuntimeError(
-            f"{owner}: skorch {metadata.version('skorch')} has no {', '.join(missing)}, "
-            f"which this package uses (tested with skorch {oldest} to {newest}); install "
-            f"a tested skorch: pip install 'skorch>={oldest},<{next_minor(newest)}'")
+    releases.refuse_moved_internals(owner, 'skorch', missing_internals())

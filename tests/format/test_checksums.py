@@ -13,9 +13,8 @@ import struct
 import pytest
 import torch
 from safetensors.torch import load_file
-from skorch.callbacks import Callback
 
-from common import NotTrainingState, make_accelerator, make_data, make_net
+from common import Snapshot, make_accelerator, make_data, make_net
 from launcher import REPO
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
@@ -32,19 +31,6 @@ from skorch_accel_callbacks.format import (
 from skorch_accel_callbacks.format._manifest import SHARED_STATES_FORMAT
 from skorch_accel_callbacks.tools.export import export
 from testutil import cli, edit_manifest
-
-
-class Snapshot(NotTrainingState, Callback):
-    """The module's parameters at the end of every epoch, by epoch."""
-
-    def initialize(self):
-        self.params_ = {}
-        return self
-
-    def on_epoch_end(self, net, **kwargs):
-        module = net.accelerator.unwrap_model(net.module_)
-        self.params_[len(net.history)] = {
-            key: value.detach().clone() for key, value in module.state_dict().items()}
 
 
 def build(dirname, resume='latest', max_epochs=3):

@@ -18,9 +18,8 @@ import torch
 from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 from skorch import NeuralNetClassifier
-from skorch.callbacks import Callback
 
-from common import MLP, log_nll, make_accelerator, make_data, make_net, plain_net
+from common import MLP, Snapshot, log_nll, make_accelerator, make_data, make_net, plain_net
 from launcher import REPO
 from skorch_accel_callbacks import (
     AccelerateCheckpoint,
@@ -37,22 +36,6 @@ from testutil import cli
 
 # plain_net(batch_size=32): a net that loads a checkpoint predicts in batches of
 # the trained net's size, the same batches, the same floats
-
-
-class Snapshot(Callback):
-    """The module's parameters at the end of every epoch, by epoch."""
-
-    # observes or injects a fault, trains nothing: not recorded, may come and go
-    unrecorded_params = True
-
-    def initialize(self):
-        self.params_ = {}
-        return self
-
-    def on_epoch_end(self, net, **kwargs):
-        module = net.accelerator.unwrap_model(net.module_)
-        self.params_[len(net.history)] = {
-            key: value.detach().clone() for key, value in module.state_dict().items()}
 
 
 def best_until_2(net):

@@ -207,6 +207,19 @@ class FailAt(NotTrainingState, CountBatches):
     resume inside an epoch then vouches for."""
 
 
+class Snapshot(NotTrainingState, Callback):
+    """The module's parameters at the end of every epoch, by epoch."""
+
+    def initialize(self):
+        self.params_ = {}
+        return self
+
+    def on_epoch_end(self, net, **kwargs):
+        module = net.accelerator.unwrap_model(net.module_)
+        self.params_[len(net.history)] = {
+            key: value.detach().clone() for key, value in module.state_dict().items()}
+
+
 class UploadsEnded(Callback):
     """At the beginning of each epoch of ``epochs``, on the process that uploads,
     wait (up to ``timeout`` s) until the uploads to the store queued so far
