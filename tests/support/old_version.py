@@ -7,35 +7,31 @@ be computed here too (checkpoints written on another processor hold weights
 that differ in their last bits: the kernels sum in another order).
 tests/data/ keeps the folders such a version wrote, as users have them on
 disk, for what does not depend on the processor (reading, listing,
-verifying, the files and the format); the resume tests write theirs with
-:func:`old_tree`'s package, from the repository's own history.
+verifying, the files and the format), and the source of that version
+(:data:`SOURCE`: its package and the worker scripts of its 2-process
+trainings, made with ``git archive``, tests/data/README.rst says how), which
+:func:`old_tree` unpacks for the resume tests to write theirs with: a clone
+without the repository's history runs them too.
 """
 
-import io
 import os
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
-from testutil import machine_lacks
-
 REPO = Path(__file__).resolve().parents[2]
 # the last commit before the package was split into subpackages (format 4)
 COMMIT = 'f5cb08a'
+SOURCE = REPO / 'tests' / 'data' / f'{COMMIT}-source.tar.gz'
 
 
 def old_tree(dest):
-    """The repository's files at :data:`COMMIT`, extracted into ``dest``
-    (``git archive``); the path of the tree."""
+    """The package and worker scripts of :data:`COMMIT`, unpacked from
+    :data:`SOURCE` into ``dest``; the path of the tree."""
     dest = Path(dest)
-    archive = subprocess.run(['git', '-C', str(REPO), 'archive', '--format=tar', COMMIT],
-                             capture_output=True, timeout=120)
-    if archive.returncode != 0:
-        machine_lacks(f"the repository's history up to commit {COMMIT} (git archive: "
-                      f"{archive.stderr.decode(errors='replace').strip()})")
     dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+    with tarfile.open(SOURCE) as tar:
         tar.extractall(dest, filter='data')
     return dest
 
