@@ -374,15 +374,19 @@ class Launch:
                 "checkpoint; use a later --kill-epoch")
 
     def kill(self):
-        for pid in self.worker_pids.values():
+        """SIGKILL every rank and torchrun at one instant, as a machine that
+        dies: each is stopped first, so that no rank sees another's end (a
+        closed connection in a collective) and reports it before its own."""
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in self.worker_pids.values():
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait()
 
 

@@ -55,12 +55,12 @@ def run_workers(tmp_path):
 # the two workers starts on one of the longest.
 LONGEST_FIRST = (
     'faults/test_mid_epoch_kills.py', 'faults/test_random_kills.py',
-    'faults/test_crash_points.py',
-    'test_contract_fuzz.py', 'test_preemption.py', 'test_inspect.py', 'test_examples.py',
-    'test_resume_exact.py', 'test_checkpoint.py', 'test_remote.py',
-    'test_mid_epoch.py', 'faults/test_upload_kills.py', 'test_fsdp.py',
-    'test_lifecycle.py', 'faults/test_params_kills.py', 'test_world_size.py',
-    'test_async_save.py', 'test_params.py', 'faults/test_one_rank_dies.py',
+    'faults/test_crash_points.py', 'callbacks/test_contract_fuzz.py',
+    'callbacks/test_preemption.py', 'tools/test_inspect.py', 'project/test_examples.py',
+    'callbacks/test_resume_exact.py', 'callbacks/test_checkpoint.py', 'storage/test_remote.py',
+    'callbacks/test_mid_epoch.py', 'faults/test_upload_kills.py', 'callbacks/test_fsdp.py',
+    'callbacks/test_lifecycle.py', 'faults/test_params_kills.py', 'state/test_world_size.py',
+    'engine/test_async_save.py', 'params/test_params.py', 'faults/test_one_rank_dies.py',
 )
 
 

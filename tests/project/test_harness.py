@@ -1,13 +1,17 @@
 """The suite's own rules, run on probe tests under this repository's pytest
 configuration: a test that hangs in the pytest process fails at the
 configured timeout, and a test that this machine cannot run skips here but
-fails where ``CI`` is set."""
+fails where ``CI`` is set; and the longest files, which the suite hands out
+first, are files that exist."""
 
+import ast
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from testutil import parse_source
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,3 +67,14 @@ def test_in_ci_a_missing_piece_of_the_machine_fails(tmp_path):
     done = run_probe(tmp_path, 'test_lacks_something', True)
     assert done.returncode == 1, done.stdout
     assert "CI's machine should have what this test needs: a probe of the harness" in done.stdout
+
+
+def test_the_longest_files_handed_out_first_exist():
+    # conftest orders them by their paths: a moved file would lose its place
+    # unseen, and a worker end up running two long files in turn (read from
+    # its source: tests/ and tests/faults each have a module named conftest)
+    tree = parse_source(REPO / 'tests' / 'conftest.py')
+    listed = next(ast.literal_eval(node.value) for node in tree.body
+                  if isinstance(node, ast.Assign) and node.targets[0].id == 'LONGEST_FIRST')
+    assert listed and [name for name in listed
+                       if not (REPO / 'tests' / name).is_file()] == []

@@ -164,7 +164,7 @@ def test_a_job_in_another_pid_namespace_is_refused_a_live_lease(s3, s3_endpoint)
     held = ObjectLease(fs, path).acquire()
     script = textwrap.dedent(f"""
         import os, sys
-        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests' / 'support')!r}]
         from s3server import filesystem
         from skorch_accel_callbacks.storage._lease import ObjectLease
         from skorch_accel_callbacks.errors import FolderInUseError
@@ -334,7 +334,7 @@ def test_a_job_that_exits_without_release_removes_its_lease_silently(s3, s3_endp
     fs, path = s3
     script = textwrap.dedent(f"""
         import sys
-        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
+        sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests' / 'support')!r}]
         from s3server import filesystem
         from skorch_accel_callbacks.storage._lease import ObjectLease
         kept = ObjectLease(filesystem({s3_endpoint!r}), {path!r}).acquire()
