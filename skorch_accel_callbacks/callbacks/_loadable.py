@@ -95,9 +95,11 @@ class LoadableCheckpoint:
         FSDP2, rank 0's, ``export()`` the checkpoint).
 
         The models come as ``load_params`` reads them without
-        ``use_safetensors`` (do not pass it): the safetensors files
-        themselves, which ``torch.load`` reads from torch 2.13 on, and with
-        an older torch their tensors in an in-memory file of torch's format.
+        ``use_safetensors``: the safetensors files themselves, which
+        ``torch.load`` reads from torch 2.13 on (``use_safetensors=True``
+        reads them too), and with an older torch their tensors in an
+        in-memory file of torch's format (which ``use_safetensors=True``
+        would not read).
         A model that FSDP2 saved sharded is merged in this process (as
         ``export()`` merges it) into such an in-memory file, in one process
         (in a job of several, ``export()`` it first and load the exported

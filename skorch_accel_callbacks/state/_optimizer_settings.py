@@ -37,19 +37,19 @@ def _new_keys(optimizer: str, names: Collection[str]) -> set[str]:
 
 
 def keep_new_optimizer_settings(
-        optimizers: Sequence[str],
+        optimizer_names: Sequence[str],
         names: Collection[str],
         fresh: Sequence[Sequence[dict[str, Any]]],
         saved: Sequence[Sequence[dict[str, Any]]],
 ) -> None:
     """Make the values that the net's parameters ``names`` give its
-    optimizers (named ``optimizers``, in order) now (``fresh``, as
+    optimizers (``optimizer_names``, in order) now (``fresh``, as
     :func:`optimizer_hyperparameters` read them before the checkpoint was
     loaded) win over those of the checkpoint (``saved``, changed in place):
     ``lr`` sets every optimizer's ``lr``, ``<optimizer>__<key>`` that
     optimizer's ``key``, and ``<optimizer>__param_groups`` all its settings.
     An LR scheduler's view of a new lr follows in :func:`keep_new_base_lrs`."""
-    for optimizer, new_groups, old_groups in zip(optimizers, fresh, saved, strict=True):
+    for optimizer, new_groups, old_groups in zip(optimizer_names, fresh, saved, strict=True):
         keys = _new_keys(optimizer, names)
         for new, old in zip(new_groups, old_groups, strict=True):
             taken = new if 'param_groups' in keys else keys & set(new)
