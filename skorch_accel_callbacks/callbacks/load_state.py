@@ -529,7 +529,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
             self._undo_skip = None
         # after every callback's on_epoch_begin, which resets their scratch space
         restored = self._restore_callbacks(net)
-        apply_epoch_caches(net, inside.caches, device=net.accelerator.device)
+        apply_epoch_caches(net.callbacks_, inside.caches, device=net.accelerator.device)
         if inside.rng_at_batch and not self._rng_by_pass:
             restore_rng(restored.rng)
 
@@ -550,7 +550,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         # the settings check_params let differ take effect: in the callbacks'
         # states, and an optimizer's new lr as its schedulers' base
         apply_callback_states(
-            net, restored.callbacks, changed_callback_settings(restored.changed_params))
+            net.callbacks_, restored.callbacks, changed_callback_settings(restored.changed_params))
         optimizers = named_optimizers(net)
         restore_optimizer_hyperparameters(optimizers.values(), restored.hyperparameters)
         keep_new_base_lrs(optimizers, [callback for _, callback in net.callbacks_],

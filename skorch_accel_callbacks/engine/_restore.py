@@ -53,6 +53,7 @@ from skorch_accel_callbacks.state import (
     data_fingerprint,
     derived_rank_state,
     derived_rng,
+    epoch_settings,
     keep_new_optimizer_settings,
     load_buffers,
     load_callback_states,
@@ -61,11 +62,15 @@ from skorch_accel_callbacks.state import (
     load_position,
     load_rank_state,
     make_room_for_group_settings,
+    model_layout,
     optimizer_hyperparameters,
+    optimizer_layout,
     optimizer_steps,
     reseed_origin,
     restore_frozen,
     restore_optimizer_hyperparameters,
+    shard_layout,
+    training_params,
 )
 from skorch_accel_callbacks.storage import CheckpointStorage, is_committer
 
@@ -224,13 +229,16 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
     rank, path = sync.process_index(net), chosen.path
     with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
         saved = chosen.manifest if chosen.manifest is not None else read_manifest(path)
-        changed = check_world_size(net, saved, path, checks.reseed)
-        check_compatible(net, saved, path)
+        changed = check_world_size(saved, sync.num_processes(net), path, checks.reseed)
+        check_compatible(saved, path, models=model_layout(net),
+                         optimizers=optimizer_layout(net),
+                         shards=shard_layout(net.accelerator))
         if checks.data:
             check_same_data(saved, data_fingerprint(X, y), path)
-        changed_params = check_same_params(net, saved, path, checks.params)
+        changed_params = check_same_params(saved, training_params(net), path, checks.params,
+                                           callbacks=dict(net.callbacks_))
         # the number of training rows is checked when the first epoch begins
-        check_epoch_settings(net, saved, path, checks.storage)
+        check_epoch_settings(saved, epoch_settings(net), path, checks.storage)
         # on another number of processes the new ranks' random states
         # derive from rank 0's: the other saved ranks' files are not read
         reads_own_rank = not changed or rank == 0
@@ -293,7 +301,7 @@ def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params:
     # torch.distributed.checkpoint, planned after the state a fresh
     # optimizer makes for every parameter that trains (a step of zero
     # gradients), which for a frozen one the checkpoint lacks
-    restore_frozen(net, manifest)
+    restore_frozen(state_modules(net), manifest)
     read_naming_fault(_model_and_optimizer_files(path),
                       lambda: accelerate_io.load_state(net.accelerator, path),
                       error=CheckpointError, failed='could not be loaded', fallback=path)

@@ -23,6 +23,7 @@ from skorch_accel_callbacks.state._compat import (
     checkpoint_record,
     model_files,
     model_layout,
+    optimizer_layout,
     restore_frozen,
 )
 from skorch_accel_callbacks.state._epoch_position import (
@@ -37,6 +38,7 @@ from skorch_accel_callbacks.state._fingerprint import (
 )
 from skorch_accel_callbacks.state._fsdp_layout import (
     make_room_for_group_settings,
+    shard_layout,
     warn_per_rank_buffers,
 )
 from skorch_accel_callbacks.state._loader_pass import (
@@ -70,7 +72,9 @@ from skorch_accel_callbacks.state._settings import (
     check_same_params,
     check_train_rows,
     epoch_end_advice,
+    epoch_settings,
     fit_id,
+    training_params,
 )
 from skorch_accel_callbacks.state._training_state import (
     encode_rank_states,
@@ -107,6 +111,7 @@ __all__ = [
     'encode_rank_states',
     'epoch_completed',
     'epoch_end_advice',
+    'epoch_settings',
     'EpochStart',
     'fetches_in_process',
     'find_train_loader',
@@ -123,6 +128,7 @@ __all__ = [
     'make_room_for_group_settings',
     'model_files',
     'model_layout',
+    'optimizer_layout',
     'optimizer_hyperparameters',
     'optimizer_steps',
     'PassControl',
@@ -137,6 +143,8 @@ __all__ = [
     'save_position',
     'save_rank_state',
     'seed_draw_undone',
+    'shard_layout',
+    'training_params',
     'uninstall',
     'unknown_batch_state',
     'warn_per_rank_buffers',

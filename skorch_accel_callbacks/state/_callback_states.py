@@ -139,10 +139,12 @@ def load_callback_states(folder: str | os.PathLike,
 
 
 def apply_callback_states(
-        net: NeuralNet, states: Mapping[str, Mapping[str, Mapping[str, Any]]],
+        callbacks: Iterable[tuple[str, Callback]],
+        states: Mapping[str, Mapping[str, Mapping[str, Any]]],
         changed: Mapping[str, Collection[str] | None] | None = None,
 ) -> None:
-    """Give the net's callbacks the state they had when it was saved.
+    """Give ``callbacks`` (a net's ``callbacks_``: name, callback) the state
+    they had when the net was saved.
 
     ``changed``: the settings (``get_params`` names) of each callback by name
     that a resume let differ from the checkpoint's
@@ -155,7 +157,7 @@ def apply_callback_states(
     whose class changed (None) starts afresh.
     """
     changed = changed or {}
-    for name, callback in net.callbacks_:
+    for name, callback in callbacks:
         attrs = states.get(name)
         new = changed.get(name, ())
         if attrs is None or new is None:
@@ -226,12 +228,13 @@ def load_epoch_caches(folder: str | os.PathLike, rank: int) -> dict[str, dict[st
 
 
 def apply_epoch_caches(
-        net: NeuralNet,
+        callbacks: Iterable[tuple[str, Callback]],
         caches: Mapping[str, Mapping[str, Any]],
         device: torch.device | str | None = None,
 ) -> None:
-    """Give the callbacks their scratch space of the epoch back; tensors go
-    to ``device`` (where the net's predictions are)."""
+    """Give ``callbacks`` (a net's ``callbacks_``: name, callback) their
+    scratch space of the epoch back; tensors go to ``device`` (where the
+    net's predictions are)."""
     def place(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and device is not None:
             return value.to(device)
@@ -239,7 +242,7 @@ def apply_epoch_caches(
             return [place(v) for v in value]
         return value
 
-    for name, callback in net.callbacks_:
+    for name, callback in callbacks:
         for attr, value in caches.get(name, {}).items():
             setattr(callback, attr, place(value))
 

@@ -12,8 +12,11 @@ when a run cannot resume a checkpoint exactly, before it trains.
 
 import functools
 import os
+from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+
+import torch
 
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.wrapping import state_modules
@@ -143,16 +146,17 @@ def frozen_parameters(net: Any) -> dict[str, list[str]]:
             for name, module in state_modules(net).items()}
 
 
-def restore_frozen(net: Any, manifest: dict[str, Any]) -> None:
-    """Freeze the parameters of ``net`` that the checkpoint of ``manifest``
-    was saved with frozen (:func:`frozen_parameters`) and let the others
-    train: whether a parameter trains is training state that skorch's
-    ``Freezer`` sets once, at its epoch, which a resume after it never
-    sees again. A manifest from before it was recorded changes nothing."""
+def restore_frozen(modules: Mapping[str, torch.nn.Module], manifest: dict[str, Any]) -> None:
+    """Freeze the parameters of ``modules`` (a net's modules and criteria by
+    name) that the checkpoint of ``manifest`` was saved with frozen
+    (:func:`frozen_parameters`) and let the others train: whether a
+    parameter trains is training state that skorch's ``Freezer`` sets once,
+    at its epoch, which a resume after it never sees again. A manifest from
+    before it was recorded changes nothing."""
     saved = manifest.get('frozen')
     if not isinstance(saved, dict):
         return
-    for name, module in state_modules(net).items():
+    for name, module in modules.items():
         if name in saved:
             frozen = set(saved[name])
             for key, param in module.named_parameters():
@@ -229,10 +233,11 @@ def _fingerprint_differences(saved: Any, current: Any, where: str) -> list[str]:
     return []
 
 
-def check_world_size(net: Any, manifest: dict[str, Any], path: str, reseed: bool) -> bool:
-    """Whether ``path`` was written by another number of processes than this
-    run has; raise :class:`CheckpointError` if so unless ``reseed``."""
-    world_size = sync.num_processes(net)
+def check_world_size(manifest: dict[str, Any], world_size: int, path: str,
+                     reseed: bool) -> bool:
+    """Whether ``path`` was written by another number of processes than
+    ``world_size``, this run's; raise :class:`CheckpointError` if so unless
+    ``reseed``."""
     saved = manifest.get('world_size')
     if saved == world_size:
         return False
@@ -251,16 +256,19 @@ def check_world_size(net: Any, manifest: dict[str, Any], path: str, reseed: bool
     return True
 
 
-def check_compatible(net: Any, manifest: dict[str, Any], path: str) -> None:
-    """Raise :class:`CheckpointError` if the model or optimizers of ``net``
+def check_compatible(manifest: dict[str, Any], path: str, *, models: list[list[Any]],
+                     optimizers: list[list[Any]], shards: dict[str, Any] | None) -> None:
+    """Raise :class:`CheckpointError` if a net of ``models``
+    (:func:`model_layout`), ``optimizers`` (:func:`optimizer_layout`) and
+    FSDP2 ``shards`` (:func:`~skorch_accel_callbacks.state._fsdp_layout.shard_layout`)
     cannot load ``path``."""
-    fsdp_layout.check_shards(net.accelerator, manifest, path)
-    problems = _layout_differences(manifest.get('models', []), model_layout(net))
+    fsdp_layout.check_shards(manifest, shards, path)
+    problems = _layout_differences(manifest.get('models', []), models)
     if problems:
         raise CheckpointError(
             f"{path} was saved from another model: " + '; '.join(problems[:5])
             + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ''))
-    saved, current = manifest.get('optimizers'), optimizer_layout(net)
+    saved, current = manifest.get('optimizers'), optimizers
     if isinstance(saved, int):  # written by 0.1.0: the number of optimizers
         current = len(current)
     if saved != current:

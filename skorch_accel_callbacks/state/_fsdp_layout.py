@@ -68,12 +68,13 @@ def _describe(layout: dict[str, Any] | None) -> str:
     return f"with FSDP2 and state_dict_type={layout.get('state_dict_type')}"
 
 
-def check_shards(accelerator: Any, manifest: dict[str, Any], path: str) -> None:
+def check_shards(manifest: dict[str, Any], current: dict[str, Any] | None, path: str) -> None:
     """Raise :class:`CheckpointError` if ``path`` was saved with another
-    FSDP2 layout than ``accelerator`` loads (or one of them without FSDP2),
-    and :class:`CorruptCheckpointError` naming a rank's shard that the
-    manifest does not list (one written outside the committed folder)."""
-    saved, current = manifest.get('fsdp'), shard_layout(accelerator)
+    FSDP2 layout than ``current`` (the :func:`shard_layout` of the
+    accelerator that loads it; one of them without FSDP2), and
+    :class:`CorruptCheckpointError` naming a rank's shard that the manifest
+    does not list (one written outside the committed folder)."""
+    saved = manifest.get('fsdp')
     if (saved or {}).get('state_dict_type') != (current or {}).get('state_dict_type'):
         raise CheckpointError(
             f"{path} was saved {_describe(saved)}, this run loads {_describe(current)}: "

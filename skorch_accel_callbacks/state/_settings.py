@@ -16,7 +16,7 @@ import hashlib
 import inspect
 import json
 import re
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NoReturn
 
 from skorch.callbacks import (
@@ -384,11 +384,12 @@ def _of_users(changes: list[tuple[str, Any, Any]], saved: dict[str, Any],
     return names
 
 
-def _plain_state(changes: list[tuple[str, Any, Any]], net: Any) -> list[tuple[str, str]]:
-    """``(callback, attribute)`` of each change that is a callback's plain
-    public attribute rather than an argument of its ``__init__``: state kept
-    where skorch's ``get_params`` reports it as a setting (a counter)."""
-    callbacks = dict(getattr(net, 'callbacks_', ()))
+def _plain_state(changes: list[tuple[str, Any, Any]],
+                 callbacks: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(callback, attribute)`` of each change that is a plain public
+    attribute of one of ``callbacks`` (by name) rather than an argument of
+    its ``__init__``: state kept where skorch's ``get_params`` reports it as
+    a setting (a counter)."""
     plain = []
     for name, _, _ in changes:
         of = _callback_of(name)
@@ -490,13 +491,16 @@ def _as_recorded_then(saved: dict[str, Any], current: dict[str, Any]) -> dict[st
     return then
 
 
-def check_same_params(net: Any, manifest: dict[str, Any], path: str,
-                      check: bool | Collection[str] = True) -> list[str]:
-    """Raise :class:`CheckpointError` naming each parameter of ``net`` that
-    changes training, or setting of one of its callbacks
-    (:func:`training_params`), whose value differs from the one ``path`` was
-    trained with, unless ``check`` allows it (:func:`allowed`); return the
-    names of the allowed ones that differ. A callback whose class changed
+def check_same_params(manifest: dict[str, Any], current: dict[str, Any], path: str,
+                      check: bool | Collection[str] = True, *,
+                      callbacks: Mapping[str, Any]) -> list[str]:
+    """Raise :class:`CheckpointError` naming each parameter that changes
+    training, or setting of a callback, whose value in ``current`` (the
+    :func:`training_params` of the net that resumes) differs from the one
+    ``path`` was trained with, unless ``check`` allows it (:func:`allowed`);
+    return the names of the allowed ones that differ. ``callbacks``, the
+    net's callbacks by name, tell which refused setting is a callback's
+    plain attribute, for the advice. A callback whose class changed
     under its name, that is new or that is gone is named once; unnamed
     callbacks of a class listed in another order are refused as such. A
     manifest without ``params`` (the earliest checkpoints) is not checked; one without
@@ -505,7 +509,6 @@ def check_same_params(net: Any, manifest: dict[str, Any], path: str,
     saved = manifest.get('params')
     if not isinstance(saved, dict):
         return []
-    current = training_params(net)
     saved = _with_introduced(saved, manifest, current)
     current = _as_recorded_then(saved, current)
     recorded = CALLBACKS_KEY in saved
@@ -517,7 +520,7 @@ def check_same_params(net: Any, manifest: dict[str, Any], path: str,
         said, orders = _explained(refused, saved, current)
         message = f"{path} was trained with other hyper-parameters: " + '; '.join(
             [text for _, text in said] + orders) + '. '
-        plain = _plain_state(refused, net)
+        plain = _plain_state(refused, callbacks)
         if plain:
             message += _plain_state_advice(plain)
         if said:
@@ -567,18 +570,18 @@ def _refuse_inside_epoch(manifest: dict[str, Any], path: str,
         "with the checkpoint's settings, or " + epoch_end_advice(storage, manifest))
 
 
-def check_epoch_settings(net: Any, manifest: dict[str, Any], path: str,
+def check_epoch_settings(manifest: dict[str, Any], current: dict[str, Any], path: str,
                          storage: Any = None) -> None:
     """Raise :class:`CheckpointError` naming each setting the position inside
-    an epoch depends on (:func:`epoch_settings`, but the number of training
-    rows: see :func:`check_train_rows`) whose value changed, if ``path`` was
+    an epoch depends on whose value in ``current`` (the
+    :func:`epoch_settings` of the net that resumes; the number of training
+    rows is not compared: see :func:`check_train_rows`) changed, if ``path`` was
     taken inside an epoch; the message advises a checkpoint of ``storage``
     (:func:`epoch_end_advice`). A checkpoint of an epoch's end, or one
     without ``epoch_settings`` (the earliest checkpoints), is not checked."""
     saved = manifest.get('epoch_settings')
     if not batches_into_epoch(manifest) or not isinstance(saved, dict):
         return
-    current = epoch_settings(net)
     changes = _changes(saved, current, [name for name in current if name != 'train_rows'])
     if changes:
         _refuse_inside_epoch(manifest, path, changes, storage)

@@ -21,7 +21,7 @@ from skorch_accel_callbacks import (
 )
 from skorch_accel_callbacks._core import accelerate_io
 from skorch_accel_callbacks.format import PARTIAL_SUFFIX, read_manifest
-from skorch_accel_callbacks.state import _fsdp_layout as fsdp_layout
+from skorch_accel_callbacks.state import _fsdp_layout as fsdp_layout, shard_layout
 from testutil import assert_identical, edit_manifest, final_state, read_json, read_results
 
 # a hang in a collective fails the launch in seconds
@@ -294,7 +294,7 @@ def test_shards_missing_from_the_manifest_or_damaged_are_named(runs, accelerator
     folder = shutil.copytree(runs[0] / 'ck-for-one' / MID_EPOCH_CHECKPOINT,
                              tmp_path / MID_EPOCH_CHECKPOINT)
     fsdp2_net(accelerator, 'SHARDED_STATE_DICT')
-    fsdp_layout.check_shards(accelerator, read_manifest(folder), str(folder))
+    fsdp_layout.check_shards(read_manifest(folder), shard_layout(accelerator), str(folder))
     shard = 'optimizer_0/__1_0.distcp'
     with open(folder / shard, 'r+b') as f:
         f.truncate(100)
@@ -304,7 +304,7 @@ def test_shards_missing_from_the_manifest_or_damaged_are_named(runs, accelerator
     with pytest.raises(CorruptCheckpointError, match=(
             f"^{folder / shard} is missing: the manifest of {folder} does not list it "
             "among the shards of optimizer_0$")):
-        fsdp_layout.check_shards(accelerator, read_json(folder / 'manifest.json'),
+        fsdp_layout.check_shards(read_json(folder / 'manifest.json'), shard_layout(accelerator),
                                  str(folder))
 
 
@@ -318,13 +318,13 @@ def test_another_layout_than_the_checkpoints_is_refused(runs, accelerator):
             (full_folder, 'with FSDP2 and state_dict_type=FULL_STATE_DICT',
              lambda accelerator: fsdp2_net(accelerator, 'SHARDED_STATE_DICT'))):
         make(accelerator)
-        loads = fsdp_layout.shard_layout(accelerator)
+        loads = shard_layout(accelerator)
         now = ('without FSDP2' if loads is None
                else f"with FSDP2 and state_dict_type={loads['state_dict_type']}")
         with pytest.raises(CheckpointError, match=(
                 f"^{folder} was saved {saved}, this run loads {now}: resume it with the "
                 "accelerator")):
-            fsdp_layout.check_shards(accelerator, read_manifest(folder), folder)
+            fsdp_layout.check_shards(read_manifest(folder), loads, folder)
 
 
 # a sharded checkpoint of a net whose lin.bias skorch's Freezer froze from
