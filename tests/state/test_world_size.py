@@ -12,7 +12,8 @@ import pytest
 import torch
 from skorch.callbacks import Callback
 
-from common import NotTrainingState, make_accelerator, make_data, make_net
+import checkpointed
+from common import NotTrainingState, make_accelerator, make_net
 from resume_runs import run
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, CheckpointError
 from testutil import assert_identical, edit_manifest, final_state, read_results
@@ -36,12 +37,9 @@ class FirstEpochState(NotTrainingState, Callback):
 
 
 def fit(dirname, max_epochs, **load_kwargs):
-    cp = AccelerateCheckpoint(dirname=str(dirname))
+    """The net and its :class:`FirstEpochState`."""
     first = FirstEpochState()
-    torch.manual_seed(0)
-    net = make_net(make_accelerator(), max_epochs=max_epochs,
-                   callbacks=[cp, AccelerateLoadInitState(cp, **load_kwargs), first])
-    net.fit(*make_data(n=160))
+    net, _, _ = checkpointed.fit(dirname, first, max_epochs=max_epochs, load_kwargs=load_kwargs)
     return net, first
 
 

@@ -17,9 +17,10 @@ import shutil
 import fsspec
 import pytest
 
+import checkpointed
 from checkpointed import state
-from common import make_accelerator, make_data, make_net
-from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+from common import make_accelerator, make_net
+from skorch_accel_callbacks import AccelerateCheckpoint
 from skorch_accel_callbacks.errors import FolderInUseError
 from skorch_accel_callbacks.format import (
     HISTORY_NAME,
@@ -145,17 +146,10 @@ def memory_url():
 
 
 def fit(url, staging, max_epochs, **cp_kwargs):
-    cp = MemoryCheckpoint(dirname=url, local_dir=str(staging), **cp_kwargs)
-    load = AccelerateLoadInitState(cp)
-    torch_seed()
-    net = make_net(make_accelerator(), callbacks=[cp, load], max_epochs=max_epochs)
-    net.fit(*make_data(n=160))
+    """The net and its :class:`MemoryCheckpoint` of ``url``, staged in ``staging``."""
+    net, cp, _ = checkpointed.fit(url, max_epochs=max_epochs, checkpoint_class=MemoryCheckpoint,
+                                  local_dir=str(staging), **cp_kwargs)
     return net, cp
-
-
-def torch_seed():
-    import torch
-    torch.manual_seed(0)
 
 
 @pytest.mark.slow

@@ -10,9 +10,10 @@ from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 
 
 def fit(dirname, *callbacks, max_epochs=3, resume='latest', accelerator=None, data=None,
-        net_kwargs=None, load_kwargs=None, **cp_kwargs):
+        net_kwargs=None, load_kwargs=None, checkpoint_class=AccelerateCheckpoint, **cp_kwargs):
     """A net seeded and fitted for ``max_epochs`` with an
-    ``AccelerateCheckpoint`` of ``dirname`` (``cp_kwargs``), its
+    ``AccelerateCheckpoint`` (or ``checkpoint_class``, a subclass) of
+    ``dirname`` (``cp_kwargs``), its
     ``AccelerateLoadInitState`` (``resume``, ``load_kwargs``) and
     ``callbacks``, on ``data`` (``make_data(n=160)`` by default); the net,
     the checkpoint callback and the load callback.
@@ -22,7 +23,7 @@ def fit(dirname, *callbacks, max_epochs=3, resume='latest', accelerator=None, da
     checkpoint callback before it raises, as the refused job's end would:
     its claim of the folder or store goes with it.
     """
-    cp = AccelerateCheckpoint(dirname=str(dirname), **cp_kwargs)
+    cp = checkpoint_class(dirname=str(dirname), **cp_kwargs)
     load = AccelerateLoadInitState(cp, resume=resume, **(load_kwargs or {}))
     torch.manual_seed(0)
     net = make_net(accelerator or make_accelerator(), callbacks=[cp, load, *callbacks],
