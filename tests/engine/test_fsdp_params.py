@@ -26,12 +26,8 @@ from safetensors.torch import load_file
 
 from common import MLP, make_data, plain_net
 from skorch_accel_callbacks import AccelerateCheckpoint, CorruptCheckpointError
-from skorch_accel_callbacks.engine._consolidate import (
-    check_sharded_model,
-    loadable,
-    model_files,
-    read_model,
-)
+from skorch_accel_callbacks.engine import loadable, model_files, read_model
+from skorch_accel_callbacks.engine._consolidate import check_sharded_model
 from skorch_accel_callbacks.tools.export import export
 from skorch_accel_callbacks.tools.inspection import verify
 from testutil import cli

@@ -12,15 +12,17 @@ import torch
 
 from common import make_accelerator, make_data, make_net
 from skorch_accel_callbacks._core import accelerate_io
-from skorch_accel_callbacks.engine import _restore as restore
-from skorch_accel_callbacks.engine._writer import (
+from skorch_accel_callbacks.engine import (
     BackgroundWriter,
+    ResumeChecks,
     Retention,
-    SaveReport,
     SaveRequest,
     SyncWriter,
+    _restore as restore,
+    read_checkpoint,
 )
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.engine._writer import SaveReport
+from skorch_accel_callbacks.format import read_manifest
 from skorch_accel_callbacks.state import find_train_loader
 from skorch_accel_callbacks.storage import CheckpointStorage, open_storage
 from skorch_accel_callbacks.storage._local import CheckpointFolder
@@ -190,11 +192,11 @@ def test_read_checkpoint_gives_a_record_of_what_was_saved(tmp_path, trained, mon
     torch.manual_seed(1)
     other = make_net(make_accelerator(), max_epochs=1).initialize()
     reads = []
-    original = _manifest.read_manifest
+    original = read_manifest
     replace_everywhere(monkeypatch, original,
                        lambda folder: reads.append(folder) or original(folder))
-    restored = restore.read_checkpoint(
-        other, restore.Chosen(storage.path('epoch-0001')), restore.ResumeChecks())
+    restored = read_checkpoint(
+        other, restore.Chosen(storage.path('epoch-0001')), ResumeChecks())
     assert reads == [storage.path('epoch-0001')]
     assert restored.path == storage.path('epoch-0001') and restored.step == 2
     assert restored.inside is None and restored.reseeded_from is None

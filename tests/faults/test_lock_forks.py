@@ -22,7 +22,7 @@ import pytest
 
 from launcher import REPO
 from skorch_accel_callbacks.errors import FolderInUseError
-from skorch_accel_callbacks.storage import _lock as lock
+from skorch_accel_callbacks.storage import _lock as lock, probe
 
 pytestmark = [pytest.mark.faults]
 
@@ -95,7 +95,7 @@ def test_a_forked_child_of_a_killed_job_keeps_no_lock(tmp_path):
         child = ready['child']
         # the child's copy of the lock holds nothing
         assert ready['held_in_child'] == 0
-        assert lock.probe(folder / '.lock')['held']
+        assert probe(folder / '.lock')['held']
         holder.send_signal(signal.SIGKILL)
         assert holder.wait(DEADLINE_S) == -signal.SIGKILL
         # the relaunch: the worker the killed job forked still runs
@@ -142,7 +142,7 @@ def test_a_lock_whose_recorded_job_ended_is_waited_for_never_called_running(
     orphan = start(ORPHAN_HOLDER, folder / '.lock', tmp_path / 'ready', dead, hold_s)
     try:
         wait_for_file(tmp_path / 'ready', orphan)
-        assert lock.probe(folder / '.lock')['held']
+        assert probe(folder / '.lock')['held']
         monkeypatch.setattr(lock, '_ORPHAN_GRACE_S', 6.0)
         if hold_s < 6.0:
             taken = lock.FolderLock(folder).acquire()

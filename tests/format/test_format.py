@@ -13,7 +13,27 @@ from pathlib import Path
 import pytest
 
 import skorch_accel_callbacks
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import (
+    HISTORY_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    PARTIAL_SUFFIX,
+    POINTERS,
+    CheckpointRecord,
+    _manifest,
+    batches_into_epoch,
+    checkpoint_name,
+    epoch_caches_names,
+    is_checkpoint_name,
+    manifest_content,
+    pointer_name,
+    position_name,
+    probe_name,
+    rank_state_name,
+    read_manifest,
+    stopped_early,
+    write_manifest,
+)
 from testutil import parse_source
 
 PACKAGE = Path(skorch_accel_callbacks.__file__).parent
@@ -56,7 +76,7 @@ def test_format_imports_nothing_above_atomic_and_errors():
 def folder_with_a_file(tmp_path):
     folder = tmp_path / 'epoch-0001.partial'
     folder.mkdir()
-    (folder / _manifest.HISTORY_NAME).write_text('[]')
+    (folder / HISTORY_NAME).write_text('[]')
     return folder
 
 
@@ -64,21 +84,21 @@ def folder_with_a_file(tmp_path):
 def test_write_measures_the_save_from_started(tmp_path, durable):
     folder = folder_with_a_file(tmp_path)
     started = time.monotonic()
-    written = _manifest.write_manifest(str(folder), {'format_version': _manifest.FORMAT_VERSION},
+    written = write_manifest(str(folder), {'format_version': _manifest.FORMAT_VERSION},
                            durable=durable, started=started)
-    on_disk = json.loads((folder / _manifest.MANIFEST_NAME).read_text())
+    on_disk = json.loads((folder / MANIFEST_NAME).read_text())
     assert on_disk == written
     assert isinstance(on_disk['save_seconds'], float) and on_disk['save_seconds'] >= 0
-    assert on_disk['files'] == {_manifest.HISTORY_NAME: 2} and on_disk['bytes'] == 2
+    assert on_disk['files'] == {HISTORY_NAME: 2} and on_disk['bytes'] == 2
     assert isinstance(on_disk['saved_at'], str)
 
 
 def test_write_without_started_records_no_duration(tmp_path):
     folder = folder_with_a_file(tmp_path)
-    written = _manifest.write_manifest(str(folder), {'format_version': _manifest.FORMAT_VERSION},
+    written = write_manifest(str(folder), {'format_version': _manifest.FORMAT_VERSION},
                            durable=False)
     assert 'save_seconds' not in written
-    assert 'save_seconds' not in json.loads((folder / _manifest.MANIFEST_NAME).read_text())
+    assert 'save_seconds' not in json.loads((folder / MANIFEST_NAME).read_text())
 
 
 def test_write_refuses_a_callable_and_writes_no_manifest(tmp_path):
@@ -87,8 +107,8 @@ def test_write_refuses_a_callable_and_writes_no_manifest(tmp_path):
     folder = folder_with_a_file(tmp_path)
     content = {'format_version': _manifest.FORMAT_VERSION, 'save_seconds': lambda: 1.0}
     with pytest.raises(TypeError, match='not JSON serializable'):
-        _manifest.write_manifest(str(folder), content, durable=False)
-    assert sorted(os.listdir(folder)) == [_manifest.HISTORY_NAME]  # no manifest, no temp file
+        write_manifest(str(folder), content, durable=False)
+    assert sorted(os.listdir(folder)) == [HISTORY_NAME]  # no manifest, no temp file
 
 
 # manifests as 0.2 (format 2) and 0.3 (format 3) wrote them, less the
@@ -118,16 +138,16 @@ FORMAT_3 = {
 def test_read_manifests_of_earlier_versions(tmp_path, saved, stopped, batches):
     folder = tmp_path / saved['name']
     folder.mkdir()
-    (folder / _manifest.HISTORY_NAME).write_text('[]')
-    manifest = dict(saved, files={_manifest.HISTORY_NAME: 2})
-    (folder / _manifest.MANIFEST_NAME).write_text(json.dumps(manifest))
-    assert _manifest.read_manifest(folder) == manifest
-    assert _manifest.stopped_early(manifest) is stopped
-    assert _manifest.batches_into_epoch(manifest) == batches
-    assert _manifest.is_checkpoint_name(saved['name'])
+    (folder / HISTORY_NAME).write_text('[]')
+    manifest = dict(saved, files={HISTORY_NAME: 2})
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert read_manifest(folder) == manifest
+    assert stopped_early(manifest) is stopped
+    assert batches_into_epoch(manifest) == batches
+    assert is_checkpoint_name(saved['name'])
 
 
-RECORD = _manifest.CheckpointRecord(
+RECORD = CheckpointRecord(
     name='epoch-0002-step-00000012', epoch=2, position={'step': 12, 'batches': 2},
     best=False, finished=False, stopped_early=False, data={'X': 'fingerprint'},
     params={'lr': 0.1}, epoch_settings={'batch_size': 32}, world_size=2,
@@ -144,7 +164,7 @@ RECORD = _manifest.CheckpointRecord(
 def test_a_record_makes_the_manifest_fields_of_its_format(tmp_path, changes, version, extra):
     """The format a checkpoint is written in follows from what it holds:
     one whose ranks agree stays readable by the versions that read format 3."""
-    content = _manifest.manifest_content(dataclasses.replace(RECORD, **changes))
+    content = manifest_content(dataclasses.replace(RECORD, **changes))
     fields = [field.name for field in dataclasses.fields(RECORD)
               if field.name not in ('fsdp', 'per_rank')]
     assert list(content) == ['format_version', *fields, *extra]
@@ -152,24 +172,24 @@ def test_a_record_makes_the_manifest_fields_of_its_format(tmp_path, changes, ver
     assert {key: content[key] for key in extra} == extra
     folder = tmp_path / RECORD.name
     folder.mkdir()
-    _manifest.write_manifest(str(folder), content, durable=False)
-    assert _manifest.read_manifest(folder)['format_version'] == version
+    write_manifest(str(folder), content, durable=False)
+    assert read_manifest(folder)['format_version'] == version
 
 
 def test_names_are_the_ones_on_disk():
     """The names a checkpoint folder of 0.3 holds, from their one place."""
-    assert _manifest.checkpoint_name(3) == 'epoch-0003'
-    assert _manifest.checkpoint_name(2, 12) == 'epoch-0002-step-00000012'
-    assert all(_manifest.is_checkpoint_name(_manifest.checkpoint_name(2, step))
+    assert checkpoint_name(3) == 'epoch-0003'
+    assert checkpoint_name(2, 12) == 'epoch-0002-step-00000012'
+    assert all(is_checkpoint_name(checkpoint_name(2, step))
                for step in (None, 0, 12))
-    assert not _manifest.is_checkpoint_name('epoch-0003' + _manifest.PARTIAL_SUFFIX)
-    assert [_manifest.pointer_name(which) for which in _manifest.POINTERS] == [
+    assert not is_checkpoint_name('epoch-0003' + PARTIAL_SUFFIX)
+    assert [pointer_name(which) for which in POINTERS] == [
         'latest.json', 'best.json']
-    assert _manifest.rank_state_name(1) == 'loader_state_1.safetensors'
-    assert _manifest.position_name(1) == 'position_1.safetensors'
-    assert _manifest.epoch_caches_names(1) == ('epoch_caches_1.json',
+    assert rank_state_name(1) == 'loader_state_1.safetensors'
+    assert position_name(1) == 'position_1.safetensors'
+    assert epoch_caches_names(1) == ('epoch_caches_1.json',
                                             'epoch_caches_1.safetensors')
-    assert _manifest.probe_name(1) == '.node-probe-1'
-    assert (_manifest.MANIFEST_NAME, _manifest.HISTORY_NAME, _manifest.CALLBACKS_NAME,
-            _manifest.CALLBACK_TENSORS_NAME, _manifest.LOCK_NAME) == (
+    assert probe_name(1) == '.node-probe-1'
+    assert (MANIFEST_NAME, HISTORY_NAME, _manifest.CALLBACKS_NAME,
+            _manifest.CALLBACK_TENSORS_NAME, LOCK_NAME) == (
         'manifest.json', 'history.json', 'callbacks.json', 'callbacks.safetensors', '.lock')

@@ -190,6 +190,63 @@ def test_subpackages_meet_through_their_faces(path):
     assert _private_imports_across(_tree(path), own) == []
 
 
+TESTS = Path(__file__).resolve().parents[1]
+TEST_MODULES = sorted(path for path in TESTS.rglob('*.py') if 'data' not in path.parts)
+
+
+def _offered(layer):
+    return set(getattr(importlib.import_module(f'skorch_accel_callbacks.{layer}'), '__all__', ()))
+
+
+def _reached_past_faces(tree):
+    """What ``tree`` takes from a subpackage's private module although the
+    subpackage's face offers it: ``from ...format._manifest import
+    read_manifest``, or ``_manifest.read_manifest`` after ``from ...format
+    import _manifest`` (but where the test replaces it there)."""
+    modules, found = {}, []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.ImportFrom) and node.module
+                and node.module.startswith('skorch_accel_callbacks.')):
+            continue
+        layer, *inner = node.module.split('.')[1:]
+        if layer not in LAYERS or layer == '_core':
+            continue
+        if inner and inner[0].startswith('_'):
+            found += [f"{node.module}.{alias.name}" for alias in node.names
+                      if alias.name in _offered(layer)]
+        elif not inner:
+            modules.update({alias.asname or alias.name: layer for alias in node.names
+                            if alias.name.startswith('_')})
+    attributes = [node for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                  and isinstance(node.value, ast.Name) and node.value.id in modules]
+    # a test that replaces a module's function reads the original from the module
+    replaced = {(node.value.id, node.attr) for node in attributes
+                if isinstance(node.ctx, ast.Store)}
+    found += [f"{node.value.id}.{node.attr}" for node in attributes
+              if isinstance(node.ctx, ast.Load) and (node.value.id, node.attr) not in replaced
+              and node.attr in _offered(modules[node.value.id])]
+    return found
+
+
+def test_the_face_check_sees_both_forms_and_lets_a_replacement_be():
+    source = (
+        "from skorch_accel_callbacks.format._manifest import FORMAT_VERSION, read_manifest\n"
+        "from skorch_accel_callbacks.format import _atomic as atomic, _manifest\n"
+        "_manifest.check_manifest('x')\n"
+        "original = atomic.write_json\n"
+        "atomic.write_json = lambda *args: original(*args)\n")
+    assert _reached_past_faces(ast.parse(source)) == [
+        'skorch_accel_callbacks.format._manifest.read_manifest', '_manifest.check_manifest']
+
+
+@pytest.mark.parametrize('path', TEST_MODULES, ids=lambda path: path.relative_to(TESTS).as_posix())
+def test_tests_use_what_a_face_offers_through_it(path):
+    """A test reaches into a subpackage's private module only for what its
+    face does not offer (an internal under test, a function it replaces to
+    inject a fault); what the face offers, it takes from the face."""
+    assert _reached_past_faces(_tree(path)) == []
+
+
 @pytest.mark.parametrize('layer', [layer for layer in LAYERS if layer != '_core'])
 def test_each_face_offers_what_its_all_names(layer):
     """A face names what it offers in ``__all__``, each name imported from one

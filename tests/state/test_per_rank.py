@@ -28,7 +28,7 @@ from skorch_accel_callbacks import (
     CheckpointError,
     CorruptCheckpointError,
 )
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import HISTORY_NAME, MANIFEST_NAME, _manifest
 from skorch_accel_callbacks.tools import inspection
 from skorch_accel_callbacks.tools.export import export
 from testutil import assert_nested_equal, cli, edit_manifest, read_json, read_results
@@ -95,8 +95,8 @@ def write_old_checkpoints(out, results):
     launch(tree / 'tests' / 'workers' / 'per_rank.py', nproc=2, timeout=420, env=env).check()
     # the same checkpoints as those kept, which users of that version have
     for name in RESUMED.values():
-        kept = read_json(OLD_CHECKPOINTS / name / _manifest.MANIFEST_NAME)
-        fresh = read_json(out / name / _manifest.MANIFEST_NAME)
+        kept = read_json(OLD_CHECKPOINTS / name / MANIFEST_NAME)
+        fresh = read_json(out / name / MANIFEST_NAME)
         assert (kept['format_version'], sorted(kept['files']), kept['per_rank']) == \
             (fresh['format_version'], sorted(fresh['files']), fresh['per_rank']), name
     return out
@@ -134,16 +134,16 @@ def test_each_rank_resumes_its_own_history_and_callbacks(runs, backend):
                 assert resumed[rank][key] == full[rank][key], ('async', rank, key)
             assert_nested_equal(rank_state(results, 'async-epoch', rank),
                                  rank_state(results, 'ddp-full', rank), f"async rank {rank}")
-        saved = read_json(root / 'async' / 'epoch-0004' / _manifest.MANIFEST_NAME)
+        saved = read_json(root / 'async' / 'epoch-0004' / MANIFEST_NAME)
         assert saved['per_rank'] == ['history', 'callbacks']
     for name in RESUMED.values():
-        saved = read_json(root / backend / 'full' / name / _manifest.MANIFEST_NAME)
+        saved = read_json(root / backend / 'full' / name / MANIFEST_NAME)
         assert saved['per_rank'] == (['history', 'callbacks', 'buffers']
                                      if backend == 'fsdp2' else ['history', 'callbacks'])
         # a version that reads one history.json refuses it as newer
         assert saved['format_version'] == _manifest.FORMAT_VERSION > _manifest.SHARED_STATES_FORMAT
         assert {'history_0.json', 'history_1.json', 'callbacks_1.json'} <= set(saved['files'])
-        assert _manifest.HISTORY_NAME not in saved['files']
+        assert HISTORY_NAME not in saved['files']
 
 
 @pytest.mark.slow
@@ -192,9 +192,9 @@ def test_states_that_agree_are_stored_once_as_before(runs):
     assert [r['num_processes'] for r in agree] == [2, 2]
     assert agree[0]['history'] == agree[1]['history']
     for name in ('epoch-0001', 'epoch-0002'):
-        saved = read_json(root / 'agree' / name / _manifest.MANIFEST_NAME)
+        saved = read_json(root / 'agree' / name / MANIFEST_NAME)
         assert 'per_rank' not in saved and saved['format_version'] == _manifest.SHARED_STATES_FORMAT
-        assert {_manifest.HISTORY_NAME, _manifest.CALLBACKS_NAME,
+        assert {HISTORY_NAME, _manifest.CALLBACKS_NAME,
                 _manifest.CALLBACK_TENSORS_NAME} <= set(saved['files'])
         assert not [file for file in saved['files']
                     if file.startswith(('history_', 'callbacks_', 'buffers_'))]
@@ -241,9 +241,9 @@ def test_one_process_keeps_the_files_of_before(tmp_path):
 
     X, y = make_data(n=64)
     net(1).fit(X, y)
-    saved = read_json(tmp_path / 'epoch-0001' / _manifest.MANIFEST_NAME)
+    saved = read_json(tmp_path / 'epoch-0001' / MANIFEST_NAME)
     assert 'per_rank' not in saved
-    assert {_manifest.HISTORY_NAME, _manifest.CALLBACKS_NAME} <= set(saved['files'])
+    assert {HISTORY_NAME, _manifest.CALLBACKS_NAME} <= set(saved['files'])
     assert not [file for file in saved['files'] if file.startswith(('history_', 'callbacks_'))]
     assert len(net(2).fit(X, y).history) == 2
 

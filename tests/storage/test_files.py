@@ -21,8 +21,8 @@ from skorch_accel_callbacks import (
     FolderInUseError,
     ParamsCheckpoint,
 )
-from skorch_accel_callbacks.format import LOCK_NAME, _atomic as atomic
-from skorch_accel_callbacks.storage import _lock as lock
+from skorch_accel_callbacks.format import LOCK_NAME, _atomic as atomic, is_leftover, remove_path
+from skorch_accel_callbacks.storage import PrefixLock, _lock as lock
 from skorch_accel_callbacks.storage._local import CheckpointFolder
 
 # a deadlock guard, not a timed assert: the threads meet far sooner
@@ -117,7 +117,7 @@ def test_accelerate_checkpoint_in_a_second_thread_is_refused(tmp_path):
     assert folder.find('latest') == os.path.join(dirname, 'epoch-0002')
     for name in folder.committed():
         folder.find(os.path.join(dirname, name))
-    assert not [name for name in os.listdir(dirname) if atomic.is_leftover(name)
+    assert not [name for name in os.listdir(dirname) if is_leftover(name)
                 or name.endswith('.partial')]
     # both released it when training ended
     lock.FolderLock(dirname).acquire().release()
@@ -147,7 +147,7 @@ def test_params_checkpoint_in_a_second_thread_is_refused(tmp_path):
 def test_lock_of_an_ended_thread_is_not_taken_over(tmp_path):
     """A fit that raised keeps its lock: the thread that took it ended, but
     its callbacks may train again; another thread is told so."""
-    held = lock.PrefixLock(tmp_path, 'x_')
+    held = PrefixLock(tmp_path, 'x_')
     taker = threading.Thread(target=held.acquire, name='ended')
     taker.start()
     taker.join()
@@ -155,7 +155,7 @@ def test_lock_of_an_ended_thread_is_not_taken_over(tmp_path):
         with pytest.raises(FolderInUseError,
                            match="thread 'ended' of this process, a thread that has "
                                  "ended without releasing it"):
-            lock.PrefixLock(tmp_path, 'x_').acquire()
+            PrefixLock(tmp_path, 'x_').acquire()
     finally:
         held.release()
     assert not (tmp_path / '.x_lock').exists()
@@ -295,7 +295,7 @@ def test_removing_a_folder_that_another_remover_empties_meanwhile_succeeds(
             taken.append(entry)
 
     unlink_after(other_remover, monkeypatch)
-    atomic.remove_path(doomed)
+    remove_path(doomed)
     assert taken == [f'part-{i}' for i in range(4)]
     assert not doomed.exists()
 
@@ -311,5 +311,5 @@ def test_removing_a_folder_still_raises_what_is_not_a_vanished_file(
 
     unlink_after(deny, monkeypatch)
     with pytest.raises(PermissionError, match='Permission denied'):
-        atomic.remove_path(doomed)
+        remove_path(doomed)
     assert (doomed / 'part').exists()

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from skorch_accel_callbacks.storage import _lock as lock
+from skorch_accel_callbacks.storage import _lock as lock, probe
 from skorch_accel_callbacks.tools import inspection
 
 
@@ -27,16 +27,16 @@ def test_locks_held_at_exit_end_without_a_message(tmp_path):
     assert proc.returncode == 0 and proc.stdout == 'True\n', proc.stderr
     assert proc.stderr == ''
     # the process ended: the kernel released both locks
-    assert lock.probe(tmp_path / '.lock')['held'] is False
+    assert probe(tmp_path / '.lock')['held'] is False
     assert inspection.lock_state(tmp_path)['held'] is False
 
 
 def test_probe_names_the_holder_of_a_held_lock(tmp_path):
     held = lock.FolderLock(tmp_path).acquire()
     try:
-        state = lock.probe(tmp_path / '.lock')
+        state = probe(tmp_path / '.lock')
     finally:
         held.release()
     assert state['exists'] and state['held']
     assert state['holder'].startswith('pid ') and ' on host ' in state['holder']
-    assert lock.probe(tmp_path / 'none') == {'exists': False, 'held': False, 'holder': None}
+    assert probe(tmp_path / 'none') == {'exists': False, 'held': False, 'holder': None}

@@ -34,7 +34,7 @@ from skorch_accel_callbacks import (
     TrainingPreempted,
 )
 from skorch_accel_callbacks.errors import FolderInUseError
-from skorch_accel_callbacks.format import _manifest
+from skorch_accel_callbacks.format import _manifest, check_manifest, merged_manifest
 from skorch_accel_callbacks.storage import CheckpointStorage, _transfer as transfer, open_storage
 from skorch_accel_callbacks.storage._local import CheckpointFolder
 from skorch_accel_callbacks.storage._remote import RemoteStorage, default_staging
@@ -448,7 +448,7 @@ def test_the_manifest_of_the_nodes_parts_lists_every_node_s_files():
     node1 = {'epoch': 2, 'files': {'model.safetensors': 10, 'random_states_1.pkl': 4},
              'checksums': {'model.safetensors': 'xxh3_64:c', 'random_states_1.pkl': 'xxh3_64:d'},
              'bytes': 14}
-    assert _manifest.merged_manifest([node0, node1]) == {
+    assert merged_manifest([node0, node1]) == {
         'epoch': 2,
         'files': {'model.safetensors': 10, 'random_states_0.pkl': 3, 'random_states_1.pkl': 4},
         'checksums': {'model.safetensors': 'xxh3_64:a', 'random_states_0.pkl': 'xxh3_64:b',
@@ -569,7 +569,7 @@ def test_an_upload_the_network_cuts_fails_naming_the_staged_checkpoint(s3_bucket
     with pytest.warns(UserWarning, match=f'could not remove the lease of {url}'):
         _, _, said, error = cut_fit(network, url, None, rb'PUT /[^ ]*/run/epoch-0003/manif', 3)
     assert failed(error, 'epoch-0003'), error
-    assert _manifest.check_manifest(os.path.join(staged, 'epoch-0003'))[1] == []
+    assert check_manifest(os.path.join(staged, 'epoch-0003'))[1] == []
 
 
 @pytest.mark.slow
