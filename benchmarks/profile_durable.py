@@ -7,7 +7,7 @@ of ``bench_checkpoint.py`` (two saves before, so that each timed one
 retires one), ``os.sync()`` before each, beside the disk's own write +
 fsync of the same bytes in the same repeat. The package's functions of each
 phase are wrapped to record when they start and end (on any thread):
-``accelerate_io.save_state`` (the files written into the page cache), the
+``state_files.save_state`` (the files written into the page cache), the
 parallel fsync of the files and each one, the checksums (read back while
 the fsyncs wait), the manifest and pointer (atomic JSON files), the rename
 of the folder, the wait for the previous retirement and the removal of the
@@ -29,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint import REPO, disk_write, folder_bytes, new_epoch, trained_net
 
 from skorch_accel_callbacks import AccelerateCheckpoint
-from skorch_accel_callbacks._core import accelerate_io  # internals: the phases
-from skorch_accel_callbacks.engine import SyncWriter
+from skorch_accel_callbacks.engine import (
+    SyncWriter,
+    _state_files as state_files,  # internals: the phases
+)
 from skorch_accel_callbacks.format import _atomic as atomic, _manifest as manifest_format
 from skorch_accel_callbacks.storage import _local as folder
 
@@ -40,7 +42,7 @@ SPANS = []
 PHASES = (
     (folder.CheckpointFolder, 'wait', 'wait for the previous retirement'),
     (SyncWriter, 'stage', 'stage: every file written'),
-    (accelerate_io, 'save_state', '  accelerator.save_state'),
+    (state_files, 'save_state', '  accelerator.save_state'),
     (SyncWriter, 'commit', 'commit'),
     (folder, 'write_manifest', '  seal: fsyncs || checksums, manifest'),
     (atomic, 'fsync_files', '    fsync of the files, in parallel'),

@@ -2,14 +2,15 @@
 
 The package needs more of an ``Accelerator`` than its public API gives: the
 registries of prepared models, optimizers and loaders, accelerate's file
-names, and the body of ``Accelerator.save_state``, run here (and split in
-two for saves in the background: the small files now, the model and
-optimizer files later), with the optimizer files written by
-:func:`.torch_archive.save_without_crc`, tested on every release of
-:mod:`.releases`; ``tests/core/test_accelerate_io.py`` checks that a save
-through :func:`save_state` writes the same files with the same contents as
-``Accelerator.save_state``, so an accelerate upgrade that moves these
-internals fails one obvious test.
+names, and the body of ``Accelerator.save_state`` in its parts: the state
+dicts of the models and optimizers after its hooks (:func:`large_states`),
+the rule of which process writes their files (:func:`writes_large_files`),
+a model's file (:func:`save_model_file`), and every other file
+(:func:`save_small_files`). The engine writes a checkpoint from these parts
+(the optimizer files by the format's archive writer), in the background or
+not; ``tests/engine/test_state_files.py`` checks that its save writes the
+same files with the same contents as ``Accelerator.save_state``, so an
+accelerate upgrade that moves these internals fails one obvious test.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from accelerate.utils import (
 )
 from accelerate.utils.constants import FSDP_MODEL_NAME
 
-from skorch_accel_callbacks._core import releases, torch_archive
+from skorch_accel_callbacks._core import releases
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -62,11 +63,13 @@ __all__ = [
     'check_internals',
     'is_fsdp2',
     'is_fsdp_model_path',
+    'large_states',
     'leave_loader',
     'load_sharded_models',
     'load_state',
     'missing_internals',
     'model_file',
+    'optimizer_file',
     'models',
     'optimizers',
     'param_groups',
@@ -75,9 +78,11 @@ __all__ = [
     'registries_of',
     'rng_file',
     'rows_of_data_in_last_batch',
+    'save_model_file',
     'save_on_each_node',
-    'save_state',
+    'save_small_files',
     'save_state_in_two',
+    'save_state_with_accelerate',
     'set_batch_sampler',
     'shard_folders',
     'set_accumulation_step',
@@ -85,7 +90,7 @@ __all__ = [
     'training_settings',
     'uncompiled',
     'uses_automatic_naming',
-    'write_large_state',
+    'writes_large_files',
 ]
 
 #: the private attributes of an ``Accelerator`` that the package reads,
@@ -434,34 +439,18 @@ def is_fsdp_model_path(rel: str) -> bool:
     return _FSDP_MODEL_FILE.match(rel.replace(os.sep, '/').split('/')[0]) is not None
 
 
-def _optimizer_file(index: int) -> str:
+def optimizer_file(index: int) -> str:
+    """The name ``save_state`` gives the file of the optimizer at ``index``."""
     return f'{OPTIMIZER_NAME}.bin' if index == 0 else f'{OPTIMIZER_NAME}_{index}.bin'
 
 
 # ---------------------------------------------------------------- save / load
 
-def save_state(
-        accelerator: Accelerator, folder: str | os.PathLike, safe_serialization: bool,
-        written: Callable[[str], None] | None = None,
-) -> None:
-    """Write what ``Accelerator.save_state`` writes into ``folder``.
-
-    Under FSDP2 by ``save_state`` itself (its shards go through
-    torch.distributed.checkpoint); for one process and DDP as it does, in
-    its order (models, optimizers, then the small files), from the live
-    tensors, with the optimizer files written by :func:`write_large_state`,
-    without the zip records' CRC-32; ``written`` is called with the path of
-    each of these model and optimizer files as soon as it is complete.
-    """
-    if is_fsdp2(accelerator):
-        accelerator.save_state(folder, safe_serialization=safe_serialization)
-        return
-    check_plain_state(accelerator, 'a save')
-    os.makedirs(folder, exist_ok=True)  # as save_state does, on every rank
-    model_states, optimizer_states = _large_states(accelerator, folder)
-    write_large_state(folder, model_states, optimizer_states, save_on_each_node(accelerator),
-                      safe_serialization, written)
-    _save_small_files(accelerator, folder, safe_serialization)
+def save_state_with_accelerate(accelerator: Accelerator, folder: str | os.PathLike,
+                               safe_serialization: bool) -> None:
+    """``Accelerator.save_state`` itself: under FSDP2, whose shards go
+    through torch.distributed.checkpoint."""
+    accelerator.save_state(folder, safe_serialization=safe_serialization)
 
 
 def load_state(accelerator: Accelerator, folder: str | os.PathLike) -> None:
@@ -570,18 +559,18 @@ def save_state_in_two(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Write what ``save_state`` writes except the model and optimizer files.
 
-    Returns the model and optimizer state dicts (live tensors) for
-    :func:`write_large_state`; together the two write what
+    Returns the model and optimizer state dicts (live tensors), whose files
+    the engine writes later (in the background); together the two write what
     ``Accelerator.save_state`` writes, for one process and DDP. The random
     states written now are those of now.
     """
     check_plain_state(accelerator, 'a save in two steps', async_save=True)
-    states = _large_states(accelerator, folder)
-    _save_small_files(accelerator, folder, safe_serialization)
+    states = large_states(accelerator, folder)
+    save_small_files(accelerator, folder, safe_serialization)
     return states
 
 
-def _large_states(
+def large_states(
         accelerator: Accelerator, folder: str | os.PathLike,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The model and optimizer state dicts ``save_state`` writes, after its
@@ -594,7 +583,7 @@ def _large_states(
     return model_states, optimizer_states
 
 
-def _save_small_files(
+def save_small_files(
         accelerator: Accelerator, folder: str | os.PathLike, safe_serialization: bool,
 ) -> None:
     """``save_state``'s other files: schedulers, samplers, random states,
@@ -609,31 +598,15 @@ def _save_small_files(
     accelerator.project_configuration.iteration += 1
 
 
-def write_large_state(
-        folder: str | os.PathLike,
-        model_states: Sequence[dict[str, Any]],
-        optimizer_states: Sequence[dict[str, Any]],
-        each_node: bool,
-        safe_serialization: bool,
-        written: Callable[[str], None] | None = None,
-) -> None:
-    """The model and optimizer files of ``save_state``, from state dicts;
-    ``written`` is called with each one's path as soon as it is complete.
+def writes_large_files(each_node: bool) -> bool:
+    """Whether this process writes the model and optimizer files (accelerate's
+    ``save`` rule): the main process, or each node's with ``each_node``."""
+    state = PartialState()
+    return state.is_local_main_process if each_node else state.is_main_process
 
-    Runs on any thread: it touches no accelerator and runs no collective.
-    The optimizer files are ``torch.save``'s archives without the CRC-32 of
-    their records (see :func:`.torch_archive.save_without_crc`).
-    """
-    # accelerate's ``save`` rule, which writes the model files on these only
-    writes = PartialState().is_local_main_process if each_node else PartialState().is_main_process
-    for i, state in enumerate(model_states):
-        path = f"{folder}/{model_file(i, safe_serialization)}"
-        save(state, path, save_on_each_node=each_node, safe_serialization=safe_serialization)
-        if writes and written is not None:
-            written(path)
-    if writes:
-        for i, state in enumerate(optimizer_states):
-            path = f"{folder}/{_optimizer_file(i)}"
-            torch_archive.save_without_crc(state, path)
-            if written is not None:
-                written(path)
+
+def save_model_file(state: dict[str, Any], path: str, each_node: bool,
+                    safe_serialization: bool) -> None:
+    """A model's file as ``save_state`` writes it (safetensors or torch's
+    format; on the processes of :func:`writes_large_files` only)."""
+    save(state, path, save_on_each_node=each_node, safe_serialization=safe_serialization)

@@ -1,6 +1,7 @@
 """How a checkpoint is written and read back: the writer (in the fit's thread
-or a background one), the stager (host copies that let a background save
-return) and the restore.
+or a background one), the files of accelerate's ``save_state`` it writes,
+the stager (host copies that let a background save return) and the
+restore.
 
 What the other subpackages use of it, and nothing else of it, is named
 here (``__all__``); its modules are its own.

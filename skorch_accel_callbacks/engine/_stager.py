@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks.engine import _state_files as state_files
 
 __all__ = ['COPY_CHUNK', 'COPY_THREADS', 'HostStager', 'Staged', 'copy_all']
 
@@ -46,9 +47,8 @@ class Staged:
     def write(self, folder: str, written: Callable[[str], None] | None = None) -> None:
         """Write the model and optimizer files into ``folder``, calling
         ``written`` with each one's path once complete; on any thread."""
-        accelerate_io.write_large_state(folder, self.models, self.optimizers,
-                                        self.save_on_each_node, self.safe_serialization,
-                                        written)
+        state_files.write_large_state(folder, self.models, self.optimizers,
+                                      self.save_on_each_node, self.safe_serialization, written)
 
 
 class HostStager:

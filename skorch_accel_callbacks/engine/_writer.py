@@ -25,9 +25,10 @@ from typing import Any, NamedTuple, Protocol
 
 from skorch.utils import noop
 
-from skorch_accel_callbacks._core import accelerate_io, sync
+from skorch_accel_callbacks._core import sync
 from skorch_accel_callbacks._core.messages import format_bytes, say
 from skorch_accel_callbacks._core.wrapping import own_registries
+from skorch_accel_callbacks.engine import _state_files as state_files
 from skorch_accel_callbacks.engine._stager import HostStager, Staged
 from skorch_accel_callbacks.format import EarlyFlush, manifest_content
 from skorch_accel_callbacks.state import (
@@ -235,8 +236,8 @@ class SyncWriter:
         with sync.agree(net, f"writing checkpoint {partial}"), own_registries(net):
             large = None
             if stager is None:
-                accelerate_io.save_state(net.accelerator, partial, self.safe_serialization,
-                                         None if early is None else early.begin)
+                state_files.save_state(net.accelerator, partial, self.safe_serialization,
+                                       None if early is None else early.begin)
             else:
                 large = stager.stage(net.accelerator, partial, self.safe_serialization,
                                      committer)

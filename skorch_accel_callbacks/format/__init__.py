@@ -1,5 +1,6 @@
 """The on-disk format: the manifest and the name of every file and folder,
-atomic files, and readers that load files without running code.
+atomic files, readers that load files without running code, and the writer
+of torch's archive without CRC-32 that the optimizer files are written by.
 
 What the other subpackages use of it, and nothing else of it, is named
 here (``__all__``); its modules are its own.
@@ -68,6 +69,7 @@ from skorch_accel_callbacks.format._readers import (
     load_without_code,
     read_naming_fault,
 )
+from skorch_accel_callbacks.format._torch_archive import save_without_crc
 
 __all__ = [
     'atomic_path',
@@ -114,6 +116,7 @@ __all__ = [
     'PROBE_PREFIX',
     'Problem',
     'rank_state_name',
+    'save_without_crc',
     'read_json',
     'read_manifest',
     'read_naming_fault',

@@ -27,6 +27,7 @@ from skorch_accel_callbacks import (
     ParamsCheckpoint,
 )
 from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks.engine import _state_files as state_files
 from testutil import edit_manifest
 
 
@@ -169,7 +170,7 @@ class RaiseAtEpoch(Callback):
 
 
 def test_retry_after_a_fit_raised_during_a_background_save(tmp_path, monkeypatch):
-    original = accelerate_io.write_large_state
+    original = state_files.write_large_state
     fit_raised = threading.Event()
 
     def held(*args, **kwargs):
@@ -177,7 +178,7 @@ def test_retry_after_a_fit_raised_during_a_background_save(tmp_path, monkeypatch
         assert fit_raised.wait(60), "the test never let the write go on"
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(accelerate_io, 'write_large_state', held)
+    monkeypatch.setattr(state_files, 'write_large_state', held)
     cp, load = callbacks(tmp_path / 'ck', async_save=True)
     net = make_net(make_accelerator(), max_epochs=3,
                    callbacks=[('acp', cp), ('load', load), ('raise', RaiseAtEpoch(2))])
@@ -201,7 +202,7 @@ def test_a_failed_background_save_of_the_fit_that_raised_is_reported(tmp_path, m
         assert fit_raised.wait(60), "the test never let the write go on"
         raise OSError(28, 'No space left on device')
 
-    monkeypatch.setattr(accelerate_io, 'write_large_state', failing)
+    monkeypatch.setattr(state_files, 'write_large_state', failing)
     cp, load = callbacks(tmp_path / 'ck', async_save=True)
     net = make_net(make_accelerator(), max_epochs=3,
                    callbacks=[('acp', cp), ('load', load), ('raise', RaiseAtEpoch(2))])
@@ -266,7 +267,7 @@ def test_a_run_stopped_by_a_callback_stays_finished(tmp_path):
 
 
 def test_a_keyboard_interrupt_inside_a_save_does_not_finish_the_run(tmp_path, monkeypatch):
-    original = accelerate_io.save_state
+    original = state_files.save_state
     calls = []
 
     def interrupted_once(*args, **kwargs):
@@ -275,10 +276,10 @@ def test_a_keyboard_interrupt_inside_a_save_does_not_finish_the_run(tmp_path, mo
             raise KeyboardInterrupt
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(accelerate_io, 'save_state', interrupted_once)
+    monkeypatch.setattr(state_files, 'save_state', interrupted_once)
     net = fitted(tmp_path / 'ck', max_epochs=6)
     assert len(net.history) == 2 and len(calls) == 3  # epoch 1, 2 (interrupted), 2 again
-    monkeypatch.setattr(accelerate_io, 'save_state', original)
+    monkeypatch.setattr(state_files, 'save_state', original)
     cp, load = callbacks(tmp_path / 'ck')
     again = make_net(make_accelerator(), callbacks=[cp, load], max_epochs=6)
     again.fit(*make_data(n=96))

@@ -18,7 +18,7 @@ from skorch.callbacks import Callback
 from common import make_accelerator, make_data, make_net
 from launcher import launch
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
-from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks.engine import _state_files as state_files
 from testutil import assert_identical, final_state, read_results
 
 
@@ -97,7 +97,7 @@ class Count(threading.Condition):
 def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
     writing, overlaps, written = [], [], []
     count, next_epoch_ended = Count(), []
-    original = accelerate_io.write_large_state
+    original = state_files.write_large_state
 
     def held_write(folder, *args):
         overlaps.append(len(writing))
@@ -112,7 +112,7 @@ def test_at_most_one_save_in_flight(tmp_path, monkeypatch):
         written.append(folder)
         writing.remove(folder)
 
-    monkeypatch.setattr(accelerate_io, 'write_large_state', held_write)
+    monkeypatch.setattr(state_files, 'write_large_state', held_write)
     cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'), async_save=True)
     torch.manual_seed(0)
     net = make_net(make_accelerator(), max_epochs=4, callbacks=[
@@ -130,13 +130,13 @@ def test_snapshot_is_taken_when_saving(tmp_path, monkeypatch):
     """Weights changed while the files are written do not reach the files."""
     release = threading.Event()
     release.set()
-    original = accelerate_io.write_large_state
+    original = state_files.write_large_state
 
     def held_write(*args):
         release.wait(10)
         original(*args)
 
-    monkeypatch.setattr(accelerate_io, 'write_large_state', held_write)
+    monkeypatch.setattr(state_files, 'write_large_state', held_write)
     cp = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'), async_save=True).initialize()
     net = make_net(make_accelerator(), callbacks=[cp], max_epochs=1).initialize()
     net.partial_fit(*make_data(n=64))  # trains, saves, waits

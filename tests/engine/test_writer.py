@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from common import make_accelerator, make_data, make_net
-from skorch_accel_callbacks._core import accelerate_io
 from skorch_accel_callbacks.engine import (
     BackgroundWriter,
     ResumeChecks,
@@ -19,6 +18,7 @@ from skorch_accel_callbacks.engine import (
     SaveRequest,
     SyncWriter,
     _restore as restore,
+    _state_files as state_files,
     read_checkpoint,
 )
 from skorch_accel_callbacks.engine._writer import SaveReport
@@ -89,13 +89,13 @@ def test_sync_writer_retires_by_its_retention_and_keeps_what_is_asked(tmp_path, 
 
 def test_background_writer_reports_when_waited_for(tmp_path, trained, monkeypatch):
     release = threading.Event()
-    original = accelerate_io.write_large_state
+    original = state_files.write_large_state
 
     def held(*args):
         assert release.wait(10)
         original(*args)
 
-    monkeypatch.setattr(accelerate_io, 'write_large_state', held)
+    monkeypatch.setattr(state_files, 'write_large_state', held)
     storage = claimed(tmp_path, trained)
     writer = BackgroundWriter(SyncWriter(storage, Retention(keep_last=2)))
     try:
@@ -124,7 +124,7 @@ def test_a_failed_background_write_raises_at_the_wait_then_never_again(
     def full_disk(*args):
         raise OSError(28, 'No space left on device')
 
-    monkeypatch.setattr(accelerate_io, 'write_large_state', full_disk)
+    monkeypatch.setattr(state_files, 'write_large_state', full_disk)
     storage = claimed(tmp_path, trained)
     writer = BackgroundWriter(SyncWriter(storage, Retention(keep_last=2)))
     try:
@@ -142,7 +142,7 @@ def test_close_raises_what_a_save_nobody_waited_for_raised(tmp_path, trained, mo
     def full_disk(*args):
         raise OSError(28, 'No space left on device')
 
-    monkeypatch.setattr(accelerate_io, 'write_large_state', full_disk)
+    monkeypatch.setattr(state_files, 'write_large_state', full_disk)
     storage = claimed(tmp_path, trained)
     writer = BackgroundWriter(SyncWriter(storage, Retention(keep_last=2)))
     writer.save(trained, request_for(trained))

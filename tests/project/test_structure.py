@@ -310,7 +310,7 @@ def test_one_module_for_each_kind_of_outside_contact(path):
         assert not internals, f"{path.name} uses accelerate's internals {internals}"
     if _name(path) != 'storage/_lock.py':
         assert 'fcntl' not in imported, f"{path.name} locks outside storage/_lock.py"
-    if _name(path) != '_core/torch_archive.py':
+    if _name(path) != 'format/_torch_archive.py':
         private = _torch_internals(_tree(path))
         assert not private, f"{path.name} uses torch's internals {private}"
 

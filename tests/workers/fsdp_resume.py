@@ -46,7 +46,8 @@ from common import (
 from fsdp_backend import fsdp_accelerator
 from resume import HISTORY_KEYS, KillBefore
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
-from skorch_accel_callbacks._core import accelerate_io, sync
+from skorch_accel_callbacks._core import sync
+from skorch_accel_callbacks.engine import _state_files as state_files
 
 
 def save_full_state(net, history, name):
@@ -80,9 +81,9 @@ class RecordLoaded(NotTrainingState, Callback):
 
 
 def kill_after_shards(name, who, tag):
-    """Rank ``who`` dies once ``accelerate_io.save_state`` (through which
+    """Rank ``who`` dies once ``state_files.save_state`` (through which
     the writer saves the shards) returns for checkpoint ``name``."""
-    save_state = accelerate_io.save_state
+    save_state = state_files.save_state
 
     def saved_then_killed(accelerator, folder, *args, **kwargs):
         save_state(accelerator, folder, *args, **kwargs)
@@ -93,7 +94,7 @@ def kill_after_shards(name, who, tag):
                                                    'written': written})
             os.kill(os.getpid(), signal.SIGKILL)
 
-    accelerate_io.save_state = saved_then_killed
+    state_files.save_state = saved_then_killed
 
 
 def run(dirname, tag, state_dict='SHARDED_STATE_DICT', every_n_steps=None, kill=None,

@@ -33,7 +33,8 @@ from skorch.callbacks import Callback
 import faultjob
 from common import BatchEnds, rank
 from faultjob import EpochTracker, die, hold
-from skorch_accel_callbacks._core import accelerate_io, sync, torch_archive
+from skorch_accel_callbacks._core import accelerate_io, sync
+from skorch_accel_callbacks.engine import _state_files as state_files
 from skorch_accel_callbacks.format import MANIFEST_NAME, PARTIAL_SUFFIX, _atomic as atomic
 from skorch_accel_callbacks.state import _training_state as training_state
 from skorch_accel_callbacks.storage import _local as local_storage
@@ -58,7 +59,7 @@ class Instrument:
 
     Each is replaced where the code that calls it looks it up:
     ``accelerate.checkpointing.save`` and ``accelerate_io.save`` (model),
-    ``torch_archive.save_without_crc`` (optimizer), ``torch.save`` (random
+    ``state_files.save_without_crc`` (optimizer), ``torch.save`` (random
     states), ``training_state.save_file``
     (loader state), ``write_json`` (manifest: ``atomic``'s, ``latest.json``:
     the local folder's), ``os.replace`` (the commit's rename), the local
@@ -114,7 +115,7 @@ class Instrument:
         accelerate_io.save = accelerate_save
 
         # the package writes the optimizer file itself (without CRCs)
-        save_without_crc = torch_archive.save_without_crc
+        save_without_crc = state_files.save_without_crc
 
         def optimizer_save(obj, path):
             if due('optimizer-half', path):
@@ -122,7 +123,7 @@ class Instrument:
                 die('optimizer-half')
             return save_without_crc(obj, path)
 
-        torch_archive.save_without_crc = optimizer_save
+        state_files.save_without_crc = optimizer_save
 
         torch_save = torch.save
 

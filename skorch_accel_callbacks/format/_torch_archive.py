@@ -1,8 +1,8 @@
 """The one use of torch's internals: ``torch.save``'s archive, written
 without the CRC-32 of its records, for the optimizer files of a checkpoint
-(:func:`save_without_crc` says why); ``tests/core/test_accelerate_io.py`` checks
-on every release of :mod:`.releases` that ``torch.load`` reads what it
-writes.
+(:func:`save_without_crc` says why); ``tests/format/test_torch_archive.py``
+checks on every release of the test matrix that ``torch.load`` reads what
+it writes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,68 @@
+"""The files of a checkpoint that ``Accelerator.save_state`` writes.
+
+For one process and DDP they are written as ``save_state`` writes them, in
+its order, from accelerate's parts (:mod:`~skorch_accel_callbacks._core.accelerate_io`):
+the model files by accelerate's ``save``, the optimizer files by the
+format's archive writer without the CRC-32 of its records
+(:func:`~skorch_accel_callbacks.format.save_without_crc`), then the small
+files; :func:`write_large_state` writes the model and optimizer files alone,
+from state dicts, on any thread (a save in the background hands it host
+copies). Under FSDP2 ``save_state`` itself writes them (its shards go
+through torch.distributed.checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks.format import save_without_crc
+
+__all__ = ['save_state', 'write_large_state']
+
+
+def save_state(
+        accelerator: Any, folder: str | os.PathLike, safe_serialization: bool,
+        written: Callable[[str], None] | None = None,
+) -> None:
+    """Write what ``Accelerator.save_state`` writes into ``folder``;
+    ``written`` is called with the path of each model and optimizer file as
+    soon as it is complete (for one process and DDP)."""
+    if accelerate_io.is_fsdp2(accelerator):
+        accelerate_io.save_state_with_accelerate(accelerator, folder, safe_serialization)
+        return
+    accelerate_io.check_plain_state(accelerator, 'a save')
+    os.makedirs(folder, exist_ok=True)  # as save_state does, on every rank
+    model_states, optimizer_states = accelerate_io.large_states(accelerator, folder)
+    write_large_state(folder, model_states, optimizer_states,
+                      accelerate_io.save_on_each_node(accelerator), safe_serialization, written)
+    accelerate_io.save_small_files(accelerator, folder, safe_serialization)
+
+
+def write_large_state(
+        folder: str | os.PathLike,
+        model_states: Sequence[dict[str, Any]],
+        optimizer_states: Sequence[dict[str, Any]],
+        each_node: bool,
+        safe_serialization: bool,
+        written: Callable[[str], None] | None = None,
+) -> None:
+    """The model and optimizer files of ``save_state``, from state dicts;
+    ``written`` is called with each one's path as soon as it is complete.
+
+    Runs on any thread: it touches no accelerator and runs no collective.
+    """
+    writes = accelerate_io.writes_large_files(each_node)
+    for i, state in enumerate(model_states):
+        path = f"{folder}/{accelerate_io.model_file(i, safe_serialization)}"
+        accelerate_io.save_model_file(state, path, each_node, safe_serialization)
+        if writes and written is not None:
+            written(path)
+    if writes:
+        for i, state in enumerate(optimizer_states):
+            path = f"{folder}/{accelerate_io.optimizer_file(i)}"
+            save_without_crc(state, path)
+            if written is not None:
+                written(path)
