@@ -481,7 +481,6 @@ def take_lease(fs: Any, path: str, ttl_seconds: float = 60.0) -> ObjectLease | N
     writes (through s3fs), lasting ``ttl_seconds`` after each renewal, or
     None for another store, which a lease cannot guard (the job holds its
     local staging folder's lock only)."""
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    if not set(protocols) & {'s3', 's3a'}:
+    if not transfer.is_s3(fs):
         return None
     return ObjectLease(fs, path, ttl_seconds=ttl_seconds).acquire()
