@@ -85,6 +85,7 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_peers.py
+	$(PY) benchmarks/bench_positions.py
 	$(PY) benchmarks/bench_mid_epoch.py
 	$(PY) benchmarks/bench_resume.py
 

@@ -1,5 +1,6 @@
 """The benchmarks run, so that they cannot rot: ``bench_peers.py --quick``
-(its small sizes, 2 repeats) in one process and in 2, as ``make bench`` runs it."""
+(its small sizes, 2 repeats) in one process and in 2, as ``make bench`` runs
+it; ``bench_resume.py`` and ``bench_positions.py`` on small nets."""
 
 import os
 import re
@@ -119,3 +120,45 @@ def test_bench_resume_quick_reports_every_variant_in_1_and_2_processes(tmp_path)
                 assert 0 < load[0] <= load[1] <= load[2] and load[0] < fit[0], row
         ratios = {(row[1], row[2]) for row in found[f'Ratios, {where}']}
         assert {(cache, ratio) for cache in caches for ratio in RESUME_RATIOS} <= ratios
+
+
+# the positional benchmark: every position of each timed save in the three
+# protocols, on a small net (one round of 2 before-saves x 5 timed saves:
+# about 2 min on 2 loaded cores, which make test cannot spare)
+POSITION_BEFORE = ('idle', 'dcp_async')
+POSITION_RATIOS = ('ours durable, keep_last=1 / DCP save',
+                   'ours durable, keep_last=1 / disk: one file written + fsync',
+                   'ours async_save=True, blocked / DCP async_save, DefaultStager kept, blocked')
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_bench_positions_reports_every_position_in_every_protocol(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), os.environ.get('PYTHONPATH', '')]))
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / 'bench_positions.py'), '--size', '2e6',
+         '--repeats', '1', '--where', 'turn,same,fresh', '--before', ','.join(POSITION_BEFORE),
+         '--dir', str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=2 * TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # the tables' rows without their header rows
+    found = {title: [row for row in rows if row[0] != 'where']
+             for title, rows in sections(proc.stdout, ('Each save', 'Ratios,')).items()}
+    [rows] = [rows for title, rows in found.items() if title.startswith('Each save')]
+    wheres = {'one long process', 'same process', 'a process apart'}
+    befores = {'nothing (os.sync)', 'DCP async_save'}
+    assert len(rows) == len(wheres) * len(befores) * 5, rows
+    assert {row[0] for row in rows} == wheres and {row[1] for row in rows} == befores
+    for row in rows:
+        low, mid, high = map(float, row[3:6])
+        assert 0 < low <= mid <= high, row
+        own, device = float(row[7]), float(row[8])
+        if 'blocked' not in row[2]:
+            # a durable save's bytes reach the device while it is timed (a
+            # peer's checkpoint is about the size of ours)
+            assert device >= 0.9 * own > 0, row
+    [ratios] = [rows for title, rows in found.items() if title.startswith('Ratios,')]
+    assert {(row[0], row[1], row[2]) for row in ratios} == {
+        (where, before, ratio) for where in wheres for before in befores
+        for ratio in POSITION_RATIOS}, ratios
