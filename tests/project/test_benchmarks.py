@@ -40,16 +40,21 @@ def sections(text, titles=('One save,', 'Ratios,')):
     return found
 
 
-@pytest.fixture(scope='module')
-def quick_peers(tmp_path_factory):
+def run_benchmark(script, *args, timeout=TIMEOUT):
+    """The output of ``benchmarks/<script>`` run with ``args`` against this
+    checkout's package, which must exit 0."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO), os.environ.get('PYTHONPATH', '')]))
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / 'bench_peers.py'), '--quick',
-         '--dir', str(tmp_path_factory.mktemp('bench')), '--timeout', str(TIMEOUT)],
-        env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *map(str, args)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return sections(proc.stdout)
+    return proc.stdout
+
+
+@pytest.fixture(scope='module')
+def quick_peers(tmp_path_factory):
+    return sections(run_benchmark('bench_peers.py', '--quick', '--dir',
+                                  tmp_path_factory.mktemp('bench'), '--timeout', TIMEOUT))
 
 
 @pytest.mark.slow
@@ -94,14 +99,9 @@ RESUME_RATIOS = ('load: ours at an epoch end / DCP', 'load: ours inside an epoch
 @pytest.mark.slow
 @pytest.mark.extended
 def test_bench_resume_quick_reports_every_variant_in_1_and_2_processes(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO), os.environ.get('PYTHONPATH', '')]))
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / 'bench_resume.py'), '--quick', '--repeats', '1',
-         '--dir', str(tmp_path), '--timeout', str(TIMEOUT)],
-        env=env, capture_output=True, text=True, timeout=2 * TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    found = sections(proc.stdout, ('A relaunch:', 'Ratios,'))
+    output = run_benchmark('bench_resume.py', '--quick', '--repeats', 1, '--dir', tmp_path,
+                           '--timeout', TIMEOUT, timeout=2 * TIMEOUT)
+    found = sections(output, ('A relaunch:', 'Ratios,'))
     caches = {'warm', 'cold'} if os.access('/proc/sys/vm/drop_caches', os.W_OK) else {'warm'}
     # the titles' count is the world size the launched ranks reported (the
     # script refuses a run whose ranks saw another)
@@ -134,17 +134,12 @@ POSITION_RATIOS = ('ours durable, keep_last=1 / DCP save',
 @pytest.mark.slow
 @pytest.mark.extended
 def test_bench_positions_reports_every_position_in_every_protocol(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(REPO), os.environ.get('PYTHONPATH', '')]))
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / 'bench_positions.py'), '--size', '2e6',
-         '--repeats', '1', '--where', 'turn,same,fresh', '--before', ','.join(POSITION_BEFORE),
-         '--dir', str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=2 * TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    output = run_benchmark('bench_positions.py', '--size', '2e6', '--repeats', 1,
+                           '--where', 'turn,same,fresh', '--before', ','.join(POSITION_BEFORE),
+                           '--dir', tmp_path, timeout=2 * TIMEOUT)
     # the tables' rows without their header rows
     found = {title: [row for row in rows if row[0] != 'where']
-             for title, rows in sections(proc.stdout, ('Each save', 'Ratios,')).items()}
+             for title, rows in sections(output, ('Each save', 'Ratios,')).items()}
     [rows] = [rows for title, rows in found.items() if title.startswith('Each save')]
     wheres = {'one long process', 'same process', 'a process apart'}
     befores = {'nothing (os.sync)', 'DCP async_save'}
