@@ -34,7 +34,7 @@ the other I/O left dirty (a ``torch.save`` without fsync, a log), as in a
 training process that does not sync its other files.
 
 Besides the time, each timed save records what it made the machine do
-(``/proc/diskstats`` of the folder's device, ``/proc/vmstat``,
+(``/proc/diskstats`` of the folder's device, ``/proc/meminfo``,
 ``getrusage``): the bytes the device wrote during it against the
 checkpoint's own, the time the device spent writing, the pages faulted in,
 the context switches, the time our save took to write its files (its
@@ -57,7 +57,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -122,19 +121,14 @@ def disk_counters(device):
     return {'written': 0, 'write_ms': 0}
 
 
-def meminfo():
+def dirty_pages():
+    """Bytes of the page cache not yet written back, and being written back."""
     values = {}
     for line in Path('/proc/meminfo').read_text().splitlines():
         key, value = line.split(':', 1)
-        if key in ('Dirty', 'Writeback', 'MemFree', 'Cached'):
+        if key in ('Dirty', 'Writeback'):
             values[key] = int(value.split()[0]) * 1024
     return values
-
-
-def vmstat():
-    wanted = ('pgfault', 'pgmajfault', 'nr_dirtied', 'nr_written')
-    values = dict(line.split() for line in Path('/proc/vmstat').read_text().splitlines())
-    return {key: int(values[key]) for key in wanted if key in values}
 
 
 STAGED = []
@@ -156,28 +150,24 @@ def timing_stages():
 
 def observed(fn, device):
     """``fn``'s seconds and what it made the machine do."""
-    memory = meminfo()
-    disk, vm = disk_counters(device), vmstat()
+    dirty = dirty_pages()
+    disk = disk_counters(device)
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    threads = threading.active_count()
     STAGED.clear()
     start = time.perf_counter()
     fn()
     seconds = time.perf_counter() - start
     after_usage = resource.getrusage(resource.RUSAGE_SELF)
-    after_disk, after_vm = disk_counters(device), vmstat()
+    after_disk = disk_counters(device)
     return {
         'seconds': seconds,
         'stage_seconds': sum(STAGED),
         'device_bytes': after_disk['written'] - disk['written'],
         'device_write_ms': after_disk['write_ms'] - disk['write_ms'],
-        'dirtied_pages': after_vm.get('nr_dirtied', 0) - vm.get('nr_dirtied', 0),
         'minor_faults': after_usage.ru_minflt - usage.ru_minflt,
         'involuntary_switches': after_usage.ru_nivcsw - usage.ru_nivcsw,
-        'dirty_before': memory['Dirty'],
-        'writeback_before': memory['Writeback'],
-        'free_before': memory['MemFree'],
-        'python_threads': threads,
+        'dirty_before': dirty['Dirty'],
+        'writeback_before': dirty['Writeback'],
     }
 
 
@@ -188,8 +178,11 @@ class Saves:
     into a new folder, and returns when the save has ended (the time that
     training would block, for the timed ones)."""
 
-    def __init__(self, net, root, nbytes):
-        self.net, self.root, self.nbytes = net, Path(root), nbytes
+    def __init__(self, net, root):
+        self.net, self.root = net, Path(root)
+        # the size of our checkpoint, which the disk variant writes: known
+        # once ours has saved (ready_saves)
+        self.nbytes = 0
         self.count = itertools.count()
         self.written = []
         self.pending = []
@@ -274,7 +267,7 @@ class Saves:
 def ready_saves(net, root):
     """Every variant on ``net`` in ``root``, each called once (imports,
     first-call costs; our two checkpoints that each timed save retires)."""
-    saves = Saves(net, root, 0)
+    saves = Saves(net, root)
     saves.ours_durable()
     saves.ours_durable()
     saves.settle()
