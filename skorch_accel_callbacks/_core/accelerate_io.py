@@ -38,8 +38,11 @@ from accelerate.utils import (
     save,
 )
 from accelerate.utils.constants import FSDP_MODEL_NAME
+from safetensors import safe_open
+from safetensors.torch import load_model
 
 from skorch_accel_callbacks._core import releases
+from skorch_accel_callbacks.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -57,6 +60,7 @@ __all__ = [
     'fsdp2_buffers',
     'fsdp_model_file',
     'fsdp_state_dict_type',
+    'frozen_keys',
     'gradients_applied',
     'ATTRIBUTES',
     'GRADIENT_STATE',
@@ -453,8 +457,55 @@ def save_state_with_accelerate(accelerator: Accelerator, folder: str | os.PathLi
     accelerator.save_state(folder, safe_serialization=safe_serialization)
 
 
-def load_state(accelerator: Accelerator, folder: str | os.PathLike) -> None:
-    accelerator.load_state(folder)
+def load_state(accelerator: Accelerator, folder: str | os.PathLike,
+               frozen_parts: Mapping[str, str] | None = None) -> None:
+    """``accelerator.load_state(folder)``; with ``frozen_parts`` (model
+    file -> the file of the model's frozen parameters beside it, the model
+    file holding the rest) each such model's two files, each loaded with
+    ``strict=False`` once it is proven that together they hold every entry
+    of the model's state dict.
+
+    Raises
+    ------
+    CorruptCheckpointError
+      Naming the file at fault, where a model's two files lack an entry of
+      its state dict or hold one it does not have.
+    """
+    if not frozen_parts:
+        accelerator.load_state(folder)
+        return
+    for index, model in enumerate(accelerator._models):
+        name = model_file(index, safe_serialization=True)
+        if name not in frozen_parts:
+            continue
+        whole, part = os.path.join(folder, name), frozen_parts[name]
+        with safe_open(whole, framework='pt') as opened:
+            in_whole = set(opened.keys())
+        unknown = in_whole - set(model.state_dict())
+        if unknown:
+            raise CorruptCheckpointError(
+                f"{whole} holds {sorted(unknown)}, which the model's state dict lacks")
+        split = os.path.join(folder, part)
+        missing, unknown = load_model(model, split, strict=False)
+        missing = set(missing) - in_whole
+        if unknown:
+            raise CorruptCheckpointError(
+                f"{split} holds {sorted(unknown)}, which the model's state dict lacks")
+        if missing:
+            raise CorruptCheckpointError(
+                f"{whole} and {split} lack {sorted(missing)} of the model's state dict")
+    # every entry not in a frozen part is in its model file: a strict load
+    # of the model files alone would miss the entries of the parts
+    accelerator.load_state(folder, strict=False)
+
+
+def frozen_keys(accelerator: Accelerator) -> list[set[str]]:
+    """Of each model ``save_state`` saves, the names its state dict gives
+    the parameters that require no gradient: frozen (skorch's ``Freezer``,
+    ``requires_grad_(False)``), which no optimizer step changes."""
+    return [{key for key, value in model.state_dict(keep_vars=True).items()
+             if isinstance(value, torch.nn.Parameter) and not value.requires_grad}
+            for model in accelerator._models]
 
 
 def load_sharded_models(accelerator: Accelerator, models: Mapping[str, torch.nn.Module],

@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from skorch_accel_callbacks.engine import loadable, model_files
-from skorch_accel_callbacks.format import plain_history_name, read_manifest
+from skorch_accel_callbacks.format import frozen_parts_of, plain_history_name, read_manifest
 from skorch_accel_callbacks.storage import CheckpointStorage
 
 __all__ = ['LoadableCheckpoint', 'checkpoint_files', 'f_argument']
@@ -21,18 +21,22 @@ def f_argument(module_name: str) -> str:
     return 'f_params' if module_name == 'module' else f'f_{module_name}'
 
 
-def checkpoint_files(path: str | os.PathLike) -> dict[str, str]:
-    """The files of checkpoint ``path`` as arguments of skorch's
-    ``load_params``: ``{'f_params': <path>/model.safetensors, ...,
-    'f_history': <path>/history.json}``.
+def checkpoint_files(path: str | os.PathLike) -> dict[str, tuple[str, ...]]:
+    """The files of checkpoint ``path`` that hold each argument of skorch's
+    ``load_params``: ``{'f_params': (<path>/model.safetensors,), ...,
+    'f_history': (<path>/history.json,)}``; a model whose frozen parameters
+    lie in a file of their own has both, ``(<path>/model.safetensors,
+    <path>/model_frozen.safetensors)``.
 
     Raises :class:`CorruptCheckpointError` naming the file if the checkpoint
     is not complete.
     """
     saved = read_manifest(path)
-    files = {f_argument(name): os.path.join(path, file)
+    parts = frozen_parts_of(saved)
+    files = {f_argument(name): tuple(os.path.join(path, rel)
+                                     for rel in (file, parts.get(file)) if rel is not None)
              for name, file in model_files(saved, path)}
-    files['f_history'] = os.path.join(path, plain_history_name(saved))
+    files['f_history'] = (os.path.join(path, plain_history_name(saved)),)
     return files
 
 
@@ -72,9 +76,9 @@ class LoadableCheckpoint:
     @property
     def f_history_(self) -> str:
         """Path of the history of the newest complete checkpoint."""
-        return self._checkpoint_files('latest')['f_history']
+        return self._checkpoint_files('latest')['f_history'][0]
 
-    def _checkpoint_files(self, which: str) -> dict[str, str]:
+    def _checkpoint_files(self, which: str) -> dict[str, tuple[str, ...]]:
         """:func:`checkpoint_files` of checkpoint ``which`` of ``dirname``,
         downloaded first from a store."""
         found = self._reader().find_checkpoint(which)
@@ -100,6 +104,9 @@ class LoadableCheckpoint:
         reads them too), and with an older torch their tensors in an
         in-memory file of torch's format (which ``use_safetensors=True``
         would not read).
+        A model whose frozen parameters lie in a file of their own
+        (``AccelerateCheckpoint(reuse_frozen=True)``) comes with them, both
+        files read into such an in-memory file.
         A model that FSDP2 saved sharded is merged in this process (as
         ``export()`` merges it) into such an in-memory file, in one process
         (in a job of several, ``export()`` it first and load the exported
@@ -160,5 +167,5 @@ class LoadableCheckpoint:
         >>> net.load_params(**cp.get_formatted_files(net, which='best'))
 
         """
-        return {key: loadable(file)
-                for key, file in self._checkpoint_files(which).items()}
+        return {key: loadable(files)
+                for key, files in self._checkpoint_files(which).items()}

@@ -215,6 +215,19 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
       10 s (clock skew) after its last renewal; a job restarted on the same
       machine (same boot, same PID namespace) takes it over at once.
 
+    reuse_frozen : bool (default=True)
+      Save the parameters that require no gradient (a frozen base:
+      skorch's ``Freezer``, ``requires_grad_(False)``) of each model in a
+      file of their own beside the model file (with safetensors, outside
+      FSDP2), and while they are unchanged since the last save of this
+      process, hard-link that save's file instead of writing it again.
+      Unchanged means the same tensors with the same version counter, which
+      every in-place change through the parameter moves (an optimizer
+      step, ``load_params``, ``torch.nn.init``); a write through
+      ``param.data`` or a NumPy view it cannot see: a run that changes
+      frozen weights that way needs ``False``, which writes each model whole
+      into its file at every save, as ``accelerator.save_state`` does.
+
     Attributes
     ----------
     folder_ : CheckpointStorage
@@ -328,6 +341,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         storage_options: dict[str, Any] | None = None,
         outage_seconds: float = 60.0,
         lease_seconds: float = 60.0,
+        reuse_frozen: bool = True,
     ) -> None:
         self.dirname = dirname
         self.monitor = monitor
@@ -347,6 +361,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self.storage_options = storage_options
         self.outage_seconds = outage_seconds
         self.lease_seconds = lease_seconds
+        self.reuse_frozen = reuse_frozen
 
     def initialize(self) -> AccelerateCheckpoint:
         releases.warn_if_untested()
@@ -398,7 +413,7 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         check_tested_store(self.dirname, owner)
         if type(self.keep_last) is not int or self.keep_last < 1:
             raise ValueError(f"{owner}: keep_last must be an int >= 1, got {self.keep_last!r}")
-        for name in ('durable', 'async_save', 'safe_serialization'):
+        for name in ('durable', 'async_save', 'safe_serialization', 'reuse_frozen'):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"{owner}: {name} must be True or False, got {getattr(self, name)!r}")
@@ -450,7 +465,8 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self.fit_dirname_ = dirname
         self.folder_ = self.open_storage()
         writer = SyncWriter(self.folder_, Retention(self.keep_last, self.keep_best),
-                            self.durable, self.safe_serialization, self.sink)
+                            self.durable, self.safe_serialization, self.sink,
+                            reuse_frozen=self.reuse_frozen)
         self.writer_ = BackgroundWriter(writer) if self.async_save else writer
 
     def folder_for_fit(self, net: Any, X: Any = None, y: Any = None) -> CheckpointStorage:

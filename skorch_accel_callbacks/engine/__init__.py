@@ -11,7 +11,7 @@ from skorch_accel_callbacks.engine._consolidate import (
     is_sharded_model,
     loadable,
     model_files,
-    read_model,
+    read_checkpoint_model,
     read_sharded_model,
 )
 from skorch_accel_callbacks.engine._restore import (
@@ -38,7 +38,7 @@ __all__ = [
     'loadable',
     'model_files',
     'read_checkpoint',
-    'read_model',
+    'read_checkpoint_model',
     'read_sharded_model',
     'Restored',
     'ResumeChecks',

@@ -24,6 +24,7 @@ import io
 import os
 import pickle
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from skorch_accel_callbacks._core.releases import torch_loads_safetensors
 from skorch_accel_callbacks.errors import CorruptCheckpointError
 from skorch_accel_callbacks.format import (
     DCP_METADATA_NAME,
+    frozen_parts_of,
     kind_of,
     load_without_code,
     read_naming_fault,
@@ -43,7 +45,7 @@ from skorch_accel_callbacks.format import (
 from skorch_accel_callbacks.state import model_files as recorded_model_files
 
 __all__ = ['check_sharded_model', 'is_sharded_model', 'loadable', 'model_files',
-           'read_model', 'read_sharded_model']
+           'read_checkpoint_model', 'read_model', 'read_sharded_model']
 
 _CHECKPOINT = 'torch.distributed.checkpoint'
 # what a .metadata of torch 2.3 to 2.13 is made of, and nothing that runs code
@@ -222,14 +224,41 @@ def read_model(path: str | os.PathLike) -> Any:
     return read_naming_fault([path], lambda: load_without_code(path))
 
 
-def loadable(path: str) -> str | io.BytesIO:
-    """``path`` as skorch's ``load_params`` takes it (by default, through
-    ``torch.load``): a file as it is, a sharded model folder merged
-    (:func:`read_sharded_model`) into an in-memory file of torch's format,
-    and so a safetensors file where ``torch.load`` does not read one (torch
-    older than 2.13), so that ``load_params(checkpoint=...)`` needs no
+def read_checkpoint_model(folder: str | os.PathLike, manifest: dict[str, Any],
+                          file: str) -> Any:
+    """What the model file (or sharded model folder) ``file`` of checkpoint
+    ``folder`` holds, with the frozen parameters of its part merged in
+    where ``manifest`` lists one; :class:`CorruptCheckpointError` names the
+    file that does not load, or a part that holds an entry of the model file."""
+    state = read_model(os.path.join(folder, file))
+    part = frozen_parts_of(manifest).get(file)
+    if part is None:
+        return state
+    path = os.path.join(folder, part)
+    frozen = read_model(path)
+    if not (isinstance(state, dict) and isinstance(frozen, dict)):
+        raise CorruptCheckpointError(f"{path} and its model file hold no two state dicts")
+    twice = sorted(set(state) & set(frozen))
+    if twice:
+        raise CorruptCheckpointError(
+            f"{path} holds {twice}, which its model file {os.path.join(folder, file)} holds too")
+    return {**state, **frozen}
+
+
+def loadable(files: Sequence[str]) -> str | io.BytesIO:
+    """The model ``files`` as skorch's ``load_params`` takes them (by
+    default, through ``torch.load``): one file as it is; a sharded model
+    folder merged (:func:`read_sharded_model`), a model file and its frozen
+    part merged, into an in-memory file of torch's format, and so a
+    safetensors file where ``torch.load`` does not read one (torch older
+    than 2.13), so that ``load_params(checkpoint=...)`` needs no
     ``use_safetensors`` on any supported torch."""
-    if is_sharded_model(path):
+    path = files[0]
+    if len(files) > 1:
+        state = {}
+        for file in files:
+            state.update(read_model(file))
+    elif is_sharded_model(path):
         state = read_sharded_model(path)
     elif kind_of(os.path.basename(path)) == 'safetensors' and not torch_loads_safetensors():
         state = read_model(path)

@@ -31,6 +31,7 @@ from skorch_accel_callbacks.format import (
     buffers_name,
     callbacks_names,
     epoch_caches_names,
+    frozen_parts_of,
     history_name,
     is_checkpoint_name,
     kind_of,
@@ -212,7 +213,7 @@ def load_best_models(net: Any, storage: CheckpointStorage) -> str | None:
         else:
             for name, file in files:
                 modules[name].load_state_dict(
-                    consolidate.read_model(os.path.join(chosen.path, file)))
+                    consolidate.read_checkpoint_model(chosen.path, manifest, file))
     return chosen.path
 
 
@@ -303,7 +304,8 @@ def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params:
     # gradients), which for a frozen one the checkpoint lacks
     restore_frozen(state_modules(net), manifest)
     read_naming_fault(_model_and_optimizer_files(path),
-                      lambda: accelerate_io.load_state(net.accelerator, path),
+                      lambda: accelerate_io.load_state(net.accelerator, path,
+                                                       frozen_parts_of(manifest)),
                       error=CheckpointError, failed='could not be loaded', fallback=path)
     saved = optimizer_hyperparameters(optimizers.values())
     if accelerate_io.is_fsdp2(net.accelerator):

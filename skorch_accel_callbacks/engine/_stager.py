@@ -12,6 +12,7 @@ nothing from the other ranks. It never runs a collective: one from a second
 thread would interleave with the collectives of training.
 """
 
+import dataclasses
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ import torch
 
 from skorch_accel_callbacks._core import accelerate_io
 from skorch_accel_callbacks.engine import _state_files as state_files
+from skorch_accel_callbacks.engine._frozen import FrozenPart, FrozenParts, Split
 
 __all__ = ['COPY_CHUNK', 'COPY_THREADS', 'HostStager', 'Staged', 'copy_all']
 
@@ -36,10 +38,11 @@ COPY_THREADS = min(2, os.cpu_count() or 1)
 
 @dataclass(frozen=True)
 class Staged:
-    """Host copies of an accelerator's model and optimizer states, and how
-    ``save_state`` would write them."""
+    """Host copies of an accelerator's model and optimizer states (of the
+    models' frozen parts, those to be written), and how ``save_state``
+    would write them."""
 
-    models: list[Any]
+    split: Split
     optimizers: list[Any]
     save_on_each_node: bool
     safe_serialization: bool
@@ -47,7 +50,7 @@ class Staged:
     def write(self, folder: str, written: Callable[[str], None] | None = None) -> None:
         """Write the model and optimizer files into ``folder``, calling
         ``written`` with each one's path once complete; on any thread."""
-        state_files.write_large_state(folder, self.models, self.optimizers,
+        state_files.write_large_state(folder, self.split, self.optimizers,
                                       self.save_on_each_node, self.safe_serialization, written)
 
 
@@ -67,23 +70,37 @@ class HostStager:
         return {'_buffers': {}}
 
     def stage(self, accelerator: Any, folder: str, safe_serialization: bool,
-              writer: bool) -> Staged | None:
+              writer: bool, frozen: FrozenParts | None = None) -> Staged | None:
         """Write the small files of ``accelerator.save_state`` into
         ``folder``, and return a copy of the model and optimizer states
-        (``None`` on a process that writes none: ``writer`` is False)."""
+        (``None`` on a process that writes none: ``writer`` is False).
+        With ``frozen``, the models' frozen parameters are split off
+        (:func:`~skorch_accel_callbacks.engine._state_files.split_models`):
+        a part linked now is not copied."""
         models, optimizers = accelerate_io.save_state_in_two(
             accelerator, folder, safe_serialization)
         if not writer:
             return None
+        split = state_files.split_models(accelerator, models, folder, safe_serialization, frozen)
         memo: dict = {}
         copies: list = []
         staged = Staged(
-            [self._copy(state, ('model', i), memo, copies) for i, state in enumerate(models)],
+            Split([self._copy(state, ('model', i), memo, copies)
+                   for i, state in enumerate(split.models)],
+                  [self._copy_part(part, i, memo, copies) for i, part in enumerate(split.parts)]),
             [self._copy(state, ('optimizer', i), memo, copies)
              for i, state in enumerate(optimizers)],
             accelerate_io.save_on_each_node(accelerator), safe_serialization)
         copy_all(copies)
         return staged
+
+    def _copy_part(self, part: FrozenPart | None, index: int, memo: dict,
+                   copies: list) -> FrozenPart | None:
+        """``part`` with its state to be written in host buffers."""
+        if part is None or part.state is None:
+            return part
+        return dataclasses.replace(
+            part, state=self._copy(part.state, ('frozen', index), memo, copies))
 
     def _copy(self, obj: Any, key: tuple, memo: dict, copies: list) -> Any:
         """``obj`` with every tensor replaced by a host buffer kept under

@@ -29,8 +29,9 @@ from skorch_accel_callbacks._core import sync
 from skorch_accel_callbacks._core.messages import format_bytes, say
 from skorch_accel_callbacks._core.wrapping import own_registries
 from skorch_accel_callbacks.engine import _state_files as state_files
+from skorch_accel_callbacks.engine._frozen import FrozenPart, FrozenParts, no_split
 from skorch_accel_callbacks.engine._stager import HostStager, Staged
-from skorch_accel_callbacks.format import EarlyFlush, manifest_content
+from skorch_accel_callbacks.format import EarlyFlush, manifest_content, with_frozen_parts
 from skorch_accel_callbacks.state import (
     EpochStart,
     checkpoint_record,
@@ -130,6 +131,8 @@ class StagedSave(NamedTuple):
     content: dict | None
     #: the model and optimizer states still to write, when staged in memory
     large: Staged | None
+    #: of each model, its frozen part (on the process that writes the models)
+    frozen: tuple[FrozenPart | None, ...] = ()
 
 
 class CheckpointWriter(Protocol):
@@ -172,25 +175,34 @@ class SyncWriter:
     sink : callable
       Where what the storage's background work says goes (main process
       only): an upload's time, and how long a wait for it blocked.
+    reuse_frozen : bool
+      The frozen parameters of each model go into a file of their own,
+      linked instead of written again while unchanged
+      (:mod:`~skorch_accel_callbacks.engine._frozen`); False writes them at
+      every save (in the model files, as ``accelerator.save_state``).
     """
 
     def __init__(self, storage: CheckpointStorage, retention: Retention, durable: bool = True,
-                 safe_serialization: bool = True, sink: Callable[[str], Any] = noop) -> None:
+                 safe_serialization: bool = True, sink: Callable[[str], Any] = noop,
+                 reuse_frozen: bool = True) -> None:
         self.storage = storage
         self.retention = retention
         self.durable = durable
         self.safe_serialization = safe_serialization
         self.sink = sink
+        self.reuse_frozen = reuse_frozen
+        self._frozen = FrozenParts() if reuse_frozen else None
 
     def save(self, net: Any, request: SaveRequest) -> SaveReport:
         started = time.monotonic()
         with _early_flush(self.durable) as early:
-            content = self.stage(net, request, early=early).content
+            staged = self.stage(net, request, early=early)
             path = self.storage.url(request.name)
             report = None
             with sync.agree(net, f"committing checkpoint {path}"):
-                if content is not None:
-                    report = self.commit(request, content, started, early)
+                if staged.content is not None:
+                    report = self.commit(request, staged.content, started, early,
+                                         staged.frozen)
         return report or SaveReport(path, request.finished)
 
     def wait(self, net: Any, before_save: bool = False) -> None:
@@ -216,6 +228,9 @@ class SyncWriter:
 
         With a ``stager``, the model and optimizer states are copied into
         host memory instead of written (the rest of ``save_state`` is).
+        The frozen parameters are split off each model first; a part
+        unchanged since the last commit is linked then, not written nor
+        copied (:mod:`~skorch_accel_callbacks.engine._frozen`).
         With ``early``, each model and optimizer file written begins to be
         flushed to disk at once; the committing process's seal waits for
         it (:meth:`commit`), any other process before it agrees.
@@ -236,11 +251,13 @@ class SyncWriter:
         with sync.agree(net, f"writing checkpoint {partial}"), own_registries(net):
             large = None
             if stager is None:
-                state_files.save_state(net.accelerator, partial, self.safe_serialization,
-                                       None if early is None else early.begin)
+                split = state_files.save_state(
+                    net.accelerator, partial, self.safe_serialization,
+                    None if early is None else early.begin, self._frozen)
             else:
                 large = stager.stage(net.accelerator, partial, self.safe_serialization,
-                                     committer)
+                                     committer, self._frozen)
+                split = no_split([]) if large is None else large.split
             rank = sync.process_index(net)
             save_rank_state(partial, rank, request.train_loader,
                                            request.workers_drew)
@@ -256,18 +273,24 @@ class SyncWriter:
             record = checkpoint_record(
                 net, request.name, request.best, request.finished, request.stopped_early,
                 request.data, request.position(), request.train_loader, per_rank)
-            return StagedSave(manifest_content(record), large)
+            content = with_frozen_parts(manifest_content(record), *split.manifest_fields())
+            return StagedSave(content, large, tuple(split.parts))
 
     def commit(self, request: SaveRequest, content: dict, started: float,
-               early: EarlyFlush | None = None) -> SaveReport:
+               early: EarlyFlush | None = None,
+               frozen: tuple[FrozenPart | None, ...] = ()) -> SaveReport:
         """Commit the staged checkpoint of ``request`` and retire old ones;
-        ``early``: the fsyncs begun as its files were written.
+        ``early``: the fsyncs begun as its files were written; ``frozen``:
+        its models' frozen parts, which the next save links while unchanged.
 
         Runs on the committing process only; it touches no net and runs no
         collective, so it runs in the background too.
         """
         written = self.storage.commit(request.name, content, durable=self.durable,
                                       best=request.best, started=started, early=early)
+        if self._frozen is not None:
+            self._frozen.committed(request.name, self.storage.path(request.name), written,
+                                   frozen)
         self.storage.retire(self.retention.keep_last, self.retention.keep_best,
                             keep=request.keep)
         return SaveReport(self.storage.url(request.name), request.finished,
@@ -323,17 +346,18 @@ class BackgroundWriter:
                 self._executor = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix='checkpoint-writer')
             future = self._executor.submit(
-                self._write_and_commit, request, content, staged.large, started)
+                self._write_and_commit, request, content, staged.large, started, staged.frozen)
         self._in_flight = _InFlight(
             SaveReport(self.storage.url(request.name), request.finished), future)
 
     def _write_and_commit(self, request: SaveRequest, content: dict,
-                          staged: Staged | None, started: float) -> SaveReport:
+                          staged: Staged | None, started: float,
+                          frozen: tuple[FrozenPart | None, ...]) -> SaveReport:
         with _early_flush(self.writer.durable) as early:
             if staged is not None:
                 staged.write(self.storage.partial_path(request.name),
                              None if early is None else early.begin)
-            return self.writer.commit(request, content, started, early)
+            return self.writer.commit(request, content, started, early, frozen)
 
     def wait(self, net: Any, before_save: bool = False) -> SaveReport | None:
         report, future = self._in_flight or (None, None)

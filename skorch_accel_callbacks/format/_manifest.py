@@ -36,7 +36,15 @@ Its fields:
 - ``position``, with ``fit_calls``: the ``fit``/``partial_fit`` calls since
   the net's ``initialize`` up to the one it was taken in (:func:`fit_calls`),
   so that a relaunched script with several calls goes on in the call that
-  wrote it.
+  wrote it;
+- ``frozen_parts`` (model file -> :func:`frozen_part_name` of it): the
+  models whose parameters that require no gradient lie in a file of their
+  own beside the model's file, which holds the rest; and ``linked`` (such a
+  file -> the checkpoint whose save wrote its bytes): the files that are a
+  hard link to the same file of an earlier checkpoint, its bytes unchanged
+  and not written again. A linked file is an ordinary file of the folder,
+  listed, sized and checksummed like any other: each checkpoint stays
+  complete on its own, and a removal of another leaves it intact.
 
 Readers take any field but the format version, the files and the layout as
 optional: an older checkpoint without one reads as it was written
@@ -66,6 +74,7 @@ __all__ = [
     'CheckpointRecord',
     'DCP_METADATA_NAME',
     'FORMAT_VERSION',
+    'FROZEN_PARTS_FORMAT',
     'HISTORY_NAME',
     'LEASE_NAME',
     'LOCK_NAME',
@@ -85,8 +94,11 @@ __all__ = [
     'checksum_stream',
     'epoch_caches_names',
     'fit_calls',
+    'frozen_part_name',
+    'frozen_parts_of',
     'history_name',
     'is_checkpoint_name',
+    'linked_of',
     'manifest_content',
     'merged_manifest',
     'newest_at_epoch_end',
@@ -101,15 +113,21 @@ __all__ = [
     'read_manifest',
     'stopped_early',
     'training_order',
+    'with_frozen_parts',
     'write_manifest',
 ]
 
 #: the on-disk format; a change of what is written bumps it, and CHANGES.rst
 #: lists what each format holds. A reader refuses a newer one
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 #: the format of a checkpoint whose ranks' states agree (no ``per_rank``):
 #: its files are those of format 3, which older versions read
 SHARED_STATES_FORMAT = 3
+#: the format of a checkpoint with ``per_rank`` states
+PER_RANK_FORMAT = 4
+#: the format of a checkpoint whose models' frozen parameters lie in files
+#: of their own (``frozen_parts``): an older reader would find them missing
+FROZEN_PARTS_FORMAT = 5
 
 # ---------------------------------------------------------------- the folder of checkpoints
 
@@ -280,7 +298,7 @@ def manifest_content(record: CheckpointRecord) -> dict[str, Any]:
     versions which read only that format resume it; ``fsdp`` and
     ``per_rank`` are written only when there are any."""
     content: dict[str, Any] = {
-        'format_version': FORMAT_VERSION if record.per_rank else SHARED_STATES_FORMAT}
+        'format_version': PER_RANK_FORMAT if record.per_rank else SHARED_STATES_FORMAT}
     content.update((field.name, getattr(record, field.name)) for field in fields(record)
                    if field.name not in ('fsdp', 'per_rank'))
     if record.fsdp is not None:
@@ -288,6 +306,33 @@ def manifest_content(record: CheckpointRecord) -> dict[str, Any]:
     if record.per_rank:
         content['per_rank'] = list(record.per_rank)
     return content
+
+
+def frozen_part_name(model_file: str) -> str:
+    """The file of the frozen parameters split off the model file
+    ``model_file``: ``model.safetensors`` -> ``model_frozen.safetensors``,
+    ``model_1.safetensors`` -> ``model_1_frozen.safetensors``."""
+    stem, dot, extension = model_file.partition('.')
+    return f'{stem}_frozen{dot}{extension}'
+
+
+def with_frozen_parts(content: dict[str, Any], parts: dict[str, str],
+                      linked: dict[str, tuple[str, str]]) -> dict[str, Any]:
+    """The manifest content ``content`` of a checkpoint whose models have
+    the frozen parts ``parts`` (model file -> part file), of which those in
+    ``linked`` (part file -> ``(origin, checksum)``) are hard links to the
+    bytes that checkpoint ``origin`` wrote: the format that older readers
+    refuse, the fields, and the checksums of the linked files as their
+    first save computed them, which :func:`write_manifest` then takes
+    instead of reading the files again. Without parts, ``content`` as it is.
+    """
+    if not parts:
+        return content
+    known = dict(content.get('checksums') or {})
+    known.update((file, checksum) for file, (_, checksum) in linked.items())
+    return dict(content, format_version=FROZEN_PARTS_FORMAT, frozen_parts=dict(parts),
+                linked={file: origin for file, (origin, _) in linked.items()},
+                checksums=known)
 
 
 def _file_sizes(folder: str) -> dict[str, int]:
@@ -310,23 +355,26 @@ def write_manifest(folder: str, content: dict[str, Any], durable: bool,
     ``early``: the fsyncs begun while the files were written, waited for
     (their first failure raised) before the manifest is written.
 
-    ``files``, ``checksums`` (:func:`checksum_file` of each listed file),
-    ``bytes`` (the total size of the files) and ``saved_at`` (UTC, ISO
-    8601) are added; with ``started`` (a :func:`time.monotonic` stamp of
-    when the save began) also ``save_seconds``, measured once the files are
-    flushed. ``content`` must hold JSON values only: anything else raises
+    ``files``, ``checksums`` (:func:`checksum_file` of each listed file,
+    but those ``content['checksums']`` already holds: the files hard-linked
+    to an earlier checkpoint's, :func:`with_frozen_parts`), ``bytes`` (the
+    total size of the files) and ``saved_at`` (UTC, ISO 8601) are added;
+    with ``started`` (a :func:`time.monotonic` stamp of when the save
+    began) also ``save_seconds``, measured once the files are flushed.
+    ``content`` must hold JSON values only: anything else raises
     ``TypeError`` and writes no manifest.
     """
     files = _file_sizes(folder)
     files.pop(MANIFEST_NAME, None)
     paths = {rel: os.path.join(folder, rel) for rel in files}
+    known = content.get('checksums') or {}
     # the files were just written: they are read back from the page cache
     # while the fsyncs wait for the disk, which costs the save little of
     # the time that reading them after the fsyncs would
     with ThreadPoolExecutor(max_workers=1) as pool:
         flushed = (pool.submit(atomic.fsync_files, list(paths.values()), early)
                    if durable else None)
-        checksums = {rel: checksum_file(path) for rel, path in paths.items()}
+        checksums = {rel: known.get(rel) or checksum_file(path) for rel, path in paths.items()}
         if flushed is not None:
             flushed.result()
     sealed = dict(content)
@@ -407,6 +455,20 @@ def _manifest_problem(path: str, manifest: Any) -> Problem | None:
     if not (isinstance(items, list) and all(item in PER_RANK_ITEMS for item in items)):
         return Problem(CorruptCheckpointError(
             f"{path} has per_rank {items!r}, not a list of some of {list(PER_RANK_ITEMS)}"))
+    parts = manifest.get('frozen_parts', {})
+    if not (isinstance(parts, dict)
+            and all(isinstance(part, str) and part == frozen_part_name(model)
+                    for model, part in parts.items())):
+        return Problem(CorruptCheckpointError(
+            f"{path} has frozen_parts {parts!r}, not a mapping of model files to "
+            "the files of their frozen parameters"))
+    linked = manifest.get('linked', {})
+    if not (isinstance(linked, dict) and set(linked) <= set(parts.values())
+            and all(isinstance(origin, str) and is_checkpoint_name(origin)
+                    for origin in linked.values())):
+        return Problem(CorruptCheckpointError(
+            f"{path} has linked {linked!r}, not a mapping of frozen parts to the "
+            "checkpoints that wrote them"))
     return None
 
 
@@ -462,6 +524,19 @@ def merged_manifest(manifests: list[dict[str, Any]]) -> dict[str, Any]:
                 checksums[rel] = manifest.get('checksums', {}).get(rel)
     checksums = {rel: value for rel, value in checksums.items() if value is not None}
     return dict(first, files=files, checksums=checksums, bytes=sum(files.values()))
+
+
+def frozen_parts_of(manifest: dict[str, Any]) -> dict[str, str]:
+    """Model file -> the file of its frozen parameters, of the models of
+    ``manifest``'s checkpoint that have one (none before format 5);
+    :func:`check_manifest` refused a malformed field."""
+    return dict(manifest.get('frozen_parts') or {})
+
+
+def linked_of(manifest: dict[str, Any]) -> dict[str, str]:
+    """The files of ``manifest``'s checkpoint that are hard links to an
+    earlier checkpoint's -> the checkpoint whose save wrote their bytes."""
+    return dict(manifest.get('linked') or {})
 
 
 def stopped_early(manifest: dict[str, Any]) -> bool:

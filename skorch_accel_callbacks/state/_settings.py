@@ -98,7 +98,7 @@ _UNRECORDED_CALLBACK_SETTINGS: dict[str, frozenset[str] | None] = {
     'skorch_accel_callbacks.callbacks.load_state.AccelerateLoadInitState': _NOT_TRAINING,
     # every argument says where, when and how checkpoints are written, kept
     # and marked best (dirname, local_dir, storage_options, durable,
-    # async_save, safe_serialization, keep_last, keep_best, sink, every_n_*,
+    # async_save, safe_serialization, reuse_frozen, keep_last, keep_best, sink, every_n_*,
     # save_on_signal, monitor, event_name), none what is trained, and the
     # name it is listed under does not matter (the loader finds it by folder)
     'skorch_accel_callbacks.callbacks.checkpoint.AccelerateCheckpoint': _NOT_TRAINING,

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from skorch_accel_callbacks.callbacks import checkpoint_files, f_argument
-from skorch_accel_callbacks.engine import model_files, read_model
+from skorch_accel_callbacks.engine import model_files, read_checkpoint_model
 from skorch_accel_callbacks.errors import CheckpointError, CorruptCheckpointError
 from skorch_accel_callbacks.format import (
     HISTORY_NAME,
@@ -36,6 +36,7 @@ from skorch_accel_callbacks.format import (
     atomic_path,
     buffers_name,
     check_manifest,
+    frozen_parts_of,
     is_checkpoint_name,
     load_without_code,
     per_rank_of,
@@ -163,6 +164,7 @@ def _exportable_manifest(path: str | os.PathLike) -> dict[str, Any]:
     files = saved['files']
     history = plain_history_name(saved)
     needed = [file for _, file in model_files(saved, path)]
+    needed += frozen_parts_of(saved).values()
     needed.append(history)
     if 'buffers' in per_rank_of(saved):
         needed.append(buffers_name(0))
@@ -226,13 +228,14 @@ def _exportable(storage: CheckpointStorage, name: str) -> tuple[str, dict[str, A
     return found.path, found.manifest
 
 
-def _load_tensors(file: str) -> dict[str, torch.Tensor]:
-    """A state dict from a model file or sharded model folder, without
-    running code from it."""
-    state = read_model(file)
+def _load_tensors(path: str, saved: dict[str, Any], file: str) -> dict[str, torch.Tensor]:
+    """The state dict of the model file or sharded model folder ``file`` of
+    checkpoint ``path`` (its frozen part merged in), without running code
+    from it."""
+    state = read_checkpoint_model(path, saved, file)
     if not (isinstance(state, dict)
             and all(isinstance(value, torch.Tensor) for value in state.values())):
-        raise CorruptCheckpointError(f"{file} holds no state dict of tensors")
+        raise CorruptCheckpointError(f"{os.path.join(path, file)} holds no state dict of tensors")
     # safetensors stores no two names of one tensor (tied weights)
     return {key: value.detach().clone().contiguous() for key, value in state.items()}
 
@@ -377,7 +380,7 @@ def _export(path: str, saved: dict[str, Any], out: str) -> dict[str, str]:
         raise CorruptCheckpointError(f"{history} cannot be loaded: {exc}") from exc
     # every file is read before one is written: a damaged checkpoint
     # leaves ``out`` as it was
-    models = [(name, _load_tensors(os.path.join(path, file)))
+    models = [(name, _load_tensors(path, saved, file))
               for name, file in model_files(saved, path)]
     _take_rank_0_buffers(path, saved, models)
     os.makedirs(out, exist_ok=True)

@@ -23,8 +23,10 @@ from skorch_accel_callbacks.format import (
     Problem,
     batches_into_epoch,
     check_manifest,
+    frozen_parts_of,
     is_leftover,
     kind_of,
+    linked_of,
     load_without_code,
     plain_history_name,
     stopped_early,
@@ -164,7 +166,8 @@ class Verdict:
       One message per damaged or missing file, naming it; empty when the
       checkpoint is intact.
     notes : list of str
-      What does not make the checkpoint unusable (a file it does not list).
+      What does not make the checkpoint unusable (a file it does not list,
+      a file hard-linked to an earlier checkpoint's).
     files : int
       Number of files the manifest lists.
     bytes : int
@@ -219,10 +222,15 @@ def verify(path: str | os.PathLike) -> Verdict:
     verdict.bytes = checkpoint_bytes(saved) or 0
 
     layouts = {}
+    parts = frozen_parts_of(saved)
     try:
         for (name, file), entry in zip(model_files(saved, path), saved['models'],
                                        strict=True):
-            layouts[file] = (name, entry[1] if len(entry) > 1 else None)
+            # a model split in two holds its tensors in either file
+            layout = (name, entry[1] if len(entry) > 1 else None, file not in parts)
+            layouts[file] = layout
+            if file in parts:
+                layouts[parts[file]] = layout
     except CheckpointError as exc:  # and CorruptCheckpointError
         verdict.damaged.append(str(exc))
 
@@ -244,11 +252,15 @@ def verify(path: str | os.PathLike) -> Verdict:
             if rel != MANIFEST_NAME and rel not in files:
                 verdict.notes.append(
                     f"{os.path.join(path, rel)} is not listed in {sealed} (added later?)")
+    for rel, origin in sorted(linked_of(saved).items()):
+        verdict.notes.append(
+            f"{os.path.join(path, rel)} holds the bytes that {origin} wrote (a hard link, "
+            "unchanged since): damage to it shows in every checkpoint that links it")
     return verdict
 
 
 def _damage(file: str, problem: Problem | None,
-            layout: tuple[str, dict[str, Any] | None] | None) -> str | None:
+            layout: tuple[str, dict[str, Any] | None, bool] | None) -> str | None:
     """Why the listed ``file`` is damaged, or None: ``problem`` is what
     :func:`_manifest.check_manifest` found, ``layout`` a model file's in the manifest.
     A file whose checksum differs is loaded all the same: that it does not
@@ -267,7 +279,8 @@ def _damage(file: str, problem: Problem | None,
     return wrong and f"{file}: {wrong}"
 
 
-def _sharded_damage(folder: str, layout: tuple[str, dict[str, Any] | None]) -> str | None:
+def _sharded_damage(folder: str,
+                    layout: tuple[str, dict[str, Any] | None, bool]) -> str | None:
     """Why the sharded model ``folder`` is damaged, or None: it must merge
     without running code into the tensors of the manifest's ``layout``."""
     try:
@@ -279,10 +292,12 @@ def _sharded_damage(folder: str, layout: tuple[str, dict[str, Any] | None]) -> s
 
 
 def _layout_problem(
-        layout: tuple[str, dict[str, Any] | None], shapes: dict[str, list[int]] | None,
+        layout: tuple[str, dict[str, Any] | None, bool], shapes: dict[str, list[int]] | None,
 ) -> str | None:
-    """What differs between a model file's tensors and the manifest's layout."""
-    name, expected = layout
+    """What differs between a model file's tensors and the manifest's
+    layout ``(model name, shapes, whole)``: not ``whole``, the file holds a
+    part of the model (beside its frozen part, which holds the rest)."""
+    name, expected, whole = layout
     if shapes is None:
         return f"holds no state dict of model {name!r}"
     if not isinstance(expected, dict):
@@ -294,7 +309,7 @@ def _layout_problem(
         if list(expected[key]) != shape:
             return (f"tensor {key!r} has shape {tuple(shape)}, the manifest says "
                     f"{tuple(expected[key])}")
-    if not shapes and expected:
+    if not shapes and expected and whole:
         return f"holds no tensor of model {name!r}"
     return None
 

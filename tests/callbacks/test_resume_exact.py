@@ -9,14 +9,17 @@ per-epoch losses.
 import os
 
 import pytest
+from safetensors import safe_open
 
 from resume_runs import run
-from testutil import assert_identical, final_state
+from skorch_accel_callbacks.format._manifest import FROZEN_PARTS_FORMAT
+from testutil import assert_identical, final_state, read_json
 
 CASES = [
     ('basic', 1), ('basic', 2),
     ('earlystop', 1), ('earlystop', 2),
     ('accumulate', 2), ('twomodules', 2), ('novalid', 2), ('stock', 2),
+    ('frozen', 1), ('frozen', 2),
 ]
 # the basic cases stay in the quick subset (make test-quick)
 QUICK = [('basic', 1), ('basic', 2)]
@@ -43,7 +46,8 @@ def case(request, tmp_path_factory):
 def test_runs_are_really_distributed(case):
     for res in case['full'] + case['resumed']:
         assert res['num_processes'] == case['nproc']
-        expected = 'DistributedDataParallel' if case['nproc'] == 2 else 'MLP'
+        module = 'FrozenBaseMLP' if case['scenario'] == 'frozen' else 'MLP'
+        expected = 'DistributedDataParallel' if case['nproc'] == 2 else module
         assert res['module_type'] == expected
 
 
@@ -81,7 +85,37 @@ def test_registries_and_files_do_not_grow(case):
     latest = os.path.join(ckpt, case['resumed'][0]['committed'][-1])
     model_files = sorted(f for f in os.listdir(latest) if f.startswith('model'))
     expected = ['model.safetensors', 'model_1.safetensors'][:n_models]
+    if case['scenario'] == 'frozen':
+        expected.append('model_frozen.safetensors')
     assert model_files == expected
+
+
+@pytest.mark.parametrize('case', [case_param(('frozen', 1)), case_param(('frozen', 2))],
+                         indirect=True)
+def test_a_frozen_layer_is_written_once_a_process_and_linked_after(case):
+    """The killed run wrote epoch 3's frozen part; the resumed one writes
+    its first save's (epoch 4) again, a new process knows no earlier one,
+    and links epochs 5 and 6 to it."""
+    ckpt = os.path.join(case['folder'], 'ckpt')
+
+    def part(name):
+        return os.stat(os.path.join(ckpt, name, 'model_frozen.safetensors'))
+
+    def manifest(name):
+        return read_json(os.path.join(ckpt, name, 'manifest.json'))
+
+    first = part('epoch-0003')
+    assert part('epoch-0005').st_ino == part('epoch-0006').st_ino != first.st_ino
+    for name in ('epoch-0005', 'epoch-0006'):
+        assert manifest(name)['linked'] == {'model_frozen.safetensors': 'epoch-0004'}
+    assert manifest('epoch-0003')['linked'] == {'model_frozen.safetensors': 'epoch-0001'}
+    assert manifest('epoch-0006')['format_version'] == FROZEN_PARTS_FORMAT
+    latest = os.path.join(ckpt, 'epoch-0006')
+    with safe_open(os.path.join(latest, 'model.safetensors'), 'pt') as opened:
+        rest = set(opened.keys())
+    with safe_open(os.path.join(latest, 'model_frozen.safetensors'), 'pt') as opened:
+        frozen = set(opened.keys())
+    assert frozen and all('lin.' in key for key in frozen) and not rest & frozen
 
 
 def test_retention_keeps_the_last_two_and_the_one_resumed_from(case):

@@ -26,8 +26,8 @@ from safetensors.torch import load_file
 
 from common import MLP, make_data, plain_net
 from skorch_accel_callbacks import AccelerateCheckpoint, CorruptCheckpointError
-from skorch_accel_callbacks.engine import loadable, model_files, read_model
-from skorch_accel_callbacks.engine._consolidate import check_sharded_model
+from skorch_accel_callbacks.engine import loadable, model_files
+from skorch_accel_callbacks.engine._consolidate import check_sharded_model, read_model
 from skorch_accel_callbacks.tools.export import export
 from skorch_accel_callbacks.tools.inspection import verify
 from testutil import cli
@@ -69,7 +69,7 @@ def test_a_sharded_model_reads_as_its_plain_state_dict(sharded):
     for key, value in state.items():
         assert torch.equal(read[key], value), key
     # what load_params takes: an in-memory file of torch's format
-    net_file = loadable(folder)
+    net_file = loadable([folder])
     assert isinstance(net_file, io.BytesIO)
     loaded = torch.load(net_file, weights_only=True)
     module = MLP()
@@ -83,7 +83,7 @@ def test_a_model_file_is_read_as_it_is(tmp_path):
     state = plain_state()
     path = str(tmp_path / 'pytorch_model_fsdp.bin')
     torch.save(state, path)
-    assert loadable(path) == path
+    assert loadable([path]) == path
     read = read_model(path)
     assert all(torch.equal(read[key], value) for key, value in state.items())
 

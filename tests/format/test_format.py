@@ -157,7 +157,7 @@ RECORD = CheckpointRecord(
 
 @pytest.mark.parametrize('changes, version, extra', [
     ({}, _manifest.SHARED_STATES_FORMAT, {}),
-    ({'per_rank': ('history',)}, _manifest.FORMAT_VERSION, {'per_rank': ['history']}),
+    ({'per_rank': ('history',)}, _manifest.PER_RANK_FORMAT, {'per_rank': ['history']}),
     ({'fsdp': {'module': 'layout'}}, _manifest.SHARED_STATES_FORMAT,
      {'fsdp': {'module': 'layout'}}),
 ], ids=['ranks-agree', 'per-rank', 'fsdp'])

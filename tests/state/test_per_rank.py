@@ -141,7 +141,7 @@ def test_each_rank_resumes_its_own_history_and_callbacks(runs, backend):
         assert saved['per_rank'] == (['history', 'callbacks', 'buffers']
                                      if backend == 'fsdp2' else ['history', 'callbacks'])
         # a version that reads one history.json refuses it as newer
-        assert saved['format_version'] == _manifest.FORMAT_VERSION > _manifest.SHARED_STATES_FORMAT
+        assert saved['format_version'] == _manifest.PER_RANK_FORMAT > _manifest.SHARED_STATES_FORMAT
         assert {'history_0.json', 'history_1.json', 'callbacks_1.json'} <= set(saved['files'])
         assert HISTORY_NAME not in saved['files']
 

@@ -9,7 +9,9 @@ Environment:
   stepped every batch, EpochScoring on the training data and EarlyStopping),
   ``twomodules`` (two modules, two optimizers), ``novalid`` (no validation
   data), ``stock`` (skorch's own AccelerateMixin without this package's
-  fixes);
+  fixes), ``frozen`` (the first layer frozen as the module is built, before
+  DDP wraps it: its checkpoints hold it in a file of its own, linked while
+  unchanged);
 - KILL: ``batch:E:B`` SIGKILLs every rank after batch B of epoch E (before
   the checkpoint callback's end of that batch); ``before:E:B`` when batch B
   of epoch E begins (after everything of the batch before); each rank
@@ -271,6 +273,14 @@ class TwoModuleNet(FixedNet):
         return self.head2_(super().infer(x, **fit_params))
 
 
+class FrozenBaseMLP(MLP):
+    """The MLP with its first layer frozen, as a pretrained base is."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lin.requires_grad_(False)
+
+
 def build(dirname, scenario, ckpt_options):
     accelerator_kwargs = {}
     if os.environ.get('PER_NODE') == '1' or os.environ.get('SHARED_PER_NODE') == '1':
@@ -316,6 +326,8 @@ def build(dirname, scenario, ckpt_options):
         ]
     if scenario == 'novalid':
         kwargs['train_split'] = None
+    if scenario == 'frozen':
+        kwargs['module'] = FrozenBaseMLP
     net_cls = TwoModuleNet if scenario == 'twomodules' else FixedNet
     if scenario == 'stock':
         net_cls = StockNet

@@ -1,0 +1,215 @@
+"""The frozen parameters of a model: saved in a file of their own, linked
+instead of written while unchanged (issue 40, item 3).
+
+Each test fits a net whose first layer is frozen (as a pretrained base is)
+in one process and reads its checkpoint folder: which files are one inode
+(``os.stat``), what the manifests say, and that every reader (a resume,
+``verify``, ``export``, ``load_params``) sees whole models. The changes of
+a frozen tensor that the check sees are made for real between two saves,
+and the one it cannot see (a write through ``.data``) is shown to need
+``reuse_frozen=False``.
+"""
+
+import os
+from functools import partial
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from skorch import NeuralNetClassifier
+from skorch.callbacks import Callback
+
+from checkpointed import fit as fit_checkpointed, state
+from common import MLP
+from skorch_accel_callbacks.format._manifest import FROZEN_PARTS_FORMAT, SHARED_STATES_FORMAT
+from skorch_accel_callbacks.tools.export import export
+from skorch_accel_callbacks.tools.inspection import verify
+from testutil import assert_identical, read_json
+
+PART = 'model_frozen.safetensors'
+
+
+class FrozenBaseMLP(MLP):
+    """The MLP with its first layer frozen as it is built."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lin.requires_grad_(False)
+
+
+fit = partial(fit_checkpointed, net_kwargs={'module': FrozenBaseMLP})
+
+
+def inode(folder, name, file=PART):
+    return os.stat(os.path.join(folder, name, file)).st_ino
+
+
+def manifest(folder, name):
+    return read_json(os.path.join(folder, name, 'manifest.json'))
+
+
+def assert_same_tensors(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def keys(path):
+    with safe_open(path, 'pt') as opened:
+        return set(opened.keys())
+
+
+@pytest.mark.parametrize('async_save', [False, True])
+def test_the_frozen_layer_is_written_once_and_linked_by_every_later_save(tmp_path, async_save):
+    _, cp, _ = fit(tmp_path, max_epochs=3, keep_last=3, async_save=async_save)
+    assert cp.committed() == ['epoch-0001', 'epoch-0002', 'epoch-0003']
+    assert inode(tmp_path, 'epoch-0001') == inode(tmp_path, 'epoch-0002') \
+        == inode(tmp_path, 'epoch-0003')
+    assert os.stat(tmp_path / 'epoch-0001' / PART).st_nlink == 3
+    first = manifest(tmp_path, 'epoch-0001')
+    assert first['format_version'] == FROZEN_PARTS_FORMAT
+    assert first['frozen_parts'] == {'model.safetensors': PART} and first['linked'] == {}
+    for name in ('epoch-0002', 'epoch-0003'):
+        later = manifest(tmp_path, name)
+        assert later['linked'] == {PART: 'epoch-0001'}
+        # the checksum its first save computed, listed like any file's
+        assert later['checksums'][PART] == first['checksums'][PART]
+        assert later['files'][PART] == first['files'][PART]
+    # the trained rest is written at every save, without the frozen layer
+    latest = tmp_path / 'epoch-0003'
+    assert keys(latest / PART) == {'lin.weight', 'lin.bias'}
+    assert keys(latest / 'model.safetensors') == {'out.weight', 'out.bias'}
+    assert inode(tmp_path, 'epoch-0002', 'model.safetensors') \
+        != inode(tmp_path, 'epoch-0003', 'model.safetensors')
+
+
+@pytest.mark.parametrize('async_save', [False, True])
+def test_a_resume_from_a_split_checkpoint_is_exact(tmp_path, async_save):
+    full, _, _ = fit(tmp_path / 'full', max_epochs=4, async_save=async_save)
+    fit(tmp_path / 'split', max_epochs=2, async_save=async_save)
+    resumed, _, load = fit(tmp_path / 'split', max_epochs=4, async_save=async_save)
+    assert load.loaded_from_.endswith('epoch-0002')
+    assert_identical(state(full), state(resumed))
+    assert not resumed.module_.lin.weight.requires_grad
+
+
+def test_retention_removes_the_first_save_but_not_the_bytes_a_kept_one_links(tmp_path):
+    trained, cp, _ = fit(tmp_path, max_epochs=3, keep_last=1)
+    assert cp.committed() == ['epoch-0003']
+    latest = tmp_path / 'epoch-0003'
+    assert manifest(tmp_path, 'epoch-0003')['linked'] == {PART: 'epoch-0001'}
+    assert os.stat(latest / PART).st_nlink == 1
+    verdict = verify(tmp_path / 'epoch-0003')
+    assert verdict.damaged == [] and 'the bytes that epoch-0001 wrote' in verdict.notes[0]
+    plain = NeuralNetClassifier(MLP, criterion=torch.nn.NLLLoss).initialize()
+    plain.load_params(checkpoint=cp)
+    assert_same_tensors(plain.module_.state_dict(), trained.module_.state_dict())
+
+
+def test_export_writes_the_whole_model(tmp_path):
+    trained, _, _ = fit(tmp_path / 'ckpt', max_epochs=2)
+    files = export(str(tmp_path / 'ckpt'), out=str(tmp_path / 'out'))
+    exported = load_file(files['f_params'])
+    assert_same_tensors(exported, trained.module_.state_dict())
+
+
+def test_a_damaged_shared_file_is_reported_in_every_checkpoint_that_holds_it(tmp_path):
+    fit(tmp_path, max_epochs=3, keep_last=3)
+    path = tmp_path / 'epoch-0002' / PART
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # inside a tensor: the size stays, the checksum differs
+    with open(path, 'r+b') as f:  # in place: the one inode the three share
+        f.write(data)
+    for name in ('epoch-0001', 'epoch-0002', 'epoch-0003'):
+        damaged = verify(tmp_path / name).damaged
+        assert len(damaged) == 1 and str(tmp_path / name / PART) in damaged[0], damaged
+
+
+class Change(Callback):
+    """Changes the frozen layer after epoch 1's save, before epoch 2."""
+
+    def __init__(self, how):
+        self.how = how
+
+    def on_epoch_begin(self, net, **kwargs):
+        if len(net.history) != 2:  # the row of epoch 2 is there
+            return
+        lin = net.module_.lin
+        if self.how == 'in place':
+            with torch.no_grad():
+                lin.weight.mul_(0.5)
+        elif self.how == 'load_state_dict':
+            lin.load_state_dict({'weight': torch.ones_like(lin.weight), 'bias': lin.bias})
+        elif self.how == 'init':
+            torch.nn.init.zeros_(lin.bias)
+        elif self.how == 'detached':
+            lin.weight.detach().add_(1.0)
+        elif self.how == 'new tensor':
+            lin.weight.data = lin.weight.data * 2.0
+        elif self.how == 'unfrozen':
+            lin.requires_grad_(True)
+            net.initialize_optimizer()
+        elif self.how == 'through .data':
+            lin.weight.data.add_(1.0)
+        else:
+            raise ValueError(self.how)
+
+
+SEEN = ['in place', 'load_state_dict', 'init', 'detached', 'new tensor']
+
+
+@pytest.mark.parametrize('how', SEEN)
+def test_a_change_the_check_sees_writes_the_part_again(tmp_path, how):
+    trained, _, _ = fit(tmp_path, Change(how), max_epochs=2, keep_last=2)
+    assert inode(tmp_path, 'epoch-0001') != inode(tmp_path, 'epoch-0002')
+    assert manifest(tmp_path, 'epoch-0002')['linked'] == {}
+    saved = load_file(tmp_path / 'epoch-0002' / PART)
+    assert_same_tensors(saved, {key: value for key, value in trained.module_.state_dict().items()
+                                if key.startswith('lin.')})
+
+
+def test_an_unfrozen_layer_goes_back_into_the_model_file(tmp_path):
+    fit(tmp_path, Change('unfrozen'), max_epochs=2, keep_last=2)
+    assert manifest(tmp_path, 'epoch-0001')['frozen_parts'] == {'model.safetensors': PART}
+    second = manifest(tmp_path, 'epoch-0002')
+    assert 'frozen_parts' not in second and second['format_version'] == SHARED_STATES_FORMAT
+    assert PART not in os.listdir(tmp_path / 'epoch-0002')
+    assert 'lin.weight' in keys(tmp_path / 'epoch-0002' / 'model.safetensors')
+
+
+def test_a_write_through_data_is_unseen_and_needs_reuse_frozen_false(tmp_path):
+    """torch gives ``.data`` a version counter of its own: the one change
+    the check cannot see (documented), which ``reuse_frozen=False`` saves."""
+    trained, _, _ = fit(tmp_path / 'linked', Change('through .data'), max_epochs=2)
+    assert inode(tmp_path / 'linked', 'epoch-0001') == inode(tmp_path / 'linked', 'epoch-0002')
+    stale = load_file(tmp_path / 'linked' / 'epoch-0002' / PART)['lin.weight']
+    assert not torch.equal(stale, trained.module_.lin.weight)
+
+    trained, _, _ = fit(tmp_path / 'whole', Change('through .data'), max_epochs=2,
+                        reuse_frozen=False)
+    saved = manifest(tmp_path / 'whole', 'epoch-0002')
+    assert 'frozen_parts' not in saved and PART not in saved['files']
+    whole = load_file(tmp_path / 'whole' / 'epoch-0002' / 'model.safetensors')
+    assert_same_tensors(whole, trained.module_.state_dict())
+
+
+def test_a_part_removed_by_hand_is_written_again(tmp_path):
+    class RemoveFirst(Callback):
+        def on_epoch_begin(self, net, **kwargs):
+            if len(net.history) == 2:
+                os.remove(tmp_path / 'epoch-0001' / PART)
+
+    fit(tmp_path, RemoveFirst(), max_epochs=2, keep_last=2)
+    assert manifest(tmp_path, 'epoch-0002')['linked'] == {}
+    assert os.stat(tmp_path / 'epoch-0002' / PART).st_nlink == 1
+    assert verify(tmp_path / 'epoch-0002').damaged == []
+    assert 'is missing' in verify(tmp_path / 'epoch-0001').damaged[0]
+
+
+def test_nothing_frozen_writes_what_save_state_writes(tmp_path):
+    fit_checkpointed(tmp_path, max_epochs=2)
+    saved = manifest(tmp_path, 'epoch-0002')
+    assert 'frozen_parts' not in saved and saved['format_version'] == SHARED_STATES_FORMAT
+    assert sorted(f for f in saved['files'] if f.startswith('model')) == ['model.safetensors']
+
