@@ -21,21 +21,13 @@ from skorch import NeuralNetClassifier
 from skorch.callbacks import Callback
 
 from checkpointed import fit as fit_checkpointed, state
-from common import MLP
+from common import MLP, FrozenBaseMLP
 from skorch_accel_callbacks.format._manifest import FROZEN_PARTS_FORMAT, SHARED_STATES_FORMAT
 from skorch_accel_callbacks.tools.export import export
 from skorch_accel_callbacks.tools.inspection import verify
 from testutil import assert_identical, read_json
 
 PART = 'model_frozen.safetensors'
-
-
-class FrozenBaseMLP(MLP):
-    """The MLP with its first layer frozen as it is built."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.lin.requires_grad_(False)
 
 
 fit = partial(fit_checkpointed, net_kwargs={'module': FrozenBaseMLP})

@@ -70,6 +70,8 @@ from testutil import assert_identical, final_state, read_json
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 SUBSET_SEED = 30
+# the job of tests/faults/workers/killable.py with its first layer frozen
+FROZEN = {'FROZEN_BASE': '1'}
 
 
 def test_a_machine_without_strace_fails_the_suite_saying_so(monkeypatch):
@@ -107,12 +109,13 @@ def strace():
     require_strace()
 
 
-def traced_run(zygote, folder, nproc, reference):
+def traced_run(zygote, folder, nproc, reference, **env):
     """The plan of each rank: crash points from an uninterrupted traced launch."""
     root = folder / 'ckpt'
     options = {rank: ['-f', '-qq', '-y', '-e', 'signal=none', '-o', str(folder / f'trace{rank}'),
                       '-e', 'trace=' + ','.join(MUTATING)] for rank in range(nproc)}
-    zygote.launch('killable.py', folder, root, 'dry', nproc=nproc, strace=options).check()
+    zygote.launch('killable.py', folder, root, 'dry', nproc=nproc, strace=options,
+                  **env).check()
     # the fork server and strace change nothing that the test compares
     assert_identical(final_state(reference, 'ref'), final_state(folder, 'dry'))
     return {rank: plan((folder / f'trace{rank}').read_text(), str(root))
@@ -128,13 +131,23 @@ def one_process(zygote, tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
+def frozen_base(zygote, tmp_path_factory):
+    """The 1-process reference and plan of the job whose first layer is
+    frozen: the save of epoch 2 links epoch 1's frozen part, then its
+    commit retires epoch 1."""
+    folder = tmp_path_factory.mktemp('crash-frozen')
+    run_job('killable.py', folder, folder / 'ref-ckpt', 'ref', nproc=1, **FROZEN).check()
+    return folder, traced_run(zygote, folder, 1, folder, **FROZEN)
+
+
+@pytest.fixture(scope='module')
 def two_processes(zygote, reference, tmp_path_factory):
     """The plans of both ranks' processes in 2 processes."""
     folder = tmp_path_factory.mktemp('crash-2proc')
     return reference, traced_run(zygote, folder, 2, reference)
 
 
-def kill_at(zygote, point, folder, nproc, rank):
+def kill_at(zygote, point, folder, nproc, rank, env):
     """Launch the job with rank ``rank`` killed at ``point``: the folder of
     the launch that died exactly there, and the number of launches it took.
 
@@ -153,7 +166,7 @@ def kill_at(zygote, point, folder, nproc, rank):
         attempt.mkdir()
         ckpt, trace = attempt / 'ckpt', attempt / 'kill.trace'
         result = zygote.launch('killable.py', attempt, ckpt, 'killed', nproc=nproc, strace={
-            rank: point.strace_options(str(ckpt), trace, when)})
+            rank: point.strace_options(str(ckpt), trace, when)}, **env)
         assert not result.timed_out, f"{where}: hung\n{result.report()}"
         landed, number = point.landed(parse(trace.read_text()), str(ckpt))
         if result.returncodes[rank] == -9 and landed:
@@ -163,15 +176,16 @@ def kill_at(zygote, point, folder, nproc, rank):
                          f"{trace.read_text()[-3000:]}\n{result.report()}")
 
 
-def crash_at(zygote, point, folder, reference, nproc, rank):
+def crash_at(zygote, point, folder, reference, nproc, rank, env):
     """Kill rank ``rank`` at ``point``, relaunch, check that nothing is lost;
     the number of launches the kill took."""
-    folder, tries = kill_at(zygote, point, folder, nproc, rank)
+    folder, tries = kill_at(zygote, point, folder, nproc, rank, env)
     ckpt = folder / 'ckpt'
     where = f"crash point {point.number} of rank {rank} in {nproc} process(es): {point.what}"
     expected = str(ckpt / point.committed)
     assert pointed(ckpt) == expected, f"{where}: a committed checkpoint was lost"
-    relaunch = zygote.launch('killable.py', folder, ckpt, 'relaunch', nproc=nproc, grace=10.0)
+    relaunch = zygote.launch('killable.py', folder, ckpt, 'relaunch', nproc=nproc, grace=10.0,
+                             **env)
     relaunch.check()
     for other in range(nproc):
         resumed = read_json(folder / f'resumed-relaunch-rank{other}.json')
@@ -193,14 +207,14 @@ def one_point(points):
     return [random.Random(SUBSET_SEED).choice(points)]
 
 
-def enumerate_points(zygote, plans, reference, nproc, tmp_path, pick):
+def enumerate_points(zygote, plans, reference, nproc, tmp_path, pick, env=None):
     counts, retried = {}, 0
     for rank, points in plans.items():
         chosen = pick(points)
         for point in chosen:
             folder = tmp_path / f'rank{rank}-point{point.number}'
             folder.mkdir()
-            retried += crash_at(zygote, point, folder, reference, nproc, rank) > 1
+            retried += crash_at(zygote, point, folder, reference, nproc, rank, env or {}) > 1
         counts[rank] = (len(chosen), len(points))
     return counts, retried
 
@@ -226,6 +240,37 @@ def test_every_crash_point_of_a_save_in_1_process(zygote, one_process, tmp_path,
     reference, plans = one_process
     counts = enumerate_points(zygote, plans, reference, 1, tmp_path, list)
     record_property('summary', summary(1, *counts) + f'; kinds {dict(kinds(plans[0]))}')
+
+
+def links(points):
+    """The points of the frozen save that link a committed part."""
+    return [point for point in points if point.call.name in ('link', 'linkat')]
+
+
+def test_subset_of_the_crash_points_of_a_save_that_links_a_frozen_part(
+        zygote, frozen_base, tmp_path, record_property):
+    """The link of epoch 1's frozen part is a crash point of epoch 2's save
+    (the plan holds it: the save links, it does not write the part), killed
+    there and at one point of each other kind: nothing committed is lost,
+    no checkpoint is left pointing at missing bytes (the relaunch resumes
+    from the one committed, which retention of the other left whole)."""
+    reference, plans = frozen_base
+    linking = links(plans[0])
+    assert linking and all('model_frozen.safetensors' in ' '.join(point.call.paths)
+                           for point in linking), [p.what for p in plans[0]]
+    counts = enumerate_points(
+        zygote, plans, reference, 1, tmp_path,
+        lambda points: linking + [p for p in subset(points) if p not in linking], FROZEN)
+    record_property('summary', summary(1, *counts) + ' (frozen base: the link and one '
+                    'point of each other kind)')
+
+
+@pytest.mark.crash
+def test_every_crash_point_of_a_save_that_links_a_frozen_part(zygote, frozen_base, tmp_path,
+                                                              record_property):
+    reference, plans = frozen_base
+    counts = enumerate_points(zygote, plans, reference, 1, tmp_path, list, FROZEN)
+    record_property('summary', summary(1, *counts) + ' (frozen base)')
 
 
 def test_subset_of_the_crash_points_of_a_save_in_2_processes(zygote, two_processes, tmp_path,

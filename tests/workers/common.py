@@ -49,6 +49,16 @@ class MLP(torch.nn.Module):
         return torch.softmax(self.out(self.drop(torch.relu(self.lin(X)))), dim=-1)
 
 
+class FrozenBaseMLP(MLP):
+    """The MLP with its first layer frozen as it is built (before DDP wraps
+    it), as a pretrained base is: its checkpoints hold that layer in a file
+    of its own, linked while unchanged."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lin.requires_grad_(False)
+
+
 def log_nll(y_pred, y):
     return torch.nn.functional.nll_loss(torch.log(y_pred), y)
 

@@ -66,6 +66,7 @@ from common import (
     MLP,
     BatchEnds,
     FixedNet,
+    FrozenBaseMLP,
     NotTrainingState,
     StockNet,
     data_pipeline,
@@ -271,14 +272,6 @@ class TwoModuleNet(FixedNet):
 
     def infer(self, x, **fit_params):
         return self.head2_(super().infer(x, **fit_params))
-
-
-class FrozenBaseMLP(MLP):
-    """The MLP with its first layer frozen, as a pretrained base is."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.lin.requires_grad_(False)
 
 
 def build(dirname, scenario, ckpt_options):

@@ -12,7 +12,9 @@ Environment:
 - ASYNC=1: ``AccelerateCheckpoint(async_save=True)`` (the kill points of the
   commit then fire in its writer thread);
 - FREEZE=EPOCH:RANK: rank RANK stops itself (SIGSTOP) after batch 1 of
-  EPOCH, as a hung node would, instead of dying.
+  EPOCH, as a hung node would, instead of dying;
+- FROZEN_BASE=1: the module's first layer is frozen (common.FrozenBaseMLP):
+  each save after the first links its frozen part instead of writing it.
 
 Every rank writes ``<TAG>-rank<r>.json`` (the folder it resumed from), and
 every rank ``<TAG>-rank<r>.pt`` (final state) when training ends; each rank writes
@@ -31,7 +33,7 @@ import torch
 from skorch.callbacks import Callback
 
 import faultjob
-from common import BatchEnds, rank
+from common import BatchEnds, FrozenBaseMLP, rank
 from faultjob import EpochTracker, die, hold
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks.engine import _state_files as state_files
@@ -245,8 +247,9 @@ def main():
             callbacks.append(BatchKiller(instrument))
     if os.environ.get('FREEZE'):
         callbacks.append(Freeze(*map(int, os.environ['FREEZE'].split(':'))))
+    module = {'module': FrozenBaseMLP} if os.environ.get('FROZEN_BASE') == '1' else {}
     net, _ = faultjob.build(dirname, callbacks=callbacks,
-                            async_save=os.environ.get('ASYNC') == '1')
+                            async_save=os.environ.get('ASYNC') == '1', **module)
     net.fit(*faultjob.data())
     faultjob.finish(net, tag)
 
