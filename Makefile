@@ -86,6 +86,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_checkpoint.py
 	$(PY) benchmarks/bench_peers.py
 	$(PY) benchmarks/bench_positions.py
+	$(PY) benchmarks/bench_frozen.py
 	$(PY) benchmarks/bench_mid_epoch.py
 	$(PY) benchmarks/bench_resume.py
 
