@@ -31,8 +31,10 @@ promise not to change the parameter, and a run that changes frozen weights
 that way must save with ``AccelerateCheckpoint(reuse_frozen=False)``.
 
 A checkpoint in a bucket is written to its local staging folder first: a
-link works there while the previous checkpoint is still staged, and the
-upload sends the part's bytes as any file's.
+link works there while the previous checkpoint is still staged; the upload
+sends the part once, into the store's shared folder, where every later
+checkpoint's manifest references it
+(:func:`~skorch_accel_callbacks.format.shared_object`).
 """
 
 from __future__ import annotations

@@ -83,6 +83,7 @@ __all__ = [
     'PER_RANK_ITEMS',
     'POINTERS',
     'PROBE_PREFIX',
+    'SHARED_FOLDER',
     'SHARED_STATES_FORMAT',
     'Problem',
     'batches_into_epoch',
@@ -111,6 +112,7 @@ __all__ = [
     'probe_name',
     'rank_state_name',
     'read_manifest',
+    'shared_object',
     'stopped_early',
     'training_order',
     'with_frozen_parts',
@@ -314,6 +316,26 @@ def frozen_part_name(model_file: str) -> str:
     ``model_1.safetensors`` -> ``model_1_frozen.safetensors``."""
     stem, dot, extension = model_file.partition('.')
     return f'{stem}_frozen{dot}{extension}'
+
+
+#: in a store, the folder beside the checkpoints that holds their frozen
+#: parts (:func:`shared_object`)
+SHARED_FOLDER = 'shared'
+
+
+def shared_object(manifest: dict[str, Any], rel: str) -> str | None:
+    """Where in a store the file ``rel`` of ``manifest``'s checkpoint lies
+    when it is a frozen part (:func:`frozen_part_name`): once for every
+    checkpoint that holds those bytes, in :data:`SHARED_FOLDER`, named by
+    its checksum (``shared/model_frozen-<16 hex digits>.safetensors``), so
+    that a checkpoint in a store references the object an earlier one sent
+    instead of sending a copy. None for any other file, which lies in the
+    checkpoint's own folder."""
+    checksum = (manifest.get('checksums') or {}).get(rel)
+    if rel not in frozen_parts_of(manifest).values() or not isinstance(checksum, str):
+        return None
+    stem, dot, extension = rel.partition('.')
+    return f"{SHARED_FOLDER}/{stem}-{checksum.rpartition(':')[2]}{dot}{extension}"
 
 
 def with_frozen_parts(content: dict[str, Any], parts: dict[str, str],

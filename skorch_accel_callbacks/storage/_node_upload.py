@@ -40,7 +40,8 @@ def upload_from_nodes(nodes: NodeGroup, store: transfer.Store, local: str, name:
     manifest = _agreed(nodes, store, name, lambda: _read(store, local, name, replace, nodes))
     mine = [rel for rel in manifest[nodes.node]['files']
             if not any(rel in before['files'] for before in manifest[:nodes.node])]
-    _agreed(nodes, store, name, lambda: transfer.send(store, local, name, mine))
+    _agreed(nodes, store, name,
+            lambda: transfer.send(store, local, name, mine, manifest[nodes.node]))
     if nodes.node == 0:
         transfer.seal(store, name, json.dumps(merged_manifest(manifest)).encode(), best,
                       before_manifest)

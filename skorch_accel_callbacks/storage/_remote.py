@@ -35,7 +35,12 @@ from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks.errors import CheckpointError, FolderInUseError, StoreUnavailableError
-from skorch_accel_callbacks.format import LEASE_NAME, EarlyFlush, discard_in_background
+from skorch_accel_callbacks.format import (
+    LEASE_NAME,
+    MANIFEST_NAME,
+    EarlyFlush,
+    discard_in_background,
+)
 from skorch_accel_callbacks.storage import (
     _node_upload as node_upload,
     _remote_read as remote_read,
@@ -409,6 +414,25 @@ class RemoteStorage(CheckpointStorage):
                           UserWarning)
             return
         self.remove_unkept(names, kept)
+        self._remove_unshared([name for name in names if name in kept])
+
+    def _remove_unshared(self, kept: list[str]) -> None:
+        """Remove the frozen parts in the store's shared folder that none of
+        the ``kept`` checkpoints lists (:func:`transfer.remove_unshared`);
+        where a kept one's manifest cannot be read, none: a part too many
+        is no loss, a part removed that a checkpoint lists would be."""
+        store = self._store()
+        try:
+            manifests = [store.persist(
+                f"reading {self.url(name)}/{MANIFEST_NAME}",
+                lambda seconds, name=name: remote_read.read_json(store, name, MANIFEST_NAME))
+                for name in kept]
+            if not all(isinstance(manifest, dict) for manifest in manifests):
+                raise ValueError("a manifest is not a JSON object")
+            transfer.remove_unshared(store, manifests)
+        except (OSError, ValueError, CheckpointError, StoreUnavailableError) as exc:
+            warnings.warn(f"could not remove the frozen parts that no checkpoint of "
+                          f"{self.dirname} holds: {exc}", UserWarning)
 
     def remove(self, name: str) -> None:
         """Remove checkpoint ``name`` from the store: its manifest first,

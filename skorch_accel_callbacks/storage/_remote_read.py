@@ -45,7 +45,7 @@ def check(store: transfer.Store, name: str) -> tuple[dict[str, Any], str | None]
     try:
         sealed, files = transfer.check_remote(store, name)
         manifest = json.loads(sealed)
-        _check_checksums(store, name, files, manifest.get('checksums') or {})
+        _check_checksums(store, name, files, manifest)
         return manifest, None
     except CorruptCheckpointError as exc:
         try:
@@ -56,20 +56,23 @@ def check(store: transfer.Store, name: str) -> tuple[dict[str, Any], str | None]
 
 
 def _check_checksums(store: transfer.Store, name: str, files: list[str],
-                     checksums: dict[str, str]) -> None:
+                     manifest: dict[str, Any]) -> None:
     """:class:`CorruptCheckpointError` naming the first file of ``files``
-    whose bytes in the store have another checksum than the manifest's."""
+    whose bytes in the store have another checksum than ``manifest``'s
+    (a frozen part: its shared object, :func:`transfer.object_parts`)."""
+    checksums = manifest.get('checksums') or {}
     for rel in files:
         expected = checksums.get(rel)
         # a checksum of another algorithm cannot be checked, as locally
         if not (isinstance(expected, str)
                 and expected.startswith(f'{CHECKSUM_ALGORITHM}:')):
             continue
-        with store.fs.open(store.path(name, rel.replace(os.sep, '/')), 'rb') as stream:
+        where = transfer.object_parts(name, rel, manifest)
+        with store.fs.open(store.path(*where), 'rb') as stream:
             actual = checksum_stream(stream)
         if actual != expected:
             raise CorruptCheckpointError(
-                f"{store.url(name)}/{rel} has checksum {actual}, "
+                f"{store.url(*where)} has checksum {actual}, "
                 f"{store.url(name)}/{MANIFEST_NAME} says {expected}: "
                 "the file is damaged")
 

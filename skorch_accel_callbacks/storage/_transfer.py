@@ -38,10 +38,13 @@ from skorch_accel_callbacks.errors import (
 )
 from skorch_accel_callbacks.format import (
     MANIFEST_NAME,
+    SHARED_FOLDER,
     check_manifest,
     checksum_file,
+    frozen_parts_of,
     is_checkpoint_name,
     pointer_name,
+    shared_object,
 )
 
 T = TypeVar('T')
@@ -319,7 +322,8 @@ def upload(store: Store, local: str, name: str, best: bool, replace: bool,
     sealed = staged_manifest(local)
     if replace:
         remove_manifest(store, name)
-    send(store, local, name, list(json.loads(sealed)['files']))
+    manifest = json.loads(sealed)
+    send(store, local, name, list(manifest['files']), manifest)
     seal(store, name, sealed, best, before_manifest)
 
 
@@ -352,10 +356,41 @@ def remove_manifest(store: Store, name: str) -> None:
                                                        **deadline(store.fs, seconds)))
 
 
-def send(store: Store, local: str, name: str, files: list[str]) -> None:
-    """Upload ``files`` (paths relative to the folder ``local``) into
-    checkpoint ``name``, sent again while the store fails
-    (:meth:`Store.persist`).
+def object_parts(name: str, rel: str, manifest: dict[str, Any]) -> tuple[str, ...]:
+    """Where in the store the file ``rel`` of checkpoint ``name``
+    (``manifest``) lies, as parts of a :meth:`Store.path` or
+    :meth:`Store.url`: in the checkpoint's folder, or for a frozen part
+    the object its checkpoints share
+    (:func:`~skorch_accel_callbacks.format.shared_object`)."""
+    shared = shared_object(manifest, rel)
+    return (name, rel) if shared is None else tuple(shared.split('/'))
+
+
+def object_path(store: Store, name: str, rel: str, manifest: dict[str, Any]) -> str:
+    """The path in the store's filesystem of :func:`object_parts`."""
+    return store.path(*object_parts(name, rel, manifest))
+
+
+def shared_sizes(store: Store) -> dict[str, int]:
+    """Path -> size of every object in the store's shared folder (one
+    listing); empty where there is none."""
+    folder = store.path(SHARED_FOLDER)
+    store.fs.invalidate_cache(folder)
+    try:
+        found = store.persist(f"listing {store.url(SHARED_FOLDER)}", lambda seconds: store.fs.find(
+            folder, detail=True, **deadline(store.fs, seconds)))
+    except FileNotFoundError:
+        return {}
+    return {path: info['size'] for path, info in found.items()}
+
+
+def send(store: Store, local: str, name: str, files: list[str],
+         manifest: dict[str, Any]) -> None:
+    """Upload ``files`` (paths relative to the folder ``local``) of
+    checkpoint ``name`` (``manifest``), sent again while the store fails
+    (:meth:`Store.persist`); a frozen part that the store holds already
+    (:func:`object_path`: named by its checksum, of the listed size) is not
+    sent again.
 
     s3fs retries a request that met a network error, but not an upload
     that failed for a reason of its own: the completion of a multipart
@@ -363,10 +398,14 @@ def send(store: Store, local: str, name: str, files: list[str]) -> None:
     when the first one completed it. Sending the files again is safe: they
     are not committed until the manifest is written.
     """
+    paths = {rel: object_path(store, name, rel, manifest) for rel in files}
+    if any(shared_object(manifest, rel) for rel in files):
+        held = shared_sizes(store)
+        files = [rel for rel in files if held.get(paths[rel]) != manifest['files'][rel]]
     if not files:
         return
     sources = [os.path.join(local, rel) for rel in files]
-    targets = [store.path(name, rel) for rel in files]
+    targets = [paths[rel] for rel in files]
     # one call: an async filesystem (s3fs) sends the files concurrently,
     # and of a file of 100 MiB or more up to 10 parts (max_concurrency)
     # of 50 MiB at once: s3fs's own put (benchmarks/RESULTS.rst).
@@ -476,16 +515,21 @@ def check_remote(store: Store, name: str) -> tuple[bytes, list[str]]:
         raise CorruptCheckpointError(f"{target} is missing") from exc
     except (ValueError, TypeError, KeyError) as exc:
         raise CorruptCheckpointError(f"{target} is not a manifest: {exc}") from exc
+    manifest = json.loads(sealed)
     fs.invalidate_cache(remote)
-    sizes = {path[len(remote) + 1:]: info['size']
-             for path, info in fs.find(remote, detail=True).items()}
+    sizes = dict(fs.find(remote, detail=True).items())
+    if any(shared_object(manifest, rel) for rel in files):
+        sizes.update(shared_sizes(store))
+    sizes = {path: info if isinstance(info, int) else info['size']
+             for path, info in sizes.items()}
     for rel, size in files.items():
-        rel = rel.replace(os.sep, '/')
-        if rel not in sizes:
-            raise CorruptCheckpointError(f"{url}/{rel} is missing (listed in {target})")
-        if sizes[rel] != size:
+        path = object_path(store, name, rel, manifest)
+        where = store.url(*object_parts(name, rel, manifest))
+        if path not in sizes:
+            raise CorruptCheckpointError(f"{where} is missing (listed in {target})")
+        if sizes[path] != size:
             raise CorruptCheckpointError(
-                f"{url}/{rel} has {sizes[rel]} bytes, {target} says {size}: "
+                f"{where} has {sizes[path]} bytes, {target} says {size}: "
                 "the file is damaged")
     return sealed, list(files)
 
@@ -506,9 +550,10 @@ def download(store: Store, name: str, files: list[str], sealed: bytes,
     for folder in {os.path.dirname(path) for path in targets}:
         os.makedirs(folder, exist_ok=True)
     if fetched:
+        manifest = json.loads(sealed)
         # one call, s3fs's own get: the files concurrently, a file over 50 MiB
         # in up to 10 ranged GETs of 50 MiB at once
-        store.fs.get([store.path(name, rel) for rel in fetched], targets)
+        store.fs.get([object_path(store, name, rel, manifest) for rel in fetched], targets)
     with open(os.path.join(partial, MANIFEST_NAME), 'wb') as file:
         file.write(sealed)
     manifest, problems = check_manifest(partial)
@@ -561,6 +606,21 @@ def abort_uploads(store: Store) -> None:
             return
         markers = {'KeyMarker': listed['NextKeyMarker'],
                    'UploadIdMarker': listed['NextUploadIdMarker']}
+
+
+def remove_unshared(store: Store, manifests: list[dict[str, Any]]) -> None:
+    """Remove the objects of the store's shared folder that none of
+    ``manifests`` (those of every checkpoint the store keeps) lists: the
+    frozen parts of retired checkpoints that no kept one shares, and those
+    a job killed before its manifest sent."""
+    kept = {store.path(*shared.split('/')) for manifest in manifests
+            for rel in frozen_parts_of(manifest).values()
+            if (shared := shared_object(manifest, rel)) is not None}
+    for path in shared_sizes(store):
+        if path not in kept:
+            store.persist(f"removing {store.url(SHARED_FOLDER, path.rpartition('/')[2])}",
+                          lambda seconds, path=path: store.fs.rm_file(
+                              path, **deadline(store.fs, seconds)))
 
 
 def remove_unsealed(store: Store, committed: set[str]) -> None:

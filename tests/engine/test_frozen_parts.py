@@ -1,5 +1,7 @@
 """The frozen parameters of a model: saved in a file of their own, linked
-instead of written while unchanged (issue 40, item 3).
+instead of written while unchanged (issue 40, item 3); in a bucket (the
+local S3 server) sent once into the store's shared folder and referenced
+by every checkpoint's manifest.
 
 Each test fits a net whose first layer is frozen (as a pretrained base is)
 in one process and reads its checkpoint folder: which files are one inode
@@ -10,7 +12,9 @@ and the one it cannot see (a write through ``.data``) is shown to need
 ``reuse_frozen=False``.
 """
 
+import json
 import os
+import shutil
 from functools import partial
 
 import pytest
@@ -23,6 +27,7 @@ from skorch.callbacks import Callback
 from checkpointed import fit as fit_checkpointed, state
 from common import MLP, FrozenBaseMLP
 from skorch_accel_callbacks.format._manifest import FROZEN_PARTS_FORMAT, SHARED_STATES_FORMAT
+from skorch_accel_callbacks.storage._remote import RemoteStorage
 from skorch_accel_callbacks.tools.export import export
 from skorch_accel_callbacks.tools.inspection import verify
 from testutil import assert_identical, read_json
@@ -205,3 +210,72 @@ def test_nothing_frozen_writes_what_save_state_writes(tmp_path):
     assert 'frozen_parts' not in saved and saved['format_version'] == SHARED_STATES_FORMAT
     assert sorted(f for f in saved['files'] if f.startswith('model')) == ['model.safetensors']
 
+
+
+# ---------------------------------------------------------------- in a bucket
+
+def bucket_files(prefix):
+    import fsspec
+    fs = fsspec.filesystem('s3')
+    fs.invalidate_cache()
+    return sorted(path[len(prefix) + 1:] for path in fs.find(prefix))
+
+
+def test_a_bucket_holds_a_frozen_part_once_and_every_checkpoint_references_it(
+        s3_bucket, tmp_path):
+    """The part is sent once, into the store's shared folder named by its
+    checksum; each manifest lists it as any file; a resume on a new machine
+    (nothing staged) from the bucket alone is exact."""
+    import fsspec
+    url = f's3://{s3_bucket}/run'
+    full, _, _ = fit(tmp_path / 'local', max_epochs=4)
+    _, cp, _ = fit(url, max_epochs=3, keep_last=3)
+    files = bucket_files(f'{s3_bucket}/run')
+    shared = [file for file in files if file.startswith('shared/')]
+    checksum = manifest(cp.folder_.local_dir, 'epoch-0003')['checksums'][PART]
+    assert shared == [f"shared/model_frozen-{checksum.split(':')[1]}.safetensors"]
+    for name in ('epoch-0001', 'epoch-0002', 'epoch-0003'):
+        assert f'{name}/manifest.json' in files and f'{name}/{PART}' not in files
+        sealed = json.loads(fsspec.filesystem('s3').cat_file(
+            f'{s3_bucket}/run/{name}/manifest.json'))
+        assert sealed['checksums'][PART] == checksum
+    shutil.rmtree(cp.folder_.local_dir)  # a new machine: only the bucket
+    resumed, _, load = fit(url, max_epochs=4, keep_last=3)
+    assert load.loaded_from_ == f'{url}/epoch-0003'
+    assert_identical(state(full), state(resumed))
+
+
+def test_retention_in_a_bucket_keeps_the_part_a_kept_checkpoint_references(s3_bucket):
+    url = f's3://{s3_bucket}/run'
+    _, cp, _ = fit(url, max_epochs=3, keep_last=1)
+    files = bucket_files(f'{s3_bucket}/run')
+    assert [file for file in files if not file.startswith('shared/')] == sorted(
+        ['latest.json'] + [f'epoch-0003/{file}' for file in os.listdir(
+            os.path.join(cp.folder_.local_dir, 'epoch-0003')) if file != PART])
+    assert len([file for file in files if file.startswith('shared/')]) == 1
+    assert cp.folder_.check('epoch-0003')[1] is None
+
+
+def test_a_part_no_kept_checkpoint_references_is_removed_from_the_bucket(s3_bucket):
+    """Unfrozen after epoch 1: epoch 2 has no part; once retention removed
+    epoch 1, nothing references the shared part, and it goes too."""
+    _, cp, _ = fit(f's3://{s3_bucket}/run', Change('unfrozen'), max_epochs=2, keep_last=1)
+    files = bucket_files(f'{s3_bucket}/run')
+    assert not [file for file in files if file.startswith('shared/')], files
+    assert 'epoch-0002/manifest.json' in files and cp.committed() == ['epoch-0002']
+
+
+def test_a_damaged_shared_part_is_reported_for_every_checkpoint_in_the_bucket(s3_bucket):
+    import fsspec
+    fs = fsspec.filesystem('s3')
+    url = f's3://{s3_bucket}/run'
+    _, cp, _ = fit(url, max_epochs=2, keep_last=2)
+    fs.invalidate_cache()
+    (shared,) = fs.find(f'{s3_bucket}/run/shared')
+    data = bytearray(fs.cat_file(shared))
+    data[-1] ^= 0xFF
+    fs.pipe_file(shared, bytes(data))
+    storage = RemoteStorage(url)
+    for name in ('epoch-0001', 'epoch-0002'):
+        _, why = storage.check(name)
+        assert why is not None and 'shared/model_frozen-' in why and 'checksum' in why, why

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from faultsuite import COLLECTIVE_TIMEOUT, WORKERS
 from launcher import LaunchResult, rank_environments
+from skorch_accel_callbacks.format import SHARED_FOLDER
 
 STRACE = shutil.which('strace')
 
@@ -303,6 +304,9 @@ def request_what(line, run, checkpoint):
     target = target.replace(f'/{run}/', '/', 1).replace(f'prefix={run}%2F', 'prefix=')
     target = target.lstrip('/')
     name = target.rsplit('/', 1)[-1]
+    # a frozen part sent into the shared folder goes with the checkpoint's files
+    if method == 'PUT' and target.startswith(f'{SHARED_FOLDER}/'):
+        target = f'{checkpoint}/{name}'
     if f'{checkpoint}/' in target and name != 'manifest.json' and method == 'PUT':
         target = target.replace(name, '<file>')
     return f'{method} {target}'
@@ -311,14 +315,16 @@ def request_what(line, run, checkpoint):
 def upload_points(counted, run, epoch=2):
     """``(number, what, committed)`` for each request of the upload of
     checkpoint ``epoch``, its commit and the retirement of the one before,
-    from the requests counted after the commit of ``epoch - 1`` up to the
-    first naming ``epoch + 1``: ``committed`` is the checkpoint that must
-    be committed once the store has done that request."""
+    from the requests counted after the commit of ``epoch - 1`` (from the
+    first, for epoch 1) up to the first naming ``epoch + 1``: ``committed``
+    is the checkpoint that must be committed once the store has done that
+    request (None: none yet)."""
     name, following = f'epoch-{epoch:04d}', f'epoch-{epoch + 1:04d}'.encode()
     end = next(i for i, line in enumerate(counted) if following in line)
     whats = [request_what(line, run, name) for line in counted[:end]]
     pointer = whats.index('PUT latest.json') + 1
-    return [(number, what, name if number >= pointer else f'epoch-{epoch - 1:04d}')
+    before = f'epoch-{epoch - 1:04d}' if epoch > 1 else None
+    return [(number, what, name if number >= pointer else before)
             for number, what in enumerate(whats, 1)]
 
 

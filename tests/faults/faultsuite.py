@@ -9,7 +9,14 @@ import os
 from pathlib import Path
 
 from launcher import launch
-from skorch_accel_callbacks.format import check_manifest, is_checkpoint_name, read_manifest
+from skorch_accel_callbacks.format import (
+    MANIFEST_NAME,
+    SHARED_FOLDER,
+    check_manifest,
+    is_checkpoint_name,
+    read_manifest,
+    shared_object,
+)
 from skorch_accel_callbacks.storage._local import CheckpointFolder
 from skorch_accel_callbacks.storage._remote import RemoteStorage
 from testutil import read_json
@@ -71,14 +78,21 @@ def expected_resume(url):
 
 
 def leftovers(url):
-    """Unfinished multipart uploads and checkpoint folders without a
-    manifest under ``url``."""
+    """Unfinished multipart uploads, checkpoint folders without a manifest
+    and shared frozen parts that no committed checkpoint lists, under ``url``."""
     storage = RemoteStorage(url)
     fs = storage._filesystem()[0]
     bucket, key = url[len('s3://'):].split('/', 1)
     unfinished = fs.call_s3('list_multipart_uploads', Bucket=bucket,
                             Prefix=f'{key}/').get('Uploads', [])
     names = {path.rsplit('/', 1)[-1] for path in fs.ls(f'{bucket}/{key}', refresh=True)}
+    committed = storage.committed()
+    listed = {shared for name in committed
+              for manifest in [storage.read_json(name, MANIFEST_NAME)]
+              for rel in manifest.get('frozen_parts', {}).values()
+              if (shared := shared_object(manifest, rel)) is not None}
+    held = {path[len(f'{bucket}/{key}/'):] for path in fs.find(f'{bucket}/{key}/{SHARED_FOLDER}')}
     return ([upload['Key'] for upload in unfinished]
             + sorted(name for name in names if is_checkpoint_name(name)
-                     and name not in storage.committed()))
+                     and name not in committed)
+            + sorted(held - listed))

@@ -308,19 +308,22 @@ def store(s3_endpoint, tmp_path_factory):
         proxy.cut()
 
 
-def traced_upload(zygote, store, folder, nproc, reference):
-    """The requests of one upload, from an uninterrupted launch through the
-    proxy: the crash points of an upload in ``nproc`` process(es)."""
+def traced_upload(zygote, store, folder, nproc, reference, epoch=2, raw=False, **env):
+    """The requests of the upload of checkpoint ``epoch``, from an
+    uninterrupted launch through the proxy: the crash points of an upload
+    in ``nproc`` process(es) (with ``raw``, and the request lines)."""
     bucket, proxy = store
-    counter = KillAtRequest(folder / 'pid-dry-rank0', skip=1)
+    counter = KillAtRequest(folder / 'pid-dry-rank0', skip=epoch - 1)
     proxy.on_request = counter
+    run = f'dry{nproc}-{folder.name}'
     try:
-        zygote.launch('upload_killable.py', folder, f's3://{bucket}/dry{nproc}', 'dry',
-                      nproc=nproc, AWS_ENDPOINT_URL=proxy.endpoint).check()
+        zygote.launch('upload_killable.py', folder, f's3://{bucket}/{run}', 'dry',
+                      nproc=nproc, AWS_ENDPOINT_URL=proxy.endpoint, **env).check()
     finally:
         proxy.on_request = None
     assert_identical(final_state(reference, 'ref'), final_state(folder, 'dry'))
-    return upload_points(counter.counted, f'dry{nproc}')
+    points = upload_points(counter.counted, run, epoch)
+    return (points, counter.counted) if raw else points
 
 
 @pytest.fixture(scope='module')
@@ -338,30 +341,36 @@ def upload_plan_2(zygote, reference, store, tmp_path_factory):
                          reference)
 
 
-def upload_crash_at(zygote, point, store, folder, reference, nproc):
+def upload_crash_at(zygote, point, store, folder, reference, nproc, epoch=2, **env):
     """Kill the job (rank 0, the uploader) once the store did request
-    ``point``, relaunch, check."""
+    ``point`` of the upload of checkpoint ``epoch``, relaunch, check."""
     (number, what, committed), (bucket, proxy) = point, store
-    url = f's3://{bucket}/point{number}-{nproc}proc'
+    run = f'point{number}-{nproc}proc-{uuid.uuid4().hex[:8]}'
+    url = f's3://{bucket}/{run}'
+    name = f'epoch-{epoch:04d}'
     where = f"crash point {number} of an upload in {nproc} process(es): {what}"
-    killer = KillAtRequest(folder / 'pid-killed-rank0', skip=1, number=number)
+    killer = KillAtRequest(folder / 'pid-killed-rank0', skip=epoch - 1, number=number)
     proxy.on_request = killer
     try:
         result = zygote.launch('upload_killable.py', folder, url, 'killed', nproc=nproc,
-                               AWS_ENDPOINT_URL=proxy.endpoint)
+                               AWS_ENDPOINT_URL=proxy.endpoint, **env)
     finally:
         proxy.on_request = None
     assert killer.fired and result.returncodes[0] == -9, \
         f"{where}: did not fire\n{result.report()}"
-    assert request_what(killer.fired, f'point{number}-{nproc}proc', 'epoch-0002') == what, \
-        (where, killer.fired)
+    assert request_what(killer.fired, run, name) == what, (where, killer.fired)
     storage = RemoteStorage(url)
-    assert committed in storage.committed() and storage.check(committed)[1] is None, \
-        f"{where}: committed {committed} lost: {storage.committed()}"
+    if committed is not None:
+        assert committed in storage.committed() and storage.check(committed)[1] is None, \
+            f"{where}: committed {committed} lost: {storage.committed()}"
     expected, _ = expected_resume(url)
-    # the relaunch may finish the cut upload: never older than what was committed
-    assert expected in (storage.url(committed), storage.url('epoch-0002')), (where, expected)
-    zygote.launch('upload_killable.py', folder, url, 'relaunch', nproc=nproc).check()
+    # the relaunch may finish the cut upload, or that of the next checkpoint,
+    # staged while the retirement after this one ran: never older than what
+    # was committed
+    newer = (name, f'epoch-{epoch + 1:04d}')
+    assert expected in (committed and storage.url(committed), *map(storage.url, newer)), \
+        (where, expected)
+    zygote.launch('upload_killable.py', folder, url, 'relaunch', nproc=nproc, **env).check()
     for rank in range(nproc):
         outcome = read_json(folder / f'relaunch-rank{rank}.json')
         assert (outcome['error'], outcome['loaded_from'], outcome['num_processes']) == (
@@ -371,11 +380,11 @@ def upload_crash_at(zygote, point, store, folder, reference, nproc):
     assert leftovers(url) == [], where
 
 
-def enumerate_requests(zygote, points, store, reference, tmp_path, nproc):
+def enumerate_requests(zygote, points, store, reference, tmp_path, nproc, epoch=2, **env):
     for point in points:
         folder = tmp_path / f'request{point[0]}'
-        folder.mkdir()
-        upload_crash_at(zygote, point, store, folder, reference, nproc)
+        folder.mkdir(parents=True)
+        upload_crash_at(zygote, point, store, folder, reference, nproc, epoch, **env)
     return len(points)
 
 
@@ -408,6 +417,66 @@ def test_subset_of_the_requests_of_an_upload_in_2_processes(
                                f'{len(upload_plan_2)} requests killed (seeded subset); every '
                                'relaunch bit-identical on both ranks, no committed checkpoint '
                                'lost')
+
+
+@pytest.fixture(scope='module')
+def frozen_upload_plans(zygote, frozen_base, store, tmp_path_factory):
+    """The crash points of the uploads of epochs 1 and 2 of the job with a
+    frozen layer: epoch 1's sends the part into the store's shared folder,
+    epoch 2's finds it there and sends the rest, then retirement removes
+    epoch 1 and what no kept checkpoint lists of the shared folder."""
+    reference = frozen_base[0]
+    return {epoch: traced_upload(zygote, store, tmp_path_factory.mktemp(f'frozen-up{epoch}'),
+                                 1, reference, epoch, raw=True, **FROZEN)
+            for epoch in (1, 2)}
+
+
+def shared_requests(plan):
+    return [point for point in plan if 'shared' in point[1]]
+
+
+def sends_shared(lines, epoch):
+    """Whether the requests ``lines`` send a frozen part into the shared
+    folder before the upload of epoch ``epoch`` commits."""
+    pointer = f'epoch-{epoch:04d}/manifest.json'.encode()
+    end = next(i for i, line in enumerate(lines) if pointer in line)
+    return any(line.startswith(b'PUT ') and b'/shared/model_frozen-' in line
+               for line in lines[:end])
+
+
+def test_the_requests_of_an_upload_that_sends_or_finds_a_shared_frozen_part(
+        zygote, frozen_base, store, frozen_upload_plans, tmp_path, record_property):
+    """Killed at every request that names the shared folder (the part sent
+    by epoch 1's upload, listed by epoch 2's and by the retirement after
+    it) and at the manifest of each: nothing committed is lost, the relaunch
+    ends bit-identical, and the store keeps no part that no checkpoint
+    lists and lacks none that one lists."""
+    reference = frozen_base[0]
+    done = 0
+    for epoch, (requests, lines) in frozen_upload_plans.items():
+        sent = [point for point in requests
+                if point[1] == f'PUT epoch-{epoch:04d}/manifest.json']
+        chosen = shared_requests(requests) + sent
+        assert shared_requests(requests) and sent, [point[1] for point in requests]
+        # epoch 1's upload sends the part; epoch 2's finds it there
+        assert sends_shared(lines, epoch) == (epoch == 1)
+        done += enumerate_requests(zygote, chosen, store, reference, tmp_path / f'e{epoch}',
+                                   1, epoch, **FROZEN)
+    record_property('summary', f'crash points of an upload with a frozen part, 1 process: '
+                               f'{done} requests killed (those of the shared folder and the '
+                               'manifests); every relaunch bit-identical, no committed '
+                               'checkpoint lost, no shared part left over or missing')
+
+
+@pytest.mark.crash
+def test_every_request_of_the_uploads_with_a_frozen_part(zygote, frozen_base, store,
+                                                        frozen_upload_plans, tmp_path,
+                                                        record_property):
+    done = sum(enumerate_requests(zygote, requests, store, frozen_base[0],
+                                  tmp_path / f'e{epoch}', 1, epoch, **FROZEN)
+               for epoch, (requests, _) in frozen_upload_plans.items())
+    record_property('summary', f'crash points of the uploads with a frozen part, 1 process: '
+                               f'{done} requests killed; every relaunch bit-identical')
 
 
 @pytest.mark.crash

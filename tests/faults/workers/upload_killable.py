@@ -12,6 +12,9 @@ Environment:
   was reached. The points wrap s3fs's own coroutines (``_put_file``,
   ``_pipe_file``), which the upload goes through.
 
+FROZEN_BASE=1: the module's first layer is frozen (common.FrozenBaseMLP):
+its part is sent once into the store's shared folder.
+
 Every rank writes ``resumed-<TAG>-rank<r>.json`` (the folder it resumed
 from, the number of processes) when its first epoch begins, then
 ``<TAG>-rank<r>.json``: the folder it resumed from, the epochs, the
@@ -31,7 +34,7 @@ import s3fs
 from skorch.callbacks import Callback
 
 import faultjob
-from common import UploadsEnded, write_result
+from common import FrozenBaseMLP, UploadsEnded, write_result
 from faultjob import EpochTracker, die
 from killable import RecordResume
 from skorch_accel_callbacks.format import MANIFEST_NAME, checkpoint_name, pointer_name
@@ -91,8 +94,9 @@ def main():
     # due faster than uploads would supersede a waiting one (never uploaded,
     # its kill points never reached), and the points are of one upload
     uploaded = UploadsEnded(epochs=range(1, faultjob.EPOCHS + 1))
+    module = {'module': FrozenBaseMLP} if os.environ.get('FROZEN_BASE') == '1' else {}
     net, _ = faultjob.build(url, callbacks=[EpochTracker(), RecordResume(), CountSteps(),
-                                            uploaded])
+                                            uploaded], **module)
     try:
         net.fit(*faultjob.data())
     except Exception as exc:  # pylint: disable=broad-except
