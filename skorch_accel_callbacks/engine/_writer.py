@@ -31,7 +31,12 @@ from skorch_accel_callbacks._core.wrapping import own_registries
 from skorch_accel_callbacks.engine import _state_files as state_files
 from skorch_accel_callbacks.engine._frozen import FrozenPart, FrozenParts, no_split
 from skorch_accel_callbacks.engine._stager import HostStager, Staged
-from skorch_accel_callbacks.format import EarlyFlush, manifest_content, with_frozen_parts
+from skorch_accel_callbacks.format import (
+    EarlyFlush,
+    linked_of,
+    manifest_content,
+    with_frozen_parts,
+)
 from skorch_accel_callbacks.state import (
     EpochStart,
     checkpoint_record,
@@ -113,12 +118,17 @@ class SaveReport:
     seconds: float | None = None
     #: with a background writer: how long training waited
     blocked_seconds: float | None = None
+    #: of :attr:`bytes`, those of files hard-linked to an earlier checkpoint's
+    #: (unchanged frozen parameters), not written by this save
+    linked_bytes: int = 0
 
     def message(self) -> str:
         """What the callback tells its sink."""
         text = f"Saved checkpoint {self.path}" + (" (finished)" if self.finished else '')
         if self.bytes is not None:
             text += f": {format_bytes(self.bytes)} in {self.seconds:.2f} s"
+            if self.linked_bytes:
+                text += f" ({format_bytes(self.linked_bytes)} of it unchanged, linked)"
             if self.blocked_seconds is not None:
                 text += f", training blocked {self.blocked_seconds:.2f} s"
         return text
@@ -295,7 +305,8 @@ class SyncWriter:
                             keep=request.keep)
         return SaveReport(self.storage.url(request.name), request.finished,
                           written['bytes'], written['save_seconds'],
-                          written.get('blocked_seconds'))
+                          written.get('blocked_seconds'),
+                          sum(written['files'][rel] for rel in linked_of(written)))
 
 
 class _InFlight(NamedTuple):

@@ -14,6 +14,7 @@ and the one it cannot see (a write through ``.data``) is shown to need
 
 import json
 import os
+import re
 import shutil
 from functools import partial
 
@@ -89,6 +90,23 @@ def test_a_resume_from_a_split_checkpoint_is_exact(tmp_path, async_save):
     assert load.loaded_from_.endswith('epoch-0002')
     assert_identical(state(full), state(resumed))
     assert not resumed.module_.lin.weight.requires_grad
+
+
+def test_the_sink_says_how_much_of_a_save_was_linked(tmp_path):
+    said = []
+    fit(tmp_path, max_epochs=2, sink=said.append)
+    saves = [line for line in said if line.startswith('Saved checkpoint')]
+    assert 'linked' not in saves[0]
+    assert re.search(r'\(2\.\d KiB of it unchanged, linked\)', saves[1]), saves[1]
+
+
+def test_load_best_loads_a_split_model(tmp_path):
+    trained, _, _ = fit(tmp_path, max_epochs=3, monitor='valid_loss_best', load_best=True)
+    best = manifest(tmp_path, json.loads((tmp_path / 'best.json').read_text())['name'])
+    assert best['frozen_parts'] == {'model.safetensors': PART}
+    saved = load_file(tmp_path / best['name'] / 'model.safetensors')
+    saved.update(load_file(tmp_path / best['name'] / PART))
+    assert_same_tensors(trained.module_.state_dict(), saved)
 
 
 def test_retention_removes_the_first_save_but_not_the_bytes_a_kept_one_links(tmp_path):
