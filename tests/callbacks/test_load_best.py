@@ -10,7 +10,7 @@ import torch
 from common import make_accelerator, make_data, make_net
 from launcher import launch
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
-from skorch_accel_callbacks.engine import is_sharded_model, model_files, read_model
+from skorch_accel_callbacks.engine import is_sharded_model, model_files, read_checkpoint_model
 from skorch_accel_callbacks.format import read_manifest
 
 
@@ -21,8 +21,9 @@ def best_at_epoch_2(net):
 def saved_model(checkpoint):
     """The module's parameters in checkpoint folder ``checkpoint`` (merged
     in this process where FSDP2 sharded them)."""
-    files = dict(model_files(read_manifest(checkpoint), checkpoint))
-    return read_model(os.path.join(checkpoint, files['module']))
+    manifest = read_manifest(checkpoint)
+    files = dict(model_files(manifest, checkpoint))
+    return read_checkpoint_model(checkpoint, manifest, files['module'])
 
 
 def assert_same(a, b):

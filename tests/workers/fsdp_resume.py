@@ -86,13 +86,14 @@ def kill_after_shards(name, who, tag):
     save_state = state_files.save_state
 
     def saved_then_killed(accelerator, folder, *args, **kwargs):
-        save_state(accelerator, folder, *args, **kwargs)
+        split = save_state(accelerator, folder, *args, **kwargs)
         if os.path.basename(folder).startswith(name + '.') and rank() == who:
             written = sorted(os.path.relpath(os.path.join(where, file), folder)
                              for where, _, files in os.walk(folder) for file in files)
             write_result(f'{tag}-killed-in-save', {'folder': os.path.basename(folder),
                                                    'written': written})
             os.kill(os.getpid(), signal.SIGKILL)
+        return split
 
     state_files.save_state = saved_then_killed
 
