@@ -297,3 +297,50 @@ def test_a_damaged_shared_part_is_reported_for_every_checkpoint_in_the_bucket(s3
     for name in ('epoch-0001', 'epoch-0002'):
         _, why = storage.check(name)
         assert why is not None and 'shared/model_frozen-' in why and 'checksum' in why, why
+
+
+# ---------------------------------------------------------------- bad input
+
+def reseal(folder, name, edit_part=None, edit_manifest=None):
+    """Change checkpoint ``name``'s frozen part or manifest, the manifest's
+    sizes and checksums made to match: damage that the checksums cannot
+    see, which the load must refuse by itself."""
+    from safetensors.torch import save_file
+
+    from skorch_accel_callbacks.format import checksum_file
+    path = os.path.join(folder, name)
+    if edit_part is not None:
+        part = os.path.join(path, PART)
+        os.remove(part)  # a new inode: the other checkpoints keep theirs
+        save_file(edit_part(load_file(os.path.join(folder, 'epoch-0001', PART))), part)
+    saved = manifest(folder, name)
+    if edit_manifest is not None:
+        edit_manifest(saved)
+    saved['files'][PART] = os.path.getsize(os.path.join(path, PART))
+    saved['checksums'][PART] = checksum_file(os.path.join(path, PART))
+    with open(os.path.join(path, 'manifest.json'), 'w') as f:
+        json.dump(saved, f)
+
+
+@pytest.mark.parametrize('edit, named', [
+    (lambda state: {'lin.weight': state['lin.weight']}, "lack \\['lin.bias'\\]"),
+    (lambda state: dict(state, extra=torch.zeros(1)), "holds \\['extra'\\]"),
+])
+def test_a_part_that_does_not_hold_the_frozen_parameters_is_refused_naming_it(
+        tmp_path, edit, named):
+    from skorch_accel_callbacks import CheckpointError
+    fit(tmp_path, max_epochs=2, keep_last=2)
+    reseal(tmp_path, 'epoch-0002', edit_part=edit)
+    with pytest.raises(CheckpointError, match=f"{PART}.*{named}|{named}.*{PART}"):
+        fit(tmp_path, max_epochs=3, keep_last=2, resume='epoch-0002')
+
+
+def test_a_manifest_naming_another_file_as_a_part_is_refused_naming_it(tmp_path):
+    from skorch_accel_callbacks import CorruptCheckpointError
+    fit(tmp_path, max_epochs=2, keep_last=2)
+    path = tmp_path / 'epoch-0002' / 'manifest.json'
+    saved = json.loads(path.read_text())
+    saved['frozen_parts'] = {'model.safetensors': 'optimizer.bin'}
+    path.write_text(json.dumps(saved))
+    with pytest.raises(CorruptCheckpointError, match=f"{path} has frozen_parts"):
+        fit(tmp_path, max_epochs=3, keep_last=2, resume='epoch-0002')
