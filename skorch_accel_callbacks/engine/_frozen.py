@@ -117,9 +117,11 @@ class FrozenParts:
 
     def __init__(self) -> None:
         self._committed: dict[str, _Committed] = {}
+        # False once the file system refused a hard link: tried no more
+        self._links = True
 
     def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__, _committed={})
+        return dict(self.__dict__, _committed={}, _links=True)
 
     def split(self, model_states: Sequence[dict[str, Any]], frozen: Sequence[set[str]],
               folder: str | os.PathLike) -> Split:
@@ -149,7 +151,7 @@ class FrozenParts:
         """Link ``target`` to the committed part ``file`` if its tensors are
         those of ``identity``: ``(origin, checksum)``, or None."""
         committed = self._committed.get(file)
-        if committed is None or committed.identity != identity:
+        if not self._links or committed is None or committed.identity != identity:
             return None
         try:
             os.link(committed.path, target)
@@ -160,7 +162,7 @@ class FrozenParts:
                 f"cannot hard-link {target} to {committed.path} ({exc}): the frozen "
                 "parameters are written again at every save on this file system",
                 UserWarning)
-            self._committed.clear()
+            self._links = False
             return None
         return committed.origin, committed.checksum
 

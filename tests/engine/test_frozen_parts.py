@@ -16,7 +16,11 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+import textwrap
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +35,7 @@ from skorch_accel_callbacks.format._manifest import FROZEN_PARTS_FORMAT, SHARED_
 from skorch_accel_callbacks.storage._remote import RemoteStorage
 from skorch_accel_callbacks.tools.export import export
 from skorch_accel_callbacks.tools.inspection import verify
-from testutil import assert_identical, read_json
+from testutil import assert_identical, machine_lacks, read_json
 
 PART = 'model_frozen.safetensors'
 
@@ -344,3 +348,46 @@ def test_a_manifest_naming_another_file_as_a_part_is_refused_naming_it(tmp_path)
     path.write_text(json.dumps(saved))
     with pytest.raises(CorruptCheckpointError, match=f"{path} has frozen_parts"):
         fit(tmp_path, max_epochs=3, keep_last=2, resume='epoch-0002')
+
+
+# ---------------------------------------------------------------- no hard links
+
+@pytest.mark.slow  # a fresh interpreter in a mount namespace of its own
+def test_a_file_system_that_refuses_the_link_gets_the_part_written_and_one_warning(tmp_path):
+    """Hard links cannot cross a mount point (EXDEV), even on one file
+    system: after epoch 1's save the job bind-mounts epoch-0001 onto itself
+    in a private mount namespace, so that epoch 2's link of its part fails
+    for real. The part is written instead, with one warning, and epoch 3
+    does not try again."""
+    if shutil.which('unshare') is None or os.geteuid() != 0:
+        machine_lacks('unshare (util-linux) and root')
+    root = Path(__file__).resolve().parents[2]
+    script = textwrap.dedent(f"""
+        import json, subprocess, sys, warnings
+        sys.path[:0] = [{str(root)!r}, {str(root / 'tests' / 'support')!r},
+                        {str(root / 'tests' / 'workers')!r}]
+        from skorch.callbacks import Callback
+        from checkpointed import fit
+        from common import FrozenBaseMLP
+
+        class BindMount(Callback):
+            def on_epoch_begin(self, net, **kwargs):
+                if len(net.history) == 2:
+                    first = {str(tmp_path / 'epoch-0001')!r}
+                    subprocess.run(['mount', '--bind', first, first], check=True)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            fit({str(tmp_path)!r}, BindMount(), max_epochs=3, keep_last=3,
+                net_kwargs={{'module': FrozenBaseMLP}})
+        print(json.dumps([str(w.message) for w in caught if 'hard-link' in str(w.message)]))
+    """)
+    done = subprocess.run(['unshare', '--mount', '--propagation', 'private', sys.executable,
+                           '-c', script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(said) == 1 and 'Invalid cross-device link' in said[0], said
+    inodes = {inode(tmp_path, name) for name in ('epoch-0001', 'epoch-0002', 'epoch-0003')}
+    assert len(inodes) == 3  # each written
+    assert manifest(tmp_path, 'epoch-0003')['linked'] == {}
+    assert verify(tmp_path / 'epoch-0003').damaged == []
