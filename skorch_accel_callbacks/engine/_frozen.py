@@ -112,7 +112,6 @@ class FrozenParts:
     The writing process keeps what its last commit holds (in memory: a new
     process writes its first save in full). A copy (pickle, deepcopy)
     remembers nothing.
-
     """
 
     def __init__(self) -> None:
@@ -130,8 +129,8 @@ class FrozenParts:
         linking into ``folder`` each part that is unchanged since the last
         commit; a part that cannot be linked is to be written."""
         models, parts = [], []
-        for index, (state, keys) in enumerate(zip(model_states, frozen, strict=True)):
-            keys = [key for key in state if key in keys]
+        for index, (state, frozen_keys) in enumerate(zip(model_states, frozen, strict=True)):
+            keys = [key for key in state if key in frozen_keys]
             if not keys:
                 models.append(state)
                 parts.append(None)
@@ -140,8 +139,7 @@ class FrozenParts:
             file = frozen_part_name(model_file)
             identity = tensor_identity(state, keys)
             linked = self._link(file, identity, os.path.join(folder, file))
-            chosen = set(keys)
-            models.append(type(state)((k, v) for k, v in state.items() if k not in chosen))
+            models.append(type(state)((k, v) for k, v in state.items() if k not in frozen_keys))
             parts.append(FrozenPart(
                 model_file, file, identity,
                 None if linked else type(state)((k, state[k]) for k in keys), linked))

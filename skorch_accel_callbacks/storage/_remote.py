@@ -414,19 +414,21 @@ class RemoteStorage(CheckpointStorage):
                           UserWarning)
             return
         self.remove_unkept(names, kept)
-        self._remove_unshared([name for name in names if name in kept])
+        self._remove_unshared()
 
-    def _remove_unshared(self, kept: list[str]) -> None:
-        """Remove the frozen parts in the store's shared folder that none of
-        the ``kept`` checkpoints lists (:func:`transfer.remove_unshared`);
-        where a kept one's manifest cannot be read, none: a part too many
-        is no loss, a part removed that a checkpoint lists would be."""
+    def _remove_unshared(self) -> None:
+        """Remove the frozen parts in the store's shared folder that no
+        checkpoint still in the store lists (:func:`transfer.remove_unshared`):
+        listed again after the removals, so that a retired one that could
+        not be removed keeps its part. Where a manifest cannot be read,
+        none: a part too many is no loss, a part removed that a checkpoint
+        lists would be."""
         store = self._store()
         try:
             manifests = [store.persist(
                 f"reading {self.url(name)}/{MANIFEST_NAME}",
                 lambda seconds, name=name: remote_read.read_json(store, name, MANIFEST_NAME))
-                for name in kept]
+                for name in remote_read.names(store)]
             if not all(isinstance(manifest, dict) for manifest in manifests):
                 raise ValueError("a manifest is not a JSON object")
             transfer.remove_unshared(store, manifests)

@@ -517,11 +517,9 @@ def check_remote(store: Store, name: str) -> tuple[bytes, list[str]]:
         raise CorruptCheckpointError(f"{target} is not a manifest: {exc}") from exc
     manifest = json.loads(sealed)
     fs.invalidate_cache(remote)
-    sizes = dict(fs.find(remote, detail=True).items())
+    sizes = {path: info['size'] for path, info in fs.find(remote, detail=True).items()}
     if any(shared_object(manifest, rel) for rel in files):
         sizes.update(shared_sizes(store))
-    sizes = {path: info if isinstance(info, int) else info['size']
-             for path, info in sizes.items()}
     for rel, size in files.items():
         path = object_path(store, name, rel, manifest)
         where = store.url(*object_parts(name, rel, manifest))
