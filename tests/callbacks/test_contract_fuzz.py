@@ -20,7 +20,10 @@ in-process examples, FUZZ_LAUNCHED (2) launched batches of FUZZ_BATCH (1)
 examples for each of DDP and FSDP2, FUZZ_COMPILE=1 drawing torch.compile
 too. The runs are derandomized (the same examples every run);
 FUZZ_SEED draws others. FUZZ_INTERRUPTS, FUZZ_CHANGES and FUZZ_SCRIPTS
-(comma-separated kinds) focus a run on some kinds. A failure prints its
+(comma-separated kinds) focus a run on some kinds; FUZZ_CALLBACKS
+(comma-separated kinds of callbacks) puts those callbacks into every
+example (``FUZZ_CALLBACKS=freezer``: every run has a frozen base, whose
+checkpoints link the frozen parameters' file). A failure prints its
 shrunk configuration(s) and a command line that reruns them (:func:`replay`).
 
 What it found on the code before issue 28's fixes (main at 78b9e19),
@@ -78,6 +81,7 @@ import pytest
 from hypothesis import HealthCheck, given, note, seed, settings, strategies as st
 
 from contract_fuzz import (
+    OTHER_KINDS,
     check_batch,
     check_example,
     configs,
@@ -96,15 +100,22 @@ BATCH = int(os.environ.get('FUZZ_BATCH', '1'))
 IN_PROCESS_DEADLINE = int(os.environ.get('FUZZ_DEADLINE', '180'))
 
 
-def chosen(variable, default, every):
-    """Those of ``default`` a focused run chose (comma-separated names
-    of ``every``), else all of ``default``."""
-    if not os.environ.get(variable):
-        return default
-    names = os.environ[variable].replace(' ', '').split(',')
+def named(variable, every):
+    """The names of ``every`` that the environment's ``variable`` lists
+    (comma-separated), in its order; none where it is unset."""
+    names = [name for name in os.environ.get(variable, '').replace(' ', '').split(',') if name]
     unknown = set(names) - set(every)
     if unknown:
         raise ValueError(f"{variable}: unknown {sorted(unknown)}, choose from {every}")
+    return tuple(names)
+
+
+def chosen(variable, default, every):
+    """Those of ``default`` a focused run chose (comma-separated names
+    of ``every``), else all of ``default``."""
+    names = named(variable, every)
+    if not names:
+        return default
     return tuple(name for name in default if name in names) or ('none',)
 
 
@@ -129,6 +140,7 @@ FSDP2_CHANGES = chosen('FUZZ_CHANGES', tuple(c for c in CHANGES[:-1] if c != 'ac
                        CHANGES)
 SCRIPTS = chosen('FUZZ_SCRIPTS', ('fit', 'fit+partial_fit', 'warm_start'),
                  ('fit', 'fit+partial_fit', 'warm_start'))
+REQUIRED_CALLBACKS = named('FUZZ_CALLBACKS', OTHER_KINDS)
 
 
 def bounded(max_examples):
@@ -182,7 +194,8 @@ def check_launched(batch):
 @pytest.mark.slow
 @bounded(EXAMPLES)
 @given(config=configs(interrupts=ONE_PROCESS_INTERRUPTS, change_kinds=ONE_PROCESS_CHANGES,
-                      scripts=SCRIPTS, compile_modes=COMPILE_MODES))
+                      scripts=SCRIPTS, compile_modes=COMPILE_MODES,
+                      required_callbacks=REQUIRED_CALLBACKS))
 def test_one_process_contract(config):
     note(reproduction(config))
     check_one_process(config)
@@ -192,7 +205,8 @@ def test_one_process_contract(config):
 @bounded(LAUNCHED)
 @given(batch=st.lists(configs(nproc=2, backend='ddp', interrupts=LAUNCHED_INTERRUPTS,
                               change_kinds=DDP_CHANGES, scripts=SCRIPTS,
-                              compile_modes=COMPILE_MODES),
+                              compile_modes=COMPILE_MODES,
+                              required_callbacks=REQUIRED_CALLBACKS),
                       min_size=BATCH, max_size=BATCH))
 def test_ddp_contract(batch):
     note(reproduction(batch))
@@ -202,7 +216,8 @@ def test_ddp_contract(batch):
 @pytest.mark.slow
 @bounded(LAUNCHED)
 @given(batch=st.lists(configs(nproc=2, backend='fsdp2', interrupts=LAUNCHED_INTERRUPTS,
-                              change_kinds=FSDP2_CHANGES, scripts=SCRIPTS),
+                              change_kinds=FSDP2_CHANGES, scripts=SCRIPTS,
+                              required_callbacks=REQUIRED_CALLBACKS),
                       min_size=BATCH, max_size=BATCH))
 def test_fsdp2_contract(batch):
     note(reproduction(batch))

@@ -129,14 +129,16 @@ def other_callback(draw, kind, valid, backend, scheduled=False):
 
 
 @st.composite
-def callbacks(draw, valid, backend, scheduled=False):
+def callbacks(draw, valid, backend, scheduled=False, required=()):
     """Skorch's callbacks and the user's, named or not: the others first,
     the EarlyStoppings last (a callback after the one that stops misses
     that epoch's end: so a reorder of named ones changes nothing); with
-    ``scheduled``, an LR scheduler with base lrs among them."""
+    ``scheduled``, an LR scheduler with base lrs among them; every kind of
+    ``required`` among them (a focused run's)."""
     kinds = draw(st.lists(st.sampled_from(OTHER_KINDS), unique=True, max_size=4))
-    if scheduled and 'lr_scheduler' not in kinds:
-        kinds.insert(draw(st.integers(0, len(kinds))), 'lr_scheduler')
+    for kind in ('lr_scheduler',) * scheduled + tuple(required):
+        if kind not in kinds:
+            kinds.insert(draw(st.integers(0, len(kinds))), kind)
     specs = [{'kind': kind, 'name': NAMES[kind] if draw(st.booleans()) else None,
               'params': draw(other_callback(kind, valid, backend, scheduled))}
              for kind in kinds]
@@ -263,10 +265,12 @@ def train_batches(config, nproc):
 def configs(draw, nproc=1, backend='none', interrupts=('none', 'sigterm', 'crash', 'sigint'),
             change_kinds=('none', 'net', 'scheduled_lr', 'callback', 'reorder', 'accelerator',
                           'clone'),
-            scripts=('fit', 'fit+partial_fit', 'warm_start'), compile_modes=(False,)):
+            scripts=('fit', 'fit+partial_fit', 'warm_start'), compile_modes=(False,),
+            required_callbacks=()):
     """A configuration of one example (see the module docstring);
     ``compile_modes`` (False, True) draws torch.compile too (``make fuzz``:
-    each compiled launch spends seconds compiling)."""
+    each compiled launch spends seconds compiling); ``required_callbacks``:
+    kinds of :data:`OTHER_KINDS` that every example has."""
     valid = draw(st.booleans())
     change_kind = draw(st.sampled_from(change_kinds))
     config = {
@@ -279,7 +283,8 @@ def configs(draw, nproc=1, backend='none', interrupts=('none', 'sigterm', 'crash
         'batch_size': draw(st.sampled_from(BATCH_SIZES)),
         'max_epochs': draw(st.integers(2, 5)), 'valid': valid,
         'script': draw(st.sampled_from(scripts)),
-        'callbacks': draw(callbacks(valid, backend, scheduled=change_kind == 'scheduled_lr')),
+        'callbacks': draw(callbacks(valid, backend, scheduled=change_kind == 'scheduled_lr',
+                                    required=required_callbacks)),
         'saves': {'every_n_epochs': draw(st.integers(1, 2)),
                   'every_n_steps': draw(st.one_of(st.none(), st.integers(2, 7))),
                   # FSDP2 saves synchronously (the package refuses async_save there)
