@@ -13,10 +13,14 @@ naming the point, its epoch and the rank just before its SIGKILL; a launch
 with a drawn kill that ends without that marker fails the run (a hook that
 is never called would otherwise pass as a clean finish). Every run must end
 bit-identical to the uninterrupted reference run, every launch must resume
-import pytest
-
 from exactly the complete checkpoint that ``latest.json`` named when it
 started, and no launch may hang (launch deadline).
+
+The same with a frozen base (``FROZEN_BASE=1``): each save after a
+launch's first links the frozen part of the checkpoint before it (which
+retention then removes, ``keep_last=1``); besides the above, every
+checkpoint left in the folder must verify (no link to bytes that a kill
+lost), and the runs must have linked.
 """
 
 import os
@@ -24,15 +28,19 @@ import random
 
 import pytest
 
-from faultsuite import pointed, sampled
 from faultjob import BATCH_POINTS, EPOCHS, RANK_POINTS, SAVE_POINTS
-from skorch_accel_callbacks.format import MANIFEST_NAME, PARTIAL_SUFFIX
+from faultsuite import pointed, run_job, sampled
+from skorch_accel_callbacks.format import MANIFEST_NAME, PARTIAL_SUFFIX, linked_of
+from skorch_accel_callbacks.tools.inspection import verify
 from testutil import assert_identical, final_state, read_json
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 KILLS_PER_RUN = 3
 MIN_KILLS = sampled(10, 20)
+# with a frozen base (make test: a shorter sample)
+MIN_FROZEN_KILLS = sampled(4, 20)
+FROZEN = {'FROZEN_BASE': '1'}
 # runs go on until MIN_KILLS kills landed (a run can finish before its third
 # kill); this many runs at most
 MAX_RUNS = 12
@@ -53,11 +61,11 @@ def draw(rng, resumed_epoch):
     return epoch, point, who
 
 
-def one_run(zygote, seed, folder, reference, figures):
+def one_run(zygote, seed, folder, reference, figures, job_env=None):
     rng = random.Random(seed)
     ckpt = folder / 'ckpt'
     kills = 0
-    mode = {'ASYNC': '1'} if seed % 2 else {}
+    mode = dict(job_env or {}, **({'ASYNC': '1'} if seed % 2 else {}))
     for launch_no in range(KILLS_PER_RUN + 1):
         tag = f'launch{launch_no}'
         expected = pointed(ckpt)
@@ -98,18 +106,48 @@ def one_run(zygote, seed, folder, reference, figures):
         raise AssertionError(f"run {seed} did not finish in {KILLS_PER_RUN + 1} launches")
     assert_identical(final_state(reference, 'ref'), final_state(folder, tag))
     assert not [name for name in os.listdir(ckpt) if name.endswith(PARTIAL_SUFFIX)]
+    for path in sorted(ckpt.glob('epoch-*')):
+        damaged = verify(path).damaged
+        assert not damaged, f"run {seed}: {damaged}"
+        figures['links'] += bool(linked_of(read_json(path / MANIFEST_NAME)))
 
 
-def test_random_kills_lose_nothing(zygote, reference, tmp_path, record_property):
-    figures = {'runs': 0, 'kills': 0, 'inside save': 0, 'resumes': 0}
+def run_until_killed(zygote, reference, tmp_path, min_kills, job_env=None):
+    """Runs of seeds 0, 1, ... until ``min_kills`` kills landed; the figures."""
+    figures = {'runs': 0, 'kills': 0, 'inside save': 0, 'resumes': 0, 'links': 0}
     for seed in range(MAX_RUNS):
-        if figures['kills'] >= MIN_KILLS:
+        if figures['kills'] >= min_kills:
             break
         folder = tmp_path / f'run{seed}'
         folder.mkdir()
-        one_run(zygote, seed, folder, reference, figures)
+        one_run(zygote, seed, folder, reference, figures, job_env)
         figures['runs'] += 1
-    record_property('summary', 'random kills: {runs} runs, {kills} kills ({inside save} '
-                               'inside a save), {resumes} resumes; every run bit-identical '
-                               'to the uninterrupted one'.format(**figures))
-    assert figures['kills'] >= MIN_KILLS, figures
+    assert figures['kills'] >= min_kills, figures
+    return figures
+
+
+SUMMARY = ('{runs} runs, {kills} kills ({inside save} inside a save), {resumes} resumes; '
+           'every run bit-identical to the uninterrupted one')
+
+
+def test_random_kills_lose_nothing(zygote, reference, tmp_path, record_property):
+    figures = run_until_killed(zygote, reference, tmp_path, MIN_KILLS)
+    record_property('summary', 'random kills: ' + SUMMARY.format(**figures))
+
+
+@pytest.fixture(scope='module')
+def frozen_reference(tmp_path_factory):
+    """The fault job with a frozen base, never interrupted, in 2 processes."""
+    folder = tmp_path_factory.mktemp('frozen-reference')
+    run_job('killable.py', folder, folder / 'ckpt', 'ref', **FROZEN).check()
+    return folder
+
+
+def test_random_kills_of_a_frozen_base_lose_nothing(zygote, frozen_reference, tmp_path,
+                                                    record_property):
+    figures = run_until_killed(zygote, frozen_reference, tmp_path, MIN_FROZEN_KILLS, FROZEN)
+    # a launch that saved twice linked its second save's frozen part
+    assert figures['links'], figures
+    record_property('summary', 'random kills, frozen base: ' + SUMMARY.format(**figures)
+                    + ', every checkpoint left verified ({links} of them linked)'
+                    .format(**figures))
