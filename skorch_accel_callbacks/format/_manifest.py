@@ -444,13 +444,28 @@ def check_manifest(folder: str | os.PathLike[str]) -> tuple[dict[str, Any] | Non
     problem = _manifest_problem(path, manifest)
     if problem is not None:
         return None, [problem]
-    checksums = manifest.get('checksums') or {}
-    problems = []
-    for rel, size in manifest['files'].items():
-        problem = _file_problem(folder, rel, path, size, checksums.get(rel))
-        if problem is not None:
-            problems.append(problem)
-    return manifest, problems
+    return manifest, _file_problems(folder, path, manifest['files'],
+                                    manifest.get('checksums') or {})
+
+
+def _file_problems(folder: str | os.PathLike[str], manifest: str, files: dict[str, Any],
+                   checksums: dict[str, str]) -> list[Problem]:
+    """:func:`_file_problem` of each of ``files`` (file -> listed size), in
+    their order, checked on :data:`CHECK_THREADS` threads, the largest file
+    first."""
+    def check(rel: str) -> Problem | None:
+        return _file_problem(folder, rel, manifest, files[rel], checksums.get(rel))
+
+    if CHECK_THREADS < 2 or len(files) < 2:
+        found = [check(rel) for rel in files]
+    else:
+        largest_first = sorted(files, reverse=True,
+                               key=lambda rel: files[rel] if type(files[rel]) is int else 0)
+        with ThreadPoolExecutor(max_workers=CHECK_THREADS,
+                                thread_name_prefix='checkpoint-check') as pool:
+            checked = {rel: pool.submit(check, rel) for rel in largest_first}
+        found = [checked[rel].result() for rel in files]
+    return [problem for problem in found if problem is not None]
 
 
 def _manifest_problem(path: str, manifest: Any) -> Problem | None:
@@ -626,6 +641,10 @@ def fit_calls(manifest: dict[str, Any], path: str | os.PathLike[str]) -> list[tu
 
 # ---------------------------------------------------------------- checksums
 
+#: threads that check the files of a checkpoint at once (xxhash lets go of
+#: the GIL): a resume waits for the checksum of its largest file, not for
+#: those of all its files one after the other (``benchmarks/ab_check_threads.py``)
+CHECK_THREADS = min(2, os.cpu_count() or 1)
 #: the algorithm of the checksums in a manifest (``benchmarks/bench_checksum.py``:
 #: the fastest of those measured; a checksum finds damage, not tampering)
 CHECKSUM_ALGORITHM = 'xxh3_64'

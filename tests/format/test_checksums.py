@@ -24,6 +24,7 @@ from skorch_accel_callbacks import (
 from skorch_accel_callbacks.format import (
     CHECKSUM_ALGORITHM,
     MANIFEST_NAME,
+    _manifest,
     check_manifest,
     checksum_file,
     read_manifest,
@@ -184,6 +185,22 @@ def test_a_checksum_of_an_unknown_algorithm_is_not_checked(ckpt):
     edit_manifest(folder, lambda manifest: manifest['checksums'].update(
         {'model.safetensors': 'xxh3_64:0000000000000000'}))
     assert [problem.file for problem in check_manifest(folder)[1]] == ['model.safetensors']
+
+
+@pytest.mark.parametrize('threads', [1, 2])
+def test_every_damaged_file_is_reported_in_the_manifests_order(ckpt, monkeypatch, threads):
+    """The files are checked on CHECK_THREADS threads, the largest first;
+    the problems come in the order of the manifest, whatever finished first."""
+    monkeypatch.setattr(_manifest, 'CHECK_THREADS', threads)
+    folder = ckpt / 'epoch-0002'
+    listed = list(json.loads((folder / MANIFEST_NAME).read_text())['files'])
+    damaged = [listed[0], listed[-1], 'model.safetensors', 'optimizer.bin']
+    for rel in damaged:
+        with open(folder / rel, 'ab') as file:
+            file.write(b'0')
+    problems = check_manifest(folder)[1]
+    assert [problem.file for problem in problems] == [rel for rel in listed if rel in damaged]
+    assert all(f"{folder / problem.file} has" in str(problem.error) for problem in problems)
 
 
 def test_export_refuses_a_model_file_whose_checksum_differs(ckpt, tmp_path):
