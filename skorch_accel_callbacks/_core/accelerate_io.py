@@ -74,11 +74,13 @@ __all__ = [
     'missing_internals',
     'model_file',
     'optimizer_file',
+    'optimizer_map_location',
     'models',
     'optimizers',
     'param_groups',
     'prune_registries',
     'read_and_drop_first_batches_once',
+    'read_optimizer_states',
     'registries_of',
     'rng_file',
     'rows_of_data_in_last_batch',
@@ -457,13 +459,40 @@ def save_state_with_accelerate(accelerator: Accelerator, folder: str | os.PathLi
     accelerator.save_state(folder, safe_serialization=safe_serialization)
 
 
+def optimizer_map_location(accelerator: Accelerator) -> str | torch.device:
+    """Where ``Accelerator.load_state`` puts the optimizers' states as it
+    reads them: the process's device in a job of several processes on
+    several devices, else the CPU (``torch.load``'s ``map_location``)."""
+    if (accelerator.num_processes > 1 and accelerator.multi_device
+            and accelerator.distributed_type != DistributedType.MULTI_XPU):
+        return accelerator.device
+    return 'cpu'
+
+
+def read_optimizer_states(folder: str | os.PathLike, count: int,
+                          map_location: str | torch.device) -> list[dict[str, Any]]:
+    """The states of the files of the first ``count`` optimizers in
+    ``folder`` (:func:`optimizer_file`), read with
+    ``torch.load(weights_only=True)`` onto ``map_location``
+    (:func:`optimizer_map_location`), as ``load_state`` reads them; on any
+    thread (accelerate's own loader widens torch's allowed types for the
+    whole process, for the time of each read: a type that only it allows
+    fails here)."""
+    return [torch.load(os.path.join(folder, optimizer_file(index)),
+                       map_location=map_location, weights_only=True)
+            for index in range(count)]
+
+
 def load_state(accelerator: Accelerator, folder: str | os.PathLike,
-               frozen_parts: Mapping[str, str] | None = None) -> None:
+               frozen_parts: Mapping[str, str] | None = None,
+               optimizer_states: Sequence[dict[str, Any]] | None = None) -> None:
     """``accelerator.load_state(folder)``; with ``frozen_parts`` (model
     file -> the file of the model's frozen parameters beside it, the model
     file holding the rest) each such model's two files, each loaded with
     ``strict=False`` once it is proven that together they hold every entry
-    of the model's state dict.
+    of the model's state dict. With ``optimizer_states`` (the states of
+    the folder's optimizer files, :func:`read_optimizer_states`) the
+    optimizers load those instead of reading their files again.
 
     Raises
     ------
@@ -471,6 +500,27 @@ def load_state(accelerator: Accelerator, folder: str | os.PathLike,
       Naming the file at fault, where a model's two files lack an entry of
       its state dict or hold one it does not have.
     """
+    if optimizer_states is None:
+        _load_state(accelerator, folder, frozen_parts)
+        return
+    optimizers = accelerator._optimizers
+    if len(optimizer_states) != len(optimizers):
+        raise ValueError(f"{len(optimizer_states)} optimizer states for "
+                         f"{len(optimizers)} optimizers")
+    # load_state loads the optimizers of this registry: none, for the time
+    # of the call, and each then loads its state as load_state would have
+    accelerator._optimizers = []
+    try:
+        _load_state(accelerator, folder, frozen_parts)
+    finally:
+        accelerator._optimizers = optimizers
+    for optimizer, state in zip(optimizers, optimizer_states, strict=True):
+        optimizer.load_state_dict(state)
+
+
+def _load_state(accelerator: Accelerator, folder: str | os.PathLike,
+                frozen_parts: Mapping[str, str] | None) -> None:
+    """:func:`load_state`, the optimizers loaded by ``accelerator.load_state``."""
     if not frozen_parts:
         accelerator.load_state(folder)
         return

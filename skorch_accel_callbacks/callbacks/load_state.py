@@ -360,7 +360,7 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     def _load(self, net: Any, X: Any, y: Any) -> bool:
         """Read the checkpoint to resume from, if any: whether there was one."""
-        chosen = choose_checkpoint(net, self._storage, self.resume)
+        chosen = choose_checkpoint(net, self._storage, self.resume, read_optimizers=True)
         if chosen is None:
             say(net, self.sink, f"No checkpoint in {self._followed.fit_dirname_}; "
                                 "training from scratch.")

@@ -3,8 +3,9 @@
 :func:`choose_checkpoint` finds the checkpoint to resume from, the same on
 every rank; :func:`read_checkpoint` checks it against the net (every check
 before anything is loaded), loads the model, optimizer and accelerator
-state with ``accelerator.load_state``, reads this package's own files, and
-returns a :class:`Restored`. On another number of processes
+state with ``accelerator.load_state`` (the optimizers' files read while the
+checkpoint's files were checked: :mod:`._read_ahead`), reads this
+package's own files, and returns a :class:`Restored`. On another number of processes
 (``on_world_size_change='reseed'``) the record holds random states derived
 for this rank (:func:`_reseed`). Nothing here changes the net beyond its
 accelerator's state: :class:`~skorch_accel_callbacks.AccelerateLoadInitState`
@@ -23,6 +24,7 @@ from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks._core.messages import processes
 from skorch_accel_callbacks._core.wrapping import named_optimizers, own_registries, state_modules
 from skorch_accel_callbacks.engine import _consolidate as consolidate
+from skorch_accel_callbacks.engine._read_ahead import OptimizerReadAhead
 from skorch_accel_callbacks.errors import CheckpointError
 from skorch_accel_callbacks.format import (
     PER_RANK_ITEMS,
@@ -163,22 +165,32 @@ class Chosen:
     path: str
     #: its manifest, on a process that read it to choose (None elsewhere)
     manifest: dict | None = None
+    #: its optimizers' files, read while the process checked it (on a
+    #: process that checked it to choose, where asked for)
+    read_ahead: OptimizerReadAhead | None = None
 
 
-def choose_checkpoint(net: Any, storage: CheckpointStorage,
-                      which: str | os.PathLike) -> Chosen | None:
+def choose_checkpoint(net: Any, storage: CheckpointStorage, which: str | os.PathLike, *,
+                      read_optimizers: bool = False) -> Chosen | None:
     """The checkpoint to resume from, the same on every rank, or None.
 
     The committing process(es) look in ``storage``
     (:meth:`~CheckpointStorage.find_checkpoint`); rank 0's choice is sent
-    to every rank. Raises :class:`CheckpointError` when committers of
-    ``save_on_each_node`` would choose different ones.
+    to every rank. With ``read_optimizers``, a process that checks a
+    checkpoint reads its optimizers' files meanwhile
+    (:class:`~skorch_accel_callbacks.engine._read_ahead.OptimizerReadAhead`),
+    for :func:`read_checkpoint`. Raises :class:`CheckpointError` when
+    committers of ``save_on_each_node`` would choose different ones.
     """
     committer = is_committer(net)
-    found = None
+    found = read_ahead = None
+    if read_optimizers and committer:
+        with own_registries(net):  # the files are numbered among the net's own
+            read_ahead = OptimizerReadAhead(net.accelerator)
     with sync.agree(net, f"finding a checkpoint in {storage.dirname}"):
         if committer:
-            found = storage.find_checkpoint(which)
+            found = storage.find_checkpoint(
+                which, read_ahead=None if read_ahead is None else read_ahead.begin)
     name = None if found is None else CheckpointStorage.name_of(found.path)
     chosen = sync.broadcast(net, name)
     with sync.agree(net, "choosing the checkpoint to resume from"):
@@ -189,7 +201,7 @@ def choose_checkpoint(net: Any, storage: CheckpointStorage,
     if chosen is None:
         return None
     if found is not None:
-        return Chosen(found.path, found.manifest)
+        return Chosen(found.path, found.manifest, read_ahead)
     if which in POINTERS or is_checkpoint_name(os.fspath(which)):
         return Chosen(storage.path(chosen))
     return Chosen(os.fspath(which))
@@ -228,8 +240,15 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
     file.
     """
     rank, path = sync.process_index(net), chosen.path
+    read_ahead = chosen.read_ahead
     with sync.agree(net, f"loading checkpoint {path}"), own_registries(net):
-        saved = chosen.manifest if chosen.manifest is not None else read_manifest(path)
+        if chosen.manifest is not None:
+            saved = chosen.manifest
+        else:
+            # checked here, not where it was chosen: read ahead meanwhile
+            read_ahead = OptimizerReadAhead(net.accelerator)
+            read_ahead.begin(path)
+            saved = read_manifest(path)
         changed = check_world_size(saved, sync.num_processes(net), path, checks.reseed)
         check_compatible(saved, path, models=model_layout(net),
                          optimizers=optimizer_layout(net),
@@ -245,7 +264,9 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
         reads_own_rank = not changed or rank == 0
         if reads_own_rank:
             check_rank_files(path, saved, rank)
-        hyperparameters = _load_accelerator_state(net, path, saved, changed_params)
+        hyperparameters = _load_accelerator_state(
+            net, path, saved, changed_params,
+            None if read_ahead is None else read_ahead.take(path))
         rng = capture_rng()
         history, callbacks = _read_rank_states(net, path, saved, rank if reads_own_rank
                                                else None)
@@ -291,9 +312,12 @@ def _read_rank_states(net: Any, path: str, manifest: dict,
     return history, callbacks
 
 
-def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params: Any) -> list:
-    """``accelerator.load_state(path)``; the optimizers' settings to restore
-    (the new values of the parameters allowed to change take effect)."""
+def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params: Any,
+                            optimizer_states: list | None) -> list:
+    """``accelerator.load_state(path)``, the optimizers loading
+    ``optimizer_states`` where they were read ahead; the optimizers'
+    settings to restore (the new values of the parameters allowed to change
+    take effect)."""
     # load_state fills these objects: they are read before and after it
     optimizers = named_optimizers(net)
     fresh = optimizer_hyperparameters(optimizers.values())
@@ -305,7 +329,8 @@ def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params:
     restore_frozen(state_modules(net), manifest)
     read_naming_fault(_model_and_optimizer_files(path),
                       lambda: accelerate_io.load_state(net.accelerator, path,
-                                                       frozen_parts_of(manifest)),
+                                                       frozen_parts_of(manifest),
+                                                       optimizer_states),
                       error=CheckpointError, failed='could not be loaded', fallback=path)
     saved = optimizer_hyperparameters(optimizers.values())
     if accelerate_io.is_fsdp2(net.accelerator):

@@ -36,7 +36,7 @@ from __future__ import annotations
 import abc
 import os
 import warnings
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,10 @@ from skorch_accel_callbacks.format import (
     training_order,
 )
 
-__all__ = ['CheckpointStorage', 'Found', 'is_committer', 'retained']
+__all__ = ['CheckpointStorage', 'Found', 'ReadAhead', 'is_committer', 'retained']
+
+#: called with a checkpoint's folder before its files are checked in place
+ReadAhead = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,13 @@ class CheckpointStorage(abc.ABC):
         """The committed checkpoint ``name`` in a local folder, checked there;
         :class:`CorruptCheckpointError` naming the file at fault."""
 
+    def checked_in_place(self, name: str) -> str | None:
+        """The folder of committed checkpoint ``name`` whose files
+        :meth:`fetch` checks where they are, or None where it brings them
+        there first (a download could replace the files that a read begun
+        before it had read). None here; a local folder's backend returns it."""
+        return None
+
     @abc.abstractmethod
     def remove(self, name: str) -> None:
         """Remove the committed checkpoint ``name`` (its manifest first: it is
@@ -254,14 +264,18 @@ class CheckpointStorage(abc.ABC):
                 f"no checkpoint {which} in {self.dirname}; it has {names or 'none'}")
         return which
 
-    def find_checkpoint(self, which: str | os.PathLike[str] = 'latest') -> Found | None:
+    def find_checkpoint(self, which: str | os.PathLike[str] = 'latest',
+                        read_ahead: ReadAhead | None = None) -> Found | None:
         """The checkpoint to resume from and its manifest, or None if there is none.
 
         ``which`` is ``'latest'``, ``'best'``, the name of a checkpoint of
         this storage (``'epoch-0003'``) or the path of a local checkpoint
         folder. For ``'latest'``, a checkpoint that is not complete (a
         missing or damaged file) is skipped with a warning naming it, and
-        the newest complete one is used.
+        the newest complete one is used. ``read_ahead(folder)`` is called
+        before the files of each checkpoint folder that is checked in place
+        (:meth:`checked_in_place`) are checked: its caller may begin to
+        read them meanwhile.
 
         Raises
         ------
@@ -275,6 +289,8 @@ class CheckpointStorage(abc.ABC):
         """
         which = os.fspath(which)
         if not (which in POINTERS or is_checkpoint_name(which)):
+            if read_ahead is not None:
+                read_ahead(which)
             return Found(which, read_manifest(which))
         names = self.committed()
         if which == 'best' and self.pointed('best') is None:
@@ -285,7 +301,7 @@ class CheckpointStorage(abc.ABC):
             return None
         if which != 'latest':
             name = self.pointed('best') if which == 'best' else self.named(which, names)
-            return self.fetch(name)
+            return self._fetch(name, read_ahead)
         problems = []
         latest = self.pointed('latest')
         # a pointer naming what is not a checkpoint (a file in its place, a
@@ -293,7 +309,7 @@ class CheckpointStorage(abc.ABC):
         dangling = [latest] if latest is not None and latest not in names else []
         for name in dangling + self.newest_first(names):
             try:
-                return self.fetch(name)
+                return self._fetch(name, read_ahead)
             except CorruptCheckpointError as exc:
                 warnings.warn(f"skipping checkpoint {self.url(name)}: {exc}", UserWarning)
                 problems.append(str(exc))
@@ -302,6 +318,14 @@ class CheckpointStorage(abc.ABC):
                 f"{self.dirname} holds checkpoints but none is complete: "
                 + '; '.join(problems))
         return None
+
+    def _fetch(self, name: str, read_ahead: ReadAhead | None) -> Found:
+        """:meth:`fetch`, ``read_ahead`` called first with the folder it
+        checks in place, if any."""
+        folder = self.checked_in_place(name) if read_ahead is not None else None
+        if folder is not None:
+            read_ahead(folder)
+        return self.fetch(name)
 
     def find(self, which: str | os.PathLike[str] = 'latest') -> str | None:
         """Path of the checkpoint to resume from, or None if there is none:

@@ -211,6 +211,10 @@ class CheckpointFolder(CheckpointStorage):
         """Checkpoint ``name`` read where it is, its manifest verified."""
         return Found(self.path(name), read_manifest(self.path(name)))
 
+    def checked_in_place(self, name: str) -> str:
+        """The folder of checkpoint ``name``: :meth:`fetch` checks it where it is."""
+        return self.path(name)
+
     # ------------------------------------------------------------ writing
 
     def start(self, name: str) -> str:

@@ -84,14 +84,17 @@ def test_bench_peers_2_process_run_had_2_processes(quick_peers):
 
 # the relaunch benchmark's variants and ratios, in both runs
 RESUME_VARIANTS = ('nothing to resume', 'ours, resumed at an epoch end',
-                   'ours, resumed inside an epoch', 'DCP get_state_dict + load + set_state_dict',
+                   'ours, resumed inside an epoch',
+                   'ours at an epoch end, optimizers not read ahead',
+                   'DCP get_state_dict + load + set_state_dict',
                    'torch.load(weights_only=True) + load_state_dict', 'accelerator.load_state',
                    'disk: every file of our checkpoint read',
                    'disk: every file read into new memory')
 RESUME_RATIOS = ('load: ours at an epoch end / DCP', 'load: ours inside an epoch / DCP',
                  'load: ours at an epoch end / disk read',
                  'load: ours at an epoch end / read into new memory',
-                 'relaunch: ours at an epoch end / DCP')
+                 'relaunch: ours at an epoch end / DCP',
+                 'load: ours at an epoch end / optimizers not read ahead')
 
 
 # a relaunch per variant, page cache state and process count: 3 min 40 s

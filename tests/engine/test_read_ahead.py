@@ -1,0 +1,216 @@
+"""The optimizers' files, read while a checkpoint's files are checked
+(engine/_read_ahead.py): what they load is what accelerate's own
+``load_state`` loads; a resume begins the read for each folder it checks,
+loads it only into the one it chose, drops it for one the check refuses,
+and where the read failed the load reads the files itself."""
+
+import copy
+
+import pytest
+import torch
+from skorch.callbacks import Callback
+
+from common import make_accelerator, make_data, make_net
+from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
+from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks.engine._read_ahead import OptimizerReadAhead
+from testutil import replace_everywhere
+
+
+class Counter:
+    """A custom object registered for checkpointing."""
+
+    def __init__(self):
+        self.count = 0
+
+    def state_dict(self):
+        return {'count': self.count}
+
+    def load_state_dict(self, state):
+        self.count = state['count']
+
+
+def prepared(seed):
+    """An accelerator with a model, two optimizers (Adam and SGD with
+    momentum, over its two layers), a scheduler and a custom object."""
+    accelerator = make_accelerator()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    adam = torch.optim.Adam(model[0].parameters(), lr=0.01)
+    sgd = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(adam, step_size=1, gamma=0.5)
+    model, adam, sgd, scheduler = accelerator.prepare(model, adam, sgd, scheduler)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    return accelerator, model, (adam, sgd), scheduler, counter
+
+
+def loaded(accelerator, model, optimizers, scheduler, counter):
+    """What a load put into these objects (and the global random state)."""
+    return {'model': copy.deepcopy(model.state_dict()),
+            'optimizers': [copy.deepcopy(optimizer.state_dict()) for optimizer in optimizers],
+            'scheduler': scheduler.state_dict(), 'count': counter.count,
+            'rng': torch.get_rng_state(), 'step': accelerator.step}
+
+
+def assert_same(left, right, where=''):
+    if isinstance(left, torch.Tensor):
+        assert isinstance(right, torch.Tensor) and left.dtype == right.dtype, where
+        assert torch.equal(left, right), where
+    elif isinstance(left, dict):
+        assert left.keys() == right.keys(), where
+        for key in left:
+            assert_same(left[key], right[key], f'{where}/{key}')
+    elif isinstance(left, (list, tuple)):
+        assert type(left) is type(right) and len(left) == len(right), where
+        for index, (a, b) in enumerate(zip(left, right, strict=True)):
+            assert_same(a, b, f'{where}/{index}')
+    else:
+        assert left == right, where
+
+
+def test_a_load_of_the_states_read_ahead_loads_what_load_state_loads(tmp_path):
+    accelerator, model, optimizers, scheduler, counter = prepared(0)
+    for _ in range(3):
+        loss = model(torch.randn(4, 6)).square().mean()
+        accelerator.backward(loss)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        scheduler.step()
+    counter.count = 7
+    accelerator.save_state(str(tmp_path))
+
+    objects = prepared(1)
+    objects[0].load_state(str(tmp_path))
+    by_accelerate = loaded(*objects)
+
+    objects = prepared(2)
+    states = accelerate_io.read_optimizer_states(
+        tmp_path, 2, accelerate_io.optimizer_map_location(objects[0]))
+    accelerate_io.load_state(objects[0], tmp_path, optimizer_states=states)
+    read_ahead = loaded(*objects)
+
+    assert_same(by_accelerate, read_ahead)
+    assert by_accelerate['count'] == 7 and by_accelerate['optimizers'][0]['state']
+    # the optimizers hold the tensors read ahead: no second copy
+    assert (objects[2][0].state_dict()['state'][0]['exp_avg'].data_ptr()
+            == states[0]['state'][0]['exp_avg'].data_ptr())
+
+
+def test_a_read_is_handed_over_only_for_its_own_folder(tmp_path):
+    accelerator, model, optimizers, scheduler, counter = prepared(0)
+    for name in ('a', 'b'):
+        accelerator.save_state(str(tmp_path / name))
+    read_ahead = OptimizerReadAhead(accelerator)
+    read_ahead.begin(tmp_path / 'a')
+    assert read_ahead.take(tmp_path / 'b') is None
+    read_ahead.begin(tmp_path / 'a')
+    read_ahead.begin(tmp_path / 'b')  # 'a' is dropped
+    assert read_ahead.take(tmp_path / 'a') is None
+    read_ahead.begin(tmp_path / 'a')
+    assert len(read_ahead.take(str(tmp_path / 'a') + '/')) == 2
+    assert read_ahead.take(tmp_path / 'a') is None  # handed over once
+    # a failed read is no state: the load reads the files itself
+    (tmp_path / 'b' / 'optimizer_1.bin').write_bytes(b'not an archive')
+    read_ahead.begin(tmp_path / 'b')
+    assert read_ahead.take(tmp_path / 'b') is None
+
+
+class OptimizerAtTrainBegin(Callback):
+    """The optimizer's state as the resume loaded it (after
+    AccelerateLoadInitState, which moves itself first)."""
+
+    # observes, trains nothing: not recorded in the checkpoint
+    unrecorded_params = True
+
+    def on_train_begin(self, net, **kwargs):
+        self.state_ = copy.deepcopy(net.optimizer_.state_dict())
+
+
+def reads_of(monkeypatch):
+    """The folders whose optimizers' files are read ahead, as they are."""
+    reads = []
+    original = accelerate_io.read_optimizer_states
+    monkeypatch.setattr(accelerate_io, 'read_optimizer_states',
+                        lambda folder, *args: reads.append(str(folder))
+                        or original(folder, *args))
+    return reads
+
+
+def saved_net(tmp_path, epochs=2):
+    net = make_net(make_accelerator(), max_epochs=epochs, callbacks=[
+        AccelerateCheckpoint(dirname=str(tmp_path / 'ck'), keep_last=3)])
+    net.fit(*make_data(n=96))
+    return net
+
+
+def resumed_net(tmp_path, epochs=2):
+    probe = OptimizerAtTrainBegin()
+    checkpoint = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'), keep_last=3)
+    net = make_net(make_accelerator(), max_epochs=epochs, callbacks=[
+        checkpoint, AccelerateLoadInitState(checkpoint), ('probe', probe)])
+    return net, probe
+
+
+def test_a_resume_loads_the_optimizer_read_while_its_checkpoint_was_checked(
+        tmp_path, monkeypatch):
+    trained = saved_net(tmp_path)
+    reads = reads_of(monkeypatch)
+    net, probe = resumed_net(tmp_path)
+    net.fit(*make_data(n=96))
+    assert reads == [str(tmp_path / 'ck' / 'epoch-0002')]
+    assert_same(probe.state_, trained.optimizer_.state_dict())
+    assert probe.state_['state']
+
+
+def test_the_read_of_a_checkpoint_the_check_refuses_is_dropped(tmp_path, monkeypatch):
+    saved_net(tmp_path)
+    optimizer_file = tmp_path / 'ck' / 'epoch-0002' / 'optimizer.bin'
+    data = bytearray(optimizer_file.read_bytes())
+    data[len(data) // 2] ^= 0xff  # same size: only the checksum tells
+    optimizer_file.write_bytes(bytes(data))
+    reads = reads_of(monkeypatch)
+    net, probe = resumed_net(tmp_path)
+    with pytest.warns(UserWarning, match='skipping checkpoint .*epoch-0002.*checksum'):
+        net.fit(*make_data(n=96))
+    assert reads == [str(tmp_path / 'ck' / 'epoch-0002'), str(tmp_path / 'ck' / 'epoch-0001')]
+    saved = torch.load(tmp_path / 'ck' / 'epoch-0001' / 'optimizer.bin', weights_only=True)
+    assert saved['state']
+    assert_same(probe.state_['state'], saved['state'])
+
+
+def test_a_failed_read_ahead_leaves_the_load_to_load_state(tmp_path, monkeypatch):
+    trained = saved_net(tmp_path)
+
+    def failing(folder, *args):
+        raise OSError(f"cannot read {folder}")
+
+    replace_everywhere(monkeypatch, accelerate_io.read_optimizer_states, failing)
+    net, probe = resumed_net(tmp_path)
+    net.fit(*make_data(n=96))
+    assert_same(probe.state_, trained.optimizer_.state_dict())
+
+
+def test_a_net_sharing_its_accelerator_reads_its_own_optimizers_ahead(tmp_path, monkeypatch):
+    """The optimizer files are numbered among the net's own optimizers, of
+    the accelerator's registry (which holds the other nets' too)."""
+    accelerator = make_accelerator()
+    other = make_net(accelerator, max_epochs=1)
+    other.fit(*make_data(n=96))
+    checkpoint = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'))
+    trained = make_net(accelerator, max_epochs=2, callbacks=[checkpoint])
+    trained.fit(*make_data(n=96))
+    assert len(accelerate_io.optimizers(accelerator)) == 2
+    counts = []
+    original = accelerate_io.read_optimizer_states
+    monkeypatch.setattr(accelerate_io, 'read_optimizer_states',
+                        lambda folder, count, *args: counts.append(count)
+                        or original(folder, count, *args))
+    checkpoint = AccelerateCheckpoint(dirname=str(tmp_path / 'ck'))
+    probe = OptimizerAtTrainBegin()
+    resumed = make_net(accelerator, max_epochs=2, callbacks=[
+        checkpoint, AccelerateLoadInitState(checkpoint), ('probe', probe)])
+    resumed.fit(*make_data(n=96))
+    assert counts == [1]
+    assert_same(probe.state_, trained.optimizer_.state_dict())
