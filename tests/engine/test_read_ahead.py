@@ -13,7 +13,9 @@ from skorch.callbacks import Callback
 from common import make_accelerator, make_data, make_net
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks.engine import ResumeChecks, read_checkpoint
 from skorch_accel_callbacks.engine._read_ahead import OptimizerReadAhead
+from skorch_accel_callbacks.engine._restore import Chosen
 from testutil import replace_everywhere
 
 
@@ -214,3 +216,23 @@ def test_a_net_sharing_its_accelerator_reads_its_own_optimizers_ahead(tmp_path, 
     resumed.fit(*make_data(n=96))
     assert counts == [1]
     assert_same(probe.state_, trained.optimizer_.state_dict())
+
+
+def test_a_rank_that_checks_the_chosen_checkpoint_itself_reads_ahead_meanwhile(
+        tmp_path, monkeypatch):
+    """A rank that did not check it to choose it (not a committer: rank 1
+    of a job, which rank 0's choice reaches by name) checks it as it reads
+    it, and reads its optimizers' files meanwhile."""
+    trained = saved_net(tmp_path)
+    net = make_net(make_accelerator(), max_epochs=2).initialize()
+    loaded_with = []
+    original = accelerate_io.load_state
+    replace_everywhere(monkeypatch, original, lambda accelerator, folder, parts, states:
+                       loaded_with.append(states) or original(accelerator, folder, parts,
+                                                              states))
+    reads = reads_of(monkeypatch)
+    folder = str(tmp_path / 'ck' / 'epoch-0002')
+    read_checkpoint(net, Chosen(folder), ResumeChecks(), *make_data(n=96))
+    assert reads == [folder]
+    assert len(loaded_with) == 1 and len(loaded_with[0]) == 1
+    assert_same(net.optimizer_.state_dict(), trained.optimizer_.state_dict())
