@@ -10,26 +10,13 @@ import pytest
 import torch
 from skorch.callbacks import Callback
 
-from common import make_accelerator, make_data, make_net
+from common import Counter, make_accelerator, make_data, make_net
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 from skorch_accel_callbacks._core import accelerate_io
 from skorch_accel_callbacks.engine import ResumeChecks, read_checkpoint
 from skorch_accel_callbacks.engine._read_ahead import OptimizerReadAhead
 from skorch_accel_callbacks.engine._restore import Chosen
 from testutil import replace_everywhere
-
-
-class Counter:
-    """A custom object registered for checkpointing."""
-
-    def __init__(self):
-        self.count = 0
-
-    def state_dict(self):
-        return {'count': self.count}
-
-    def load_state_dict(self, state):
-        self.count = state['count']
 
 
 def prepared(seed):

@@ -10,21 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common import make_accelerator, make_data, make_net
+from common import Counter, make_accelerator, make_data, make_net
 from skorch_accel_callbacks.engine import _state_files as state_files
-
-
-class Counter:
-    """A custom object registered for checkpointing."""
-
-    def __init__(self):
-        self.count = 3
-
-    def state_dict(self):
-        return {'count': self.count}
-
-    def load_state_dict(self, state):
-        self.count = state['count']
 
 
 def files(folder):

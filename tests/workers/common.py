@@ -174,6 +174,20 @@ def data_pipeline(options, train_rows=None):
     return kwargs
 
 
+class Counter:
+    """A custom object registered for checkpointing
+    (``accelerator.register_for_checkpointing``)."""
+
+    def __init__(self):
+        self.count = 3
+
+    def state_dict(self):
+        return {'count': self.count}
+
+    def load_state_dict(self, state):
+        self.count = state['count']
+
+
 class NotTrainingState:
     """Mixin for a test callback whose attributes record what happened, not
     training state: a checkpoint holds nothing of it, a resume restores
