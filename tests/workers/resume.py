@@ -44,7 +44,9 @@ Every rank writes ``<TAG>-rank<r>.pt`` (parameters, optimizer state, history,
 random states) and ``<TAG>-rank<r>.json`` to RESULT_DIR when training ends.
 A resumed run's rank 0 also writes ``<TAG>-resumed-rank0.pt``, the same when
 its first epoch begins, and every rank's JSON has the digests of its random
-states then (``at_resume``).
+states then (``at_resume``), the folders whose optimizers' files it read
+ahead and on which thread (``read_ahead``), and how many optimizer states
+each load was handed instead of reading its files (``loaded_read_ahead``).
 """
 
 import errno
@@ -54,6 +56,7 @@ import os
 import random
 import signal
 import sys
+import threading
 
 import numpy as np
 import torch
@@ -81,7 +84,7 @@ from common import (
     write_result,
 )
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, TrainingPreempted
-from skorch_accel_callbacks._core import sync
+from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks.engine import _writer as writer
 from skorch_accel_callbacks.state import find_train_loader
 from skorch_accel_callbacks.storage import _local as local_storage
@@ -161,6 +164,26 @@ def fail_save(failing_rank, epoch):
         return original(folder, rank_, *args, **kwargs)
 
     writer.save_rank_state = no_space
+
+
+def record_read_ahead():
+    """What each resume read ahead and handed to the load, as it happens
+    (replaced where the read ahead and the load look them up); returns the
+    lists that fill."""
+    reads, handed = [], []
+    read, load = accelerate_io.read_optimizer_states, accelerate_io.load_state
+
+    def recorded_read(folder, *args):
+        reads.append({'folder': os.fspath(folder), 'thread': threading.current_thread().name})
+        return read(folder, *args)
+
+    def recorded_load(accelerator, folder, frozen_parts=None, optimizer_states=None):
+        handed.append(None if optimizer_states is None else len(optimizer_states))
+        return load(accelerator, folder, frozen_parts, optimizer_states)
+
+    accelerate_io.read_optimizer_states = recorded_read
+    accelerate_io.load_state = recorded_load
+    return reads, handed
 
 
 class SendSignal(BatchEnds):
@@ -350,6 +373,7 @@ def main():
     recorder = RecordWrapping()
     at_resume = RecordResume(tag)
     trained = Trained()
+    reads, handed = record_read_ahead()
     net.callbacks.extend([recorder, at_resume, trained])
     if kill.startswith('batch:'):
         _, epoch, batch = kill.split(':')
@@ -392,6 +416,8 @@ def main():
                         if isinstance(cb, AccelerateLoadInitState)][0],
         'max_epochs_after': net.max_epochs,
         'at_resume': at_resume.rng_,
+        'read_ahead': reads,
+        'loaded_read_ahead': handed,
     })
     write_final_state(net, tag, HISTORY_KEYS)
 
