@@ -34,6 +34,7 @@ from accelerate.utils import (
     DistributedType,
     GradientAccumulationPlugin,
     is_compiled_module,
+    load,
     load_fsdp_model,
     save,
 )
@@ -485,14 +486,18 @@ def read_optimizer_states(folder: str | os.PathLike, count: int,
 
 def load_state(accelerator: Accelerator, folder: str | os.PathLike,
                frozen_parts: Mapping[str, str] | None = None,
-               optimizer_states: Sequence[dict[str, Any]] | None = None) -> None:
+               optimizer_states: Callable[[], Sequence[dict[str, Any]] | None] | None = None,
+               ) -> None:
     """``accelerator.load_state(folder)``; with ``frozen_parts`` (model
     file -> the file of the model's frozen parameters beside it, the model
     file holding the rest) each such model's two files, each loaded with
     ``strict=False`` once it is proven that together they hold every entry
-    of the model's state dict. With ``optimizer_states`` (the states of
-    the folder's optimizer files, :func:`read_optimizer_states`) the
-    optimizers load those instead of reading their files again.
+    of the model's state dict. With ``optimizer_states``, the optimizers
+    load last, once everything else is loaded, what it then returns (the
+    states of the folder's optimizer files read ahead,
+    :func:`read_optimizer_states`: a read that may still be under way while
+    the models load), or where it returns None their files, read as
+    ``load_state`` reads them.
 
     Raises
     ------
@@ -504,9 +509,6 @@ def load_state(accelerator: Accelerator, folder: str | os.PathLike,
         _load_state(accelerator, folder, frozen_parts)
         return
     optimizers = accelerator._optimizers
-    if len(optimizer_states) != len(optimizers):
-        raise ValueError(f"{len(optimizer_states)} optimizer states for "
-                         f"{len(optimizers)} optimizers")
     # load_state loads the optimizers of this registry: none, for the time
     # of the call, and each then loads its state as load_state would have
     accelerator._optimizers = []
@@ -514,7 +516,14 @@ def load_state(accelerator: Accelerator, folder: str | os.PathLike,
         _load_state(accelerator, folder, frozen_parts)
     finally:
         accelerator._optimizers = optimizers
-    for optimizer, state in zip(optimizers, optimizer_states, strict=True):
+    states = optimizer_states()
+    if states is None:
+        map_location = optimizer_map_location(accelerator)
+        states = [load(os.path.join(folder, optimizer_file(index)), map_location=map_location)
+                  for index in range(len(optimizers))]
+    if len(states) != len(optimizers):
+        raise ValueError(f"{len(states)} optimizer states for {len(optimizers)} optimizers")
+    for optimizer, state in zip(optimizers, states, strict=True):
         optimizer.load_state_dict(state)
 
 

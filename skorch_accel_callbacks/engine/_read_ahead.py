@@ -9,9 +9,11 @@ need not wait for the check: :class:`OptimizerReadAhead` reads them on a
 thread of its own from the moment the folder to check is known, while the
 check reads the same files, so that the disk is read about once and the two
 reads share the cores. The states are handed to the load only for the
-folder they were read from, after its check passed: a checkpoint the check
-refuses has its read dropped, and nothing is applied before the check, as
-before. Where the read ahead failed (a file the check will find damaged, a
+folder they were read from, after its check passed, and the load takes
+them last, once the models and the other states are loaded (a read that
+is not done when the check ends finishes while the models load): a
+checkpoint the check refuses has its read dropped, and nothing is applied
+before the check, as before. Where the read ahead failed (a file the check will find damaged, a
 type that only accelerate's loader allows), the load reads the files
 itself and reports what is wrong with them.
 
@@ -68,6 +70,11 @@ class OptimizerReadAhead:
         # instead of stopping it inside torch's reader
         threading.Thread(target=read, name='checkpoint-read-ahead').start()
         self._reading = (os.path.normpath(os.fspath(folder)), future)
+
+    def reading(self, folder: str | os.PathLike[str]) -> bool:
+        """Whether a read of ``folder`` was begun and not yet taken."""
+        return (self._reading is not None
+                and self._reading[0] == os.path.normpath(os.fspath(folder)))
 
     def take(self, folder: str | os.PathLike[str]) -> list[dict[str, Any]] | None:
         """The optimizers' states read from ``folder``, once read; None where

@@ -18,6 +18,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io, sync
@@ -266,7 +267,8 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
             check_rank_files(path, saved, rank)
         hyperparameters = _load_accelerator_state(
             net, path, saved, changed_params,
-            None if read_ahead is None else read_ahead.take(path))
+            partial(read_ahead.take, path) if read_ahead is not None
+            and read_ahead.reading(path) else None)
         rng = capture_rng()
         history, callbacks = _read_rank_states(net, path, saved, rank if reads_own_rank
                                                else None)
@@ -313,9 +315,10 @@ def _read_rank_states(net: Any, path: str, manifest: dict,
 
 
 def _load_accelerator_state(net: Any, path: str, manifest: dict, changed_params: Any,
-                            optimizer_states: list | None) -> list:
-    """``accelerator.load_state(path)``, the optimizers loading
-    ``optimizer_states`` where they were read ahead; the optimizers'
+                            optimizer_states: Callable[[], list | None] | None) -> list:
+    """``accelerator.load_state(path)``, the optimizers loading, after
+    everything else, what ``optimizer_states`` returns where they were
+    read ahead (:func:`accelerate_io.load_state`); the optimizers'
     settings to restore (the new values of the parameters allowed to change
     take effect)."""
     # load_state fills these objects: they are read before and after it

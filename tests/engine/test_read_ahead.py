@@ -77,7 +77,13 @@ def test_a_load_of_the_states_read_ahead_loads_what_load_state_loads(tmp_path):
     objects = prepared(2)
     states = accelerate_io.read_optimizer_states(
         tmp_path, 2, accelerate_io.optimizer_map_location(objects[0]))
-    accelerate_io.load_state(objects[0], tmp_path, optimizer_states=states)
+    models_when_taken = []
+
+    def take():  # what the load sees when it takes the states
+        models_when_taken.append(copy.deepcopy(objects[1].state_dict()))
+        return states
+
+    accelerate_io.load_state(objects[0], tmp_path, optimizer_states=take)
     read_ahead = loaded(*objects)
 
     assert_same(by_accelerate, read_ahead)
@@ -85,6 +91,14 @@ def test_a_load_of_the_states_read_ahead_loads_what_load_state_loads(tmp_path):
     # the optimizers hold the tensors read ahead: no second copy
     assert (objects[2][0].state_dict()['state'][0]['exp_avg'].data_ptr()
             == states[0]['state'][0]['exp_avg'].data_ptr())
+    # taken last, once the model is loaded: a read still under way when the
+    # check ends finishes while the model loads
+    assert_same(models_when_taken, [by_accelerate['model']])
+
+    # a read ahead that failed hands over nothing: the files are read then
+    objects = prepared(3)
+    accelerate_io.load_state(objects[0], tmp_path, optimizer_states=lambda: None)
+    assert_same(by_accelerate, loaded(*objects))
 
 
 def test_a_read_is_handed_over_only_for_its_own_folder(tmp_path):
@@ -214,9 +228,14 @@ def test_a_rank_that_checks_the_chosen_checkpoint_itself_reads_ahead_meanwhile(
     net = make_net(make_accelerator(), max_epochs=2).initialize()
     loaded_with = []
     original = accelerate_io.load_state
-    replace_everywhere(monkeypatch, original, lambda accelerator, folder, parts, states:
-                       loaded_with.append(states) or original(accelerator, folder, parts,
-                                                              states))
+
+    def recorded(accelerator, folder, parts, states):
+        def take():
+            loaded_with.append(states())
+            return loaded_with[-1]
+        return original(accelerator, folder, parts, take)
+
+    replace_everywhere(monkeypatch, original, recorded)
     reads = reads_of(monkeypatch)
     folder = str(tmp_path / 'ck' / 'epoch-0002')
     read_checkpoint(net, Chosen(folder), ResumeChecks(), *make_data(n=96))

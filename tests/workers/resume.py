@@ -178,8 +178,16 @@ def record_read_ahead():
         return read(folder, *args)
 
     def recorded_load(accelerator, folder, frozen_parts=None, optimizer_states=None):
-        handed.append(None if optimizer_states is None else len(optimizer_states))
-        return load(accelerator, folder, frozen_parts, optimizer_states)
+        if optimizer_states is None:
+            handed.append(None)
+            return load(accelerator, folder, frozen_parts)
+
+        def take():
+            states = optimizer_states()
+            handed.append(None if states is None else len(states))
+            return states
+
+        return load(accelerator, folder, frozen_parts, take)
 
     accelerate_io.read_optimizer_states = recorded_read
     accelerate_io.load_state = recorded_load
