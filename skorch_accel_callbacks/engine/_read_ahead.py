@@ -13,9 +13,9 @@ folder they were read from, after its check passed, and the load takes
 them last, once the models and the other states are loaded (a read that
 is not done when the check ends finishes while the models load): a
 checkpoint the check refuses has its read dropped, and nothing is applied
-before the check, as before. Where the read ahead failed (a file the check will find damaged, a
-type that only accelerate's loader allows), the load reads the files
-itself and reports what is wrong with them.
+before the check, as before. Where the read ahead failed (a file the check
+will find damaged, a type that only accelerate's loader allows), the load
+reads the files itself and reports what is wrong with them.
 
 ``benchmarks/bench_resume.py`` times the load with it.
 """
