@@ -14,6 +14,7 @@ thread would interleave with the collectives of training.
 
 import dataclasses
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,10 +29,14 @@ from skorch_accel_callbacks.engine._frozen import FrozenPart, FrozenParts, Split
 
 __all__ = ['COPY_CHUNK', 'COPY_THREADS', 'HostStager', 'Staged', 'copy_all']
 
-# the host copies of a stage are cut into pieces of this many bytes, which
-# this many threads take one after the other (numpy's copy lets go of the
-# GIL): a thread that the machine stalls holds up one piece, not a share
-# fixed beforehand, as torch's intra-op threads of ``copy_`` do
+# the host copies of a stage are cut into pieces of COPY_CHUNK bytes, which
+# COPY_THREADS threads, the calling one among them, take from one queue one
+# after the other (numpy's copy lets go of the GIL): a thread that the
+# machine stalls holds up one piece, not a share fixed beforehand, as torch's
+# intra-op threads of ``copy_`` do. Each thread runs to the end of the queue:
+# a future a piece, waited for by the caller, woke it and traded the GIL
+# with the copying threads at every piece (about 700 preemptions a save of
+# 1.1 GiB against 6; benchmarks/RESULTS.rst)
 COPY_CHUNK = 16 * 2 ** 20
 COPY_THREADS = min(2, os.cpu_count() or 1)
 
@@ -139,10 +144,10 @@ def _is_host_copy(tensor: torch.Tensor) -> bool:
 
 def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy each ``tensor`` of ``copies`` into its ``buffer``; the host
-    copies in pieces of :data:`COPY_CHUNK` bytes on :data:`COPY_THREADS`
-    threads, the others (from a device, or of a strided tensor) with
-    ``copy_`` on this thread. Returns once every copy is made; the first
-    that failed raises."""
+    copies in pieces of :data:`COPY_CHUNK` bytes on this thread and
+    :data:`COPY_THREADS` - 1 others, the others (from a device, or of a
+    strided tensor) with ``copy_`` on this thread. Returns once every copy
+    is made; the first that failed raises."""
     pieces = []
     for buffer, tensor in copies:
         if not _is_host_copy(tensor):
@@ -156,7 +161,22 @@ def copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for target, source in pieces:
             np.copyto(target, source)
         return
-    with ThreadPoolExecutor(max_workers=COPY_THREADS,
+    queue = iter(pieces)
+    taking = threading.Lock()
+
+    def copy_until_done() -> None:
+        while True:
+            with taking:
+                piece = next(queue, None)
+            if piece is None:
+                return
+            np.copyto(*piece)
+
+    # leaving the pool waits for its threads, also where this thread's
+    # copy failed: none goes on writing into the buffers after the return
+    with ThreadPoolExecutor(max_workers=COPY_THREADS - 1,
                             thread_name_prefix='checkpoint-copy') as pool:
-        # list() re-raises the first failure
-        list(pool.map(lambda piece: np.copyto(*piece), pieces))
+        helpers = [pool.submit(copy_until_done) for _ in range(COPY_THREADS - 1)]
+        copy_until_done()
+    for helper in helpers:
+        helper.result()

@@ -1,8 +1,11 @@
 """The host copy of ``async_save`` (issue 31, item 2): cut into pieces that
-two threads take in turn; every byte of every tensor arrives, whatever its
-dtype, layout or size, and a tensor from elsewhere is copied as before."""
+the calling thread and a copy thread take from one queue; every byte of
+every tensor arrives, whatever its dtype, layout or size, a tensor from
+elsewhere is copied as before, and a failure returns only once no thread
+copies any more."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -33,14 +36,18 @@ def test_every_tensor_arrives_whole():
         assert torch.equal(buffer, tensor)
 
 
-def test_the_pieces_are_copied_on_the_copy_threads(monkeypatch):
+def test_the_pieces_are_copied_at_once_by_the_calling_thread_and_a_copy_thread(monkeypatch):
     if _stager.COPY_THREADS < 2:
         machine_lacks("a second CPU: with one the pieces are copied on the calling thread")
     threads = []
     real = np.copyto
+    # the first two pieces wait for each other: copied at the same time or never
+    both_copying = threading.Barrier(2, timeout=10)
 
     def recorded(target, source):
         threads.append(threading.current_thread().name)
+        if len(threads) <= 2:
+            both_copying.wait()
         real(target, source)
 
     monkeypatch.setattr(_stager.np, 'copyto', recorded)
@@ -48,8 +55,37 @@ def test_the_pieces_are_copied_on_the_copy_threads(monkeypatch):
     buffer = torch.zeros_like(tensor)
     _stager.copy_all([(buffer, tensor)])
     assert torch.equal(buffer, tensor)
-    assert len(threads) == 3
-    assert all(name.startswith('checkpoint-copy') for name in threads)
+    assert len(threads) == 3  # each piece once
+    first_two = threads[:2]
+    assert threading.current_thread().name in first_two
+    assert any(name.startswith('checkpoint-copy') for name in first_two)
+
+
+def test_a_failure_on_the_calling_thread_waits_for_the_copy_threads(monkeypatch):
+    """The copy raises only once no thread writes into the buffers."""
+    if _stager.COPY_THREADS < 2:
+        machine_lacks("a second CPU: with one the pieces are copied on the calling thread")
+    real = np.copyto
+    caller = threading.current_thread()
+    copying = []
+
+    def failing_here(target, source):
+        if threading.current_thread() is caller:
+            # raise while the copy thread is inside a piece (it waits until then)
+            copying_now.wait(timeout=30)
+            raise OSError("the caller's piece failed")
+        copying.append('began')
+        copying_now.set()
+        time.sleep(0.2)
+        real(target, source)
+        copying.append('ended')
+
+    copying_now = threading.Event()
+    monkeypatch.setattr(_stager.np, 'copyto', failing_here)
+    tensor = torch.ones(3 * CHUNK // 4)
+    with pytest.raises(OSError, match="the caller's piece failed"):
+        _stager.copy_all([(torch.zeros_like(tensor), tensor)])
+    assert copying and copying[-1] == 'ended'
 
 
 def test_a_failing_copy_raises():
