@@ -13,28 +13,30 @@ pairs' ratios (two threads over one), which the load of a shared machine
 moves less than single figures.
 """
 
-import argparse
-import os
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_checkpoint import REPO, new_epoch, timed, trained_net
+from ab_support import (
+    arguments,
+    caches,
+    drop_page_cache,
+    fresh_folder,
+    in_turn,
+    report,
+    saved_once,
+)
+from bench_checkpoint import timed
 
-from skorch_accel_callbacks import AccelerateCheckpoint
 from skorch_accel_callbacks.format import _manifest  # internals: the check's threads
-
-DROP_CACHES = Path('/proc/sys/vm/drop_caches')
 
 
 def checked(folder, threads, cache):
     _manifest.CHECK_THREADS = threads
     if cache == 'cold':
-        os.sync()
-        DROP_CACHES.write_text('3\n')
+        drop_page_cache()
     else:
         _manifest.check_manifest(folder)
     manifest, problems = None, None
@@ -49,36 +51,13 @@ def checked(folder, threads, cache):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--size', type=float, default=50e6)
-    parser.add_argument('--pairs', type=int, default=7)
-    parser.add_argument('--dir', default=str(REPO / 'runs' / 'ab-check-threads'))
-    args = parser.parse_args()
-    root = Path(args.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    net = trained_net(args.size)
-    cp = AccelerateCheckpoint(dirname=str(root), keep_last=1).initialize()
-    cp.on_train_begin(net)
-    new_epoch(net)
-    cp.save_model(net)
-    cp.close()
-    folder = next(root.glob('epoch-*'))
-    mib = sum(f.stat().st_size for f in folder.iterdir()) / 2 ** 20
-    caches = ['warm'] + (['cold'] if os.access(DROP_CACHES, os.W_OK) else [])
-    print(f"{folder.name}: {mib:.0f} MiB in {len(list(folder.iterdir()))} files; "
-          f"{os.cpu_count()} cores; caches: {', '.join(caches)}")
-    for cache in caches:
-        times = {1: [], 2: []}
-        for i in range(args.pairs):
-            for threads in ((1, 2) if i % 2 == 0 else (2, 1)):
-                times[threads].append(checked(folder, threads, cache))
-        for threads, values in times.items():
-            print(f"{cache}, {threads} thread(s): min {min(values) * 1e3:.0f} ms, median "
-                  f"{statistics.median(values) * 1e3:.0f} ms: "
-                  + ', '.join(f'{v * 1e3:.0f}' for v in values))
-        ratios = [two / one for two, one in zip(times[2], times[1], strict=True)]
-        print(f"{cache}: 2 threads / 1, median of the pairs: {statistics.median(ratios):.2f}")
+    args = arguments(__doc__, size=50e6, count=7, dirname='ab-check-threads')
+    root = fresh_folder(args.dir)
+    folder = saved_once(root, args.size)
+    for cache in caches():
+        times = in_turn((1, 2), args.pairs, lambda threads: checked(folder, threads, cache))
+        report(times, lambda threads: f"{cache}, {threads} thread(s)",
+               f"{cache}: 2 threads / 1", 2, 1)
     shutil.rmtree(root)
 
 

@@ -17,7 +17,6 @@ median of its involuntary context switches in the process during the save
 rounds' ratios (queue over futures).
 """
 
-import argparse
 import resource
 import shutil
 import statistics
@@ -29,9 +28,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 import torch
-from bench_checkpoint import REPO, new_epoch, timed, trained_net
+from ab_support import (
+    arguments,
+    async_checkpoint,
+    fresh_folder,
+    in_turn,
+    median_ratio,
+    spread,
+)
+from bench_checkpoint import new_epoch, timed, trained_net
 
-from skorch_accel_callbacks import AccelerateCheckpoint
 from skorch_accel_callbacks.engine import _stager  # internals: the host copy
 
 QUEUE = _stager.copy_all
@@ -67,31 +73,20 @@ def blocked(cp, net, copy_all):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--size', type=float, default=100e6)
-    parser.add_argument('--rounds', type=int, default=12)
-    parser.add_argument('--dir', default=str(REPO / 'runs' / 'ab-copy-queue'))
-    args = parser.parse_args()
-    root = Path(args.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
+    args = arguments(__doc__, size=100e6, count=12, dirname='ab-copy-queue',
+                     count_name='rounds')
+    root = fresh_folder(args.dir)
     net = trained_net(args.size)
-    cp = AccelerateCheckpoint(dirname=str(root / 'ours'), keep_last=1,
-                              async_save=True).initialize()
-    cp.on_train_begin(net)
-    for _ in range(2):
-        new_epoch(net)
-        cp.save_model(net)
-        cp.wait_for_saves(net)
-    names = list(VARIANTS)
-    times = {name: [] for name in names}
-    preempted = {name: [] for name in names}
+    cp = async_checkpoint(root, net)
+    preempted = {name: [] for name in VARIANTS}
+
+    def run(name):
+        seconds, switches = blocked(cp, net, VARIANTS[name])
+        preempted[name].append(switches)
+        return seconds
+
     try:
-        for i in range(args.rounds):
-            for name in (names if i % 2 == 0 else names[::-1]):
-                seconds, switches = blocked(cp, net, VARIANTS[name])
-                times[name].append(seconds)
-                preempted[name].append(switches)
+        times = in_turn(VARIANTS, args.rounds, run)
     finally:
         _stager.copy_all = QUEUE
     cp.close()
@@ -99,12 +94,10 @@ def main():
     print(f"{args.size:g} parameters, {_stager.COPY_THREADS} copy threads, pieces of "
           f"{_stager.COPY_CHUNK >> 20} MiB")
     for name, values in times.items():
-        print(f"{name}: min {min(values) * 1e3:.0f} ms, median "
-              f"{statistics.median(values) * 1e3:.0f} ms, max {max(values) * 1e3:.0f} ms, "
-              f"preempted (median) {statistics.median(preempted[name]):.0f}: "
-              + ', '.join(f'{v * 1e3:.0f}' for v in values))
-    ratios = [queue / old for queue, old in zip(times['queue'], times['futures'], strict=True)]
-    print(f"queue / futures, median of the rounds: {statistics.median(ratios):.2f}")
+        print(spread(name, values, f", max {max(values) * 1e3:.0f} ms, preempted (median) "
+                                   f"{statistics.median(preempted[name]):.0f}"))
+    print(f"queue / futures, median of the rounds: "
+          f"{median_ratio(times['queue'], times['futures']):.2f}")
 
 
 if __name__ == '__main__':

@@ -16,7 +16,6 @@ with over without, which the load of a shared machine moves less than
 single figures.
 """
 
-import argparse
 import os
 import shutil
 import statistics
@@ -25,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_checkpoint import REPO, disk_write, folder_bytes, new_epoch, timed, trained_net
+from ab_support import arguments, fresh_folder
+from bench_checkpoint import disk_write, folder_bytes, new_epoch, timed, trained_net
 
 from skorch_accel_callbacks import AccelerateCheckpoint
 from skorch_accel_callbacks.format import EarlyFlush  # internals: the early flush
@@ -51,14 +51,9 @@ def written(path, nbytes):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--size', type=float, default=50e6)
-    parser.add_argument('--rounds', type=int, default=7)
-    parser.add_argument('--dir', default=str(REPO / 'runs' / 'ab-early-flush'))
-    args = parser.parse_args()
-    root = Path(args.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
+    args = arguments(__doc__, size=50e6, count=7, dirname='ab-early-flush',
+                     count_name='rounds')
+    root = fresh_folder(args.dir)
     net = trained_net(args.size)
     cps = {early: AccelerateCheckpoint(dirname=str(root / f'ours-{early}'),
                                        keep_last=1).initialize()

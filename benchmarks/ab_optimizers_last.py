@@ -18,22 +18,27 @@ first), which the load of a shared machine moves less than single
 figures.
 """
 
-import argparse
-import os
 import shutil
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_checkpoint import REPO, make_net, new_epoch, timed, trained_net
+from ab_support import (
+    arguments,
+    caches,
+    drop_page_cache,
+    fresh_folder,
+    in_turn,
+    report,
+    saved_once,
+)
+from bench_checkpoint import make_net, timed
 from bench_resume import read_files
 
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
 from skorch_accel_callbacks._core import accelerate_io  # internals: the load's order
 
-DROP_CACHES = Path('/proc/sys/vm/drop_caches')
 ORDERS = ('first', 'last')
 
 
@@ -57,8 +62,7 @@ def resumed(root, size, cache, loads):
     load_init_state = AccelerateLoadInitState(checkpoint)
     net = make_net(size, callbacks=[checkpoint, load_init_state]).initialize()
     if cache == 'cold':
-        os.sync()
-        DROP_CACHES.write_text('3\n')
+        drop_page_cache()
     else:
         read_files(root, bytearray(64 << 20))
     original = accelerate_io.load_state
@@ -73,38 +77,15 @@ def resumed(root, size, cache, loads):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--size', type=float, default=50e6)
-    parser.add_argument('--pairs', type=int, default=8)
-    parser.add_argument('--dir', default=str(REPO / 'runs' / 'ab-optimizers-last'))
-    args = parser.parse_args()
-    root = Path(args.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    net = trained_net(args.size)
-    cp = AccelerateCheckpoint(dirname=str(root), keep_last=1).initialize()
-    cp.on_train_begin(net)
-    new_epoch(net)
-    cp.save_model(net)
-    cp.close()
-    del net, cp
-    folder = next(root.glob('epoch-*'))
-    mib = sum(f.stat().st_size for f in folder.iterdir()) / 2 ** 20
-    caches = ['warm'] + (['cold'] if os.access(DROP_CACHES, os.W_OK) else [])
-    print(f"{folder.name}: {mib:.0f} MiB in {len(list(folder.iterdir()))} files; "
-          f"{os.cpu_count()} cores; caches: {', '.join(caches)}")
+    args = arguments(__doc__, size=50e6, count=8, dirname='ab-optimizers-last')
+    root = fresh_folder(args.dir)
+    saved_once(root, args.size)
     loads = {order: load_in_order(order) for order in ORDERS}
-    for cache in caches:
-        times = {order: [] for order in ORDERS}
-        for i in range(args.pairs):
-            for order in (ORDERS if i % 2 == 0 else ORDERS[::-1]):
-                times[order].append(resumed(root, args.size, cache, loads[order]))
-        for order, values in times.items():
-            print(f"{cache}, optimizers {order}: min {min(values) * 1e3:.0f} ms, median "
-                  f"{statistics.median(values) * 1e3:.0f} ms: "
-                  + ', '.join(f'{v * 1e3:.0f}' for v in values))
-        ratios = [last / first for last, first in zip(times['last'], times['first'], strict=True)]
-        print(f"{cache}: last / first, median of the pairs: {statistics.median(ratios):.2f}")
+    for cache in caches():
+        times = in_turn(ORDERS, args.pairs,
+                        lambda order: resumed(root, args.size, cache, loads[order]))
+        report(times, lambda order: f"{cache}, optimizers {order}",
+               f"{cache}: last / first", 'last', 'first')
     shutil.rmtree(root)
 
 

@@ -144,6 +144,17 @@ def new_epoch(net):
     net.history.new_batch()
 
 
+def saved_twice(cp, net):
+    """Two saves of ``net`` by ``AccelerateCheckpoint`` ``cp`` (begun), each
+    waited for, before any timed one: the first saves of a process make what
+    the later ones reuse (an async save's host buffers, a frozen part to
+    link), and each timed save then retires one of the two."""
+    for _ in range(2):
+        new_epoch(net)
+        cp.save_model(net)
+        cp.wait_for_saves(net)
+
+
 # ---------------------------------------------------------------- one process
 
 def bench_size(size, repeats, root):

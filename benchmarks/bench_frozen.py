@@ -49,6 +49,7 @@ from bench_checkpoint import (
     n_layers,
     new_epoch,
     quiet_fit,
+    saved_twice,
     table,
     timed,
 )
@@ -115,10 +116,7 @@ def bench_net(label, net, repeats, root, rng):
     }
     for cp in checkpoints.values():
         cp.initialize().on_train_begin(net)
-        for _ in range(2):  # the first save of a process writes everything
-            new_epoch(net)
-            cp.save_model(net)
-            cp.wait_for_saves(net)
+        saved_twice(cp, net)  # the first save of a process writes everything
     full_bytes = written_bytes(root / 'whole' / checkpoints['ours_whole'].last_saved_)
     samples = {key: [] for key in VARIANTS}
     for round_no in range(repeats):

@@ -60,6 +60,7 @@ from bench_checkpoint import (
     machine,
     ms,
     new_epoch,
+    saved_twice,
     table,
     trained_net,
 )
@@ -207,11 +208,7 @@ def ours(net, root):
     }
     for cp in checkpoints.values():
         cp.initialize().on_train_begin(net)
-        # two checkpoints before the first timed save: each timed one retires one
-        for _ in range(2):
-            new_epoch(net)
-            cp.save_model(net)
-            cp.wait_for_saves(net)
+        saved_twice(cp, net)
     return checkpoints
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_checkpoint import REPO, disk_write, folder_bytes, new_epoch, trained_net
+from bench_checkpoint import REPO, disk_write, folder_bytes, new_epoch, saved_twice, trained_net
 
 from skorch_accel_callbacks import AccelerateCheckpoint
 from skorch_accel_callbacks.engine import (
@@ -73,10 +73,7 @@ def profile(size, repeats, root):
     net = trained_net(size)
     cp = AccelerateCheckpoint(dirname=str(root / 'ours'), keep_last=1).initialize()
     cp.on_train_begin(net)
-    for _ in range(2):
-        new_epoch(net)
-        cp.save_model(net)
-        cp.wait_for_saves(net)
+    saved_twice(cp, net)
     nbytes = folder_bytes(root / 'ours' / cp.last_saved_)
     for owner, name, label in PHASES:
         record(owner, name, label)
