@@ -17,9 +17,11 @@ from skorch_accel_callbacks._core.wrapping import named_optimizers
 from skorch_accel_callbacks.callbacks.checkpoint import AccelerateCheckpoint
 from skorch_accel_callbacks.engine import (
     InsideEpoch,
+    PageCacheFill,
     Restored,
     ResumeChecks,
     choose_checkpoint,
+    fills_on_this_process,
     read_checkpoint,
 )
 from skorch_accel_callbacks.errors import CheckpointError
@@ -84,6 +86,13 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
     exactly (another model, number of processes, data, hyper-parameters) is
     refused before any training step. See the docs, section 'How the
     callbacks differ from skorch's'.
+
+    From ``initialize`` until training begins (while the net builds its
+    module), one process a node reads the files of the checkpoint that
+    ``resume`` names into the page cache on a thread, what of them is not
+    there yet, so that a relaunch on a machine whose page cache is cold
+    checks and loads from memory; nothing is checked or applied before
+    training begins.
 
     Parameters
     ----------
@@ -291,10 +300,32 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         self._call = -1
         # the calls the checkpoint read records: the last one continues it
         self._fit_calls: list[tuple[int, int]] = []
+        self._stop_page_cache_fill()
+        self._page_cache_fill = self._fill_page_cache()
         return self
 
     def __getstate__(self) -> dict:
-        return dict(self.__dict__, _undo_skip=None)
+        return dict(self.__dict__, _undo_skip=None, _page_cache_fill=None)
+
+    def _fill_page_cache(self) -> PageCacheFill | None:
+        """The page cache filled, from now until training begins, with the
+        files of the checkpoint the resume would check first, while the net
+        initializes (:class:`~skorch_accel_callbacks.engine.PageCacheFill`;
+        one process a node); None where that folder is known only once a
+        fit begins (``{fit}``), is an object store's, or there is none."""
+        if not fills_on_this_process() or self.checkpoint.per_fit_dirname:
+            return None
+        try:
+            folder = self.checkpoint.open_storage().folder_to_check(self.resume)
+        except (OSError, ValueError):  # the resume reports it
+            return None
+        return PageCacheFill(folder) if folder is not None and os.path.isdir(folder) else None
+
+    def _stop_page_cache_fill(self) -> None:
+        fill = getattr(self, '_page_cache_fill', None)
+        if fill is not None:
+            fill.stop()
+        self._page_cache_fill = None
 
     def _net_checkpoint(self, net: Any) -> AccelerateCheckpoint:
         """The net's checkpoint callback that this loader resumes from:
@@ -337,6 +368,8 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
 
     # pylint: disable=arguments-differ
     def on_train_begin(self, net: Any, X: Any = None, y: Any = None, **kwargs: Any) -> None:
+        # the resume reads the files itself from here on
+        self._stop_page_cache_fill()
         self._call += 1
         self._last_epoch = None
         accelerator = getattr(net, 'accelerator', None)

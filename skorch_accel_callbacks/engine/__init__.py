@@ -1,7 +1,7 @@
 """How a checkpoint is written and read back: the writer (in the fit's thread
 or a background one), the files of accelerate's ``save_state`` it writes,
-the stager (host copies that let a background save return) and the
-restore.
+the stager (host copies that let a background save return), the
+restore, and the page cache filled with a checkpoint's files before it.
 
 What the other subpackages use of it, and nothing else of it, is named
 here (``__all__``); its modules are its own.
@@ -14,6 +14,7 @@ from skorch_accel_callbacks.engine._consolidate import (
     read_checkpoint_model,
     read_sharded_model,
 )
+from skorch_accel_callbacks.engine._prefetch import PageCacheFill, fills_on_this_process
 from skorch_accel_callbacks.engine._restore import (
     InsideEpoch,
     Restored,
@@ -32,11 +33,13 @@ from skorch_accel_callbacks.engine._writer import (
 __all__ = [
     'BackgroundWriter',
     'choose_checkpoint',
+    'fills_on_this_process',
     'InsideEpoch',
     'is_sharded_model',
     'load_best_models',
     'loadable',
     'model_files',
+    'PageCacheFill',
     'read_checkpoint',
     'read_checkpoint_model',
     'read_sharded_model',

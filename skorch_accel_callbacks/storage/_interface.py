@@ -327,6 +327,24 @@ class CheckpointStorage(abc.ABC):
             read_ahead(folder)
         return self.fetch(name)
 
+    def folder_to_check(self, which: str | os.PathLike[str] = 'latest') -> str | None:
+        """The local folder whose files :meth:`find_checkpoint` would check
+        first for ``which``, found without reading a checkpoint (a pointer
+        and the folder's listing only): a path itself; the checkpoint a name
+        or pointer names (for ``'latest'`` without a pointer, the newest);
+        None where there is none or its files are checked elsewhere
+        (:meth:`checked_in_place`)."""
+        which = os.fspath(which)
+        if not (which in POINTERS or is_checkpoint_name(which)):
+            return which
+        if not self.keeps_local_folder:  # a store's: listing it is a request
+            return None
+        if which == 'latest':
+            name = next(iter(self.newest_first()), None)
+        else:
+            name = self.pointed(which) if which in POINTERS else which
+        return None if name is None else self.checked_in_place(name)
+
     def find(self, which: str | os.PathLike[str] = 'latest') -> str | None:
         """Path of the checkpoint to resume from, or None if there is none:
         that of :meth:`find_checkpoint`."""
