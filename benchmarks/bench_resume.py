@@ -20,9 +20,13 @@ the rounds):
   (``initialize``, the accelerator's ``prepare``, the loader);
 - ours: ``AccelerateLoadInitState``, from the checkpoint at the epoch's end
   and from the one inside it (the checksums of every file verified on the
-  way, as always); its load is the time in its hooks; and from the one at
+  way, as always); its load is the time in its hooks (the page cache is
+  filled with the checkpoint's files before them, while the net
+  initializes: the relaunch's time holds that); and from the one at
   the epoch's end with the optimizers' files read after the check, not
   while it runs (``engine/_read_ahead.py`` turned off: the load before it);
+  and from it without the page cache filled with its files while the net
+  initializes (``engine/_prefetch.py`` turned off: the relaunch before it);
 - the peers, each loading in a callback when training begins, as skorch's
   ``LoadInitState`` does: torch DCP (``get_state_dict``, ``load``,
   ``set_state_dict``, its documented resume), ``torch.load(weights_only=True)``
@@ -78,6 +82,7 @@ LABELS = {
     'ours_end': 'ours, resumed at an epoch end',
     'ours_mid': 'ours, resumed inside an epoch',
     'ours_serial': 'ours at an epoch end, optimizers not read ahead',
+    'ours_unfilled': 'ours at an epoch end, page cache not filled',
     'dcp': 'DCP get_state_dict + load + set_state_dict',
     'torch': 'torch.load(weights_only=True) + load_state_dict',
     'load_state': 'accelerator.load_state',
@@ -94,8 +99,12 @@ RATIOS = (
     ('load: ours at an epoch end / accelerator.load_state', 'ours_end', 'load_state', 'load'),
     ('load: ours at an epoch end / optimizers not read ahead', 'ours_end', 'ours_serial',
      'load'),
+    ('relaunch: ours at an epoch end / page cache not filled', 'ours_end', 'ours_unfilled',
+     'fit'),
     ('relaunch: ours at an epoch end / DCP', 'ours_end', 'dcp', 'fit'),
     ('relaunch: ours at an epoch end / nothing to resume', 'ours_end', 'fresh', 'fit'),
+    ('relaunch: ours at an epoch end / disk read', 'ours_end', 'disk', 'fit'),
+    ('relaunch: ours at an epoch end / read into new memory', 'ours_end', 'disk_fresh', 'fit'),
 )
 MEASURES = ('fit', 'load')
 # one epoch of two batches of 8 rows on every rank
@@ -309,7 +318,7 @@ def run_variant(variant, root, size, cache, out):
     world_size = launched_world_size()
     names = json.loads((root / 'names.json').read_text())
     files = {'fresh': None, 'ours_end': names['ours_end'], 'ours_mid': names['ours_mid'],
-             'ours_serial': names['ours_end'],
+             'ours_serial': names['ours_end'], 'ours_unfilled': names['ours_end'],
              'dcp': root / 'dcp', 'torch': root / 'torch.pt',
              'load_state': root / 'load_state', 'disk': names['ours_end'],
              'disk_fresh': names['ours_end']}[variant]
@@ -319,6 +328,10 @@ def run_variant(variant, root, size, cache, out):
         # internals: the read ahead turned off in this process
         from skorch_accel_callbacks.engine import _read_ahead
         _read_ahead.OptimizerReadAhead.begin = lambda self, folder: None
+    if variant == 'ours_unfilled':
+        # internals: no page cache fill while the net initializes
+        from skorch_accel_callbacks.callbacks import load_state
+        load_state.fills_on_this_process = lambda: False
     if variant.startswith('ours'):
         load = TimedLoadInitState(cp, resume=str(files))
     elif variant != 'fresh':
