@@ -9,12 +9,15 @@ The page cache is the real one: each test evicts its files
 eviction took with ``mincore``.
 """
 
+import copy
 import ctypes
 import mmap
 import os
 import pickle
 import threading
 import time
+
+from sklearn.base import clone
 
 from common import make_accelerator, make_data, make_net
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
@@ -167,6 +170,8 @@ def test_the_resume_fills_the_page_cache_with_the_checkpoint_it_checks_first(tmp
     assert all(cached_pages(path)[0] == 0 for path in older)
     # a thread in the callback does not travel with the net
     pickle.loads(pickle.dumps(net))
+    clone(net)
+    copy.deepcopy(net)
 
     net.fit(*make_data(n=96))
     assert net.history[-1, 'epoch'] == 3
