@@ -75,6 +75,19 @@ def test_every_rank_loads_the_optimizers_it_read_while_checking(case):
         assert res['read_ahead'] == res['loaded_read_ahead'] == []
 
 
+def test_one_process_a_node_fills_the_page_cache_with_the_checkpoint_it_resumes(case):
+    """While the net initializes, the first process of the node (the
+    launcher's LOCAL_RANK 0) reads the checkpoint it will resume from into
+    the page cache; the other reads nothing: the cache is the node's."""
+    for rank, res in enumerate(case['resumed']):
+        assert res['num_processes'] == case['nproc']
+        loaded_from = os.path.realpath(res['loaded_from'])
+        fills = [os.path.realpath(folder) for folder in res['page_cache_fills']]
+        assert fills == ([loaded_from] if rank == 0 else []), rank
+    for res in case['full']:  # nothing to resume from: no folder to read
+        assert res['page_cache_fills'] == []
+
+
 def test_resumed_run_is_bit_identical(case):
     assert_identical(final_state(case['folder'], 'full'),
                      final_state(case['folder'], 'resumed'))

@@ -45,8 +45,10 @@ random states) and ``<TAG>-rank<r>.json`` to RESULT_DIR when training ends.
 A resumed run's rank 0 also writes ``<TAG>-resumed-rank0.pt``, the same when
 its first epoch begins, and every rank's JSON has the digests of its random
 states then (``at_resume``), the folders whose optimizers' files it read
-ahead and on which thread (``read_ahead``), and how many optimizer states
-each load was handed instead of reading its files (``loaded_read_ahead``).
+ahead and on which thread (``read_ahead``), how many optimizer states
+each load was handed instead of reading its files (``loaded_read_ahead``),
+and the folders whose files it read into the page cache while the net
+initialized (``page_cache_fills``).
 """
 
 import errno
@@ -85,7 +87,7 @@ from common import (
 )
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, TrainingPreempted
 from skorch_accel_callbacks._core import accelerate_io, sync
-from skorch_accel_callbacks.engine import _writer as writer
+from skorch_accel_callbacks.engine import PageCacheFill, _writer as writer
 from skorch_accel_callbacks.state import find_train_loader
 from skorch_accel_callbacks.storage import _local as local_storage
 
@@ -192,6 +194,20 @@ def record_read_ahead():
     accelerate_io.read_optimizer_states = recorded_read
     accelerate_io.load_state = recorded_load
     return reads, handed
+
+
+def record_page_cache_fills():
+    """The folders of the page cache fills this process begins; returns
+    the list that fills."""
+    folders = []
+    begin = PageCacheFill.__init__
+
+    def recorded(self, folder):
+        folders.append(os.fspath(folder))
+        begin(self, folder)
+
+    PageCacheFill.__init__ = recorded
+    return folders
 
 
 class SendSignal(BatchEnds):
@@ -382,6 +398,7 @@ def main():
     at_resume = RecordResume(tag)
     trained = Trained()
     reads, handed = record_read_ahead()
+    fills = record_page_cache_fills()
     net.callbacks.extend([recorder, at_resume, trained])
     if kill.startswith('batch:'):
         _, epoch, batch = kill.split(':')
@@ -426,6 +443,7 @@ def main():
         'at_resume': at_resume.rng_,
         'read_ahead': reads,
         'loaded_read_ahead': handed,
+        'page_cache_fills': fills,
     })
     write_final_state(net, tag, HISTORY_KEYS)
 
