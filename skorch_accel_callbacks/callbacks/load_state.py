@@ -313,11 +313,15 @@ class AccelerateLoadInitState(FolderStateCallback, Callback):
         initializes (:class:`~skorch_accel_callbacks.engine.PageCacheFill`;
         one process a node); None where that folder is known only once a
         fit begins (``{fit}``), is an object store's, or there is none."""
-        if not fills_on_this_process() or self.checkpoint.per_fit_dirname:
+        if not fills_on_this_process():
             return None
         try:
+            if self.checkpoint.per_fit_dirname:
+                return None
             folder = self.checkpoint.open_storage().folder_to_check(self.resume)
-        except (OSError, ValueError):  # the resume reports it
+        except (OSError, TypeError, ValueError):
+            # a bad dirname: the checkpoint's initialize names it, which may
+            # come after this one's; a folder that cannot be read: the resume
             return None
         return PageCacheFill(folder) if folder is not None and os.path.isdir(folder) else None
 

@@ -17,6 +17,7 @@ import pickle
 import threading
 import time
 
+import pytest
 from sklearn.base import clone
 
 from common import make_accelerator, make_data, make_net
@@ -222,3 +223,12 @@ def test_no_fill_of_a_stores_checkpoint_and_no_request_to_it(tmp_path):
     settled()
     net.initialize()
     assert not fill_threads()
+
+
+@pytest.mark.parametrize('dirname', [None, 3, ''])
+def test_a_bad_dirname_is_named_by_the_checkpoint_even_with_the_resume_listed_first(dirname):
+    checkpoint = AccelerateCheckpoint(dirname=dirname)
+    net = make_net(make_accelerator(), max_epochs=1, callbacks=[
+        AccelerateLoadInitState(checkpoint), checkpoint])
+    with pytest.raises(ValueError, match='AccelerateCheckpoint: dirname must be a folder path'):
+        net.initialize()
