@@ -86,6 +86,7 @@ def test_bench_peers_2_process_run_had_2_processes(quick_peers):
 RESUME_VARIANTS = ('nothing to resume', 'ours, resumed at an epoch end',
                    'ours, resumed inside an epoch',
                    'ours at an epoch end, optimizers not read ahead',
+                   'ours at an epoch end, page cache not filled',
                    'DCP get_state_dict + load + set_state_dict',
                    'torch.load(weights_only=True) + load_state_dict', 'accelerator.load_state',
                    'disk: every file of our checkpoint read',
@@ -94,7 +95,10 @@ RESUME_RATIOS = ('load: ours at an epoch end / DCP', 'load: ours inside an epoch
                  'load: ours at an epoch end / disk read',
                  'load: ours at an epoch end / read into new memory',
                  'relaunch: ours at an epoch end / DCP',
-                 'load: ours at an epoch end / optimizers not read ahead')
+                 'load: ours at an epoch end / optimizers not read ahead',
+                 'relaunch: ours at an epoch end / page cache not filled',
+                 'relaunch: ours at an epoch end / disk read',
+                 'relaunch: ours at an epoch end / read into new memory')
 
 
 # a relaunch per variant, page cache state and process count: 3 min 40 s
