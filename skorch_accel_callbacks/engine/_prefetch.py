@@ -16,8 +16,11 @@ middle and last byte of each chunk with ``preadv(RWF_NOWAIT)``, which fails
 rather than waits for the disk): with the cache warm the fill costs a few
 system calls a chunk. It reads no more than half the memory the kernel
 reports available, and one process a node reads (the launcher's
-``LOCAL_RANK`` 0): the page cache is the node's. Any error stops it
-silently: the resume's own read reports what is wrong.
+``LOCAL_RANK`` 0): the page cache is the node's. It reads a checkpoint's
+folder only (one with a manifest: a path that is none is not walked) and
+its regular files only (a FIFO would block the read, and the stop with
+it). Any error stops it silently: the resume's own read reports what is
+wrong.
 
 ``benchmarks/bench_resume.py`` times the relaunch with it and without: on
 2 cores and one disk, with the page cache cold, the load no longer waits
@@ -30,7 +33,10 @@ while the net initializes.
 from __future__ import annotations
 
 import os
+import stat
 import threading
+
+from skorch_accel_callbacks.format import MANIFEST_NAME
 
 __all__ = ['FILL_CHUNK', 'PageCacheFill', 'fills_on_this_process']
 
@@ -77,13 +83,17 @@ class PageCacheFill:
 
     def _fill(self) -> None:
         try:
+            # a path that is no checkpoint (a resume refuses it) is not walked
+            if not os.path.isfile(os.path.join(self.folder, MANIFEST_NAME)):
+                return
             budget = _available_memory() // 2
             buffer = bytearray(FILL_CHUNK)
             for path, size in _largest_first(self.folder):
-                if size > budget or self._stopped.is_set():
+                if self._stopped.is_set():
                     return
-                budget -= size
-                self._fill_file(path, buffer)
+                if size <= budget:
+                    budget -= size
+                    self._fill_file(path, buffer)
         except OSError:  # the resume's own read of the folder reports it
             return
 
@@ -111,12 +121,15 @@ def _cached(fd: int, offset: int) -> bool:
 
 
 def _largest_first(folder: str) -> list[tuple[str, int]]:
-    """The files under ``folder`` and their sizes, the largest first."""
+    """The regular files under ``folder`` and their sizes, the largest first."""
     files = []
     for parent, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(parent, name)
-            files.append((path, os.stat(path).st_size))
+            status = os.stat(path)
+            # a FIFO or a device would block the read, and stop() with it
+            if stat.S_ISREG(status.st_mode):
+                files.append((path, status.st_size))
     return sorted(files, key=lambda file: -file[1])
 
 

@@ -51,8 +51,8 @@ def cached_pages(path):
 
 
 def files_under(folder):
-    return [os.path.join(parent, name) for parent, _, names in os.walk(folder)
-            for name in names]
+    return [path for parent, _, names in os.walk(folder)
+            for path in (os.path.join(parent, name) for name in names) if os.path.isfile(path)]
 
 
 def evicted(folder):
@@ -82,6 +82,13 @@ def write_files(folder, sizes):
             f.write(os.urandom(size))
 
 
+def a_checkpoint(folder):
+    """``folder`` with a manifest, as a fill reads only a checkpoint's
+    folder; its bytes."""
+    (folder / 'manifest.json').write_text('{}')
+    return 2
+
+
 def fill_threads():
     return [t for t in threading.enumerate() if t.name == 'checkpoint-page-cache-fill']
 
@@ -98,13 +105,16 @@ def test_a_fill_reads_what_the_page_cache_lacks_and_nothing_else(tmp_path):
     sizes = [3 * _prefetch.FILL_CHUNK + 12345, 5 * PAGE + 7, 1]
     write_files(tmp_path / 'sub', sizes[1:])
     write_files(tmp_path, sizes[:1])
+    manifest = a_checkpoint(tmp_path)
+    # neither read nor waited for: a reader of a FIFO blocks until a writer comes
+    os.mkfifo(tmp_path / 'sub' / 'fifo')
     files = evicted(tmp_path)
 
     fill = PageCacheFill(tmp_path)
     assert fill.wait(60)
     # no more than the files hold; less where the kernel's read ahead of
     # one chunk brought the next in
-    assert 0 < fill.bytes_read <= sum(sizes)
+    assert 0 < fill.bytes_read <= sum(sizes) + manifest
     for path in files:
         cached, pages = cached_pages(path)
         assert cached == pages, path
@@ -118,7 +128,9 @@ def test_a_fill_stops_when_told(tmp_path, monkeypatch):
     # a page a read: a stop lands among thousands of reads
     monkeypatch.setattr(_prefetch, 'FILL_CHUNK', PAGE)
     write_files(tmp_path, [32 * 2 ** 20])
-    (path,) = evicted(tmp_path)
+    a_checkpoint(tmp_path)
+    evicted(tmp_path)
+    path = tmp_path / 'file-0'
 
     settled()
     fill = PageCacheFill(tmp_path)
@@ -129,6 +141,15 @@ def test_a_fill_stops_when_told(tmp_path, monkeypatch):
     assert cached_pages(path)[0] < cached_pages(path)[1]
     time.sleep(0.2)
     assert fill.bytes_read == read
+
+
+def test_a_folder_without_a_manifest_is_not_read(tmp_path):
+    write_files(tmp_path / 'any' / 'folder', [3 * PAGE])
+    (path,) = evicted(tmp_path)
+    fill = PageCacheFill(tmp_path)
+    assert fill.wait(10)
+    assert fill.bytes_read == 0
+    assert cached_pages(path)[0] == 0
 
 
 def test_a_missing_folder_ends_the_fill_quietly(tmp_path):
