@@ -166,8 +166,9 @@ class Chosen:
     path: str
     #: its manifest, on a process that read it to choose (None elsewhere)
     manifest: dict | None = None
-    #: its optimizers' files, read while the process checked it (on a
-    #: process that checked it to choose, where asked for)
+    #: its optimizers' files, read while it was checked to be chosen (where
+    #: asked for; on a process that did not check it, the folder it
+    #: expected: taken only if it is this one)
     read_ahead: OptimizerReadAhead | None = None
 
 
@@ -180,14 +181,19 @@ def choose_checkpoint(net: Any, storage: CheckpointStorage, which: str | os.Path
     to every rank. With ``read_optimizers``, a process that checks a
     checkpoint reads its optimizers' files meanwhile
     (:class:`~skorch_accel_callbacks.engine._read_ahead.OptimizerReadAhead`),
-    for :func:`read_checkpoint`. Raises :class:`CheckpointError` when
-    committers of ``save_on_each_node`` would choose different ones.
+    for :func:`read_checkpoint`, and a process that waits for the choice
+    reads those of the folder that would be checked first
+    (:meth:`~CheckpointStorage.folder_to_check`). Raises
+    :class:`CheckpointError` when committers of ``save_on_each_node`` would
+    choose different ones.
     """
     committer = is_committer(net)
     found = read_ahead = None
-    if read_optimizers and committer:
+    if read_optimizers:
         with own_registries(net):  # the files are numbered among the net's own
             read_ahead = OptimizerReadAhead(net.accelerator)
+        if not committer:
+            _read_expected_choice(read_ahead, storage, which)
     with sync.agree(net, f"finding a checkpoint in {storage.dirname}"):
         if committer:
             found = storage.find_checkpoint(
@@ -204,8 +210,23 @@ def choose_checkpoint(net: Any, storage: CheckpointStorage, which: str | os.Path
     if found is not None:
         return Chosen(found.path, found.manifest, read_ahead)
     if which in POINTERS or is_checkpoint_name(os.fspath(which)):
-        return Chosen(storage.path(chosen))
-    return Chosen(os.fspath(which))
+        return Chosen(storage.path(chosen), read_ahead=read_ahead)
+    return Chosen(os.fspath(which), read_ahead=read_ahead)
+
+
+def _read_expected_choice(read_ahead: OptimizerReadAhead, storage: CheckpointStorage,
+                          which: str | os.PathLike) -> None:
+    """Begin to read the optimizers' files of the folder the committer will
+    most likely choose, while it checks its files: a rank that waits for
+    the choice and then read them would add that read to the check's time
+    (the choice decides whether the read is taken, and nothing is applied
+    before it)."""
+    try:
+        folder = storage.folder_to_check(which)
+    except (OSError, ValueError):  # the committer's search reports it to every rank
+        return
+    if folder is not None:
+        read_ahead.begin(folder)
 
 
 def load_best_models(net: Any, storage: CheckpointStorage) -> str | None:
@@ -246,9 +267,10 @@ def read_checkpoint(net: Any, chosen: Chosen, checks: ResumeChecks, X: Any = Non
         if chosen.manifest is not None:
             saved = chosen.manifest
         else:
-            # checked here, not where it was chosen: read ahead meanwhile
-            read_ahead = OptimizerReadAhead(net.accelerator)
-            read_ahead.begin(path)
+            if read_ahead is None or not read_ahead.reading(path):
+                # checked here, not where it was chosen: read ahead meanwhile
+                read_ahead = OptimizerReadAhead(net.accelerator)
+                read_ahead.begin(path)
             saved = read_manifest(path)
         changed = check_world_size(saved, sync.num_processes(net), path, checks.reseed)
         check_compatible(saved, path, models=model_layout(net),

@@ -62,14 +62,16 @@ def test_resumed_from_the_last_complete_epoch(case):
 
 def test_every_rank_loads_the_optimizers_it_read_while_checking(case):
     """Rank 0 reads them ahead as it checks the checkpoint to choose it;
-    rank 1, which rank 0's choice reaches by name, as it checks it before
-    its load: each on a thread of its own, one read each, handed to the
-    load (a fallback to the load's own read would pass every other test)."""
+    rank 1, which waits for rank 0's choice, those of the folder rank 0
+    checks first, meanwhile: each on a thread of its own, one read each,
+    begun before the choice, handed to the load (a fallback to the load's
+    own read would pass every other test)."""
     n_optimizers = 2 if case['scenario'] == 'twomodules' else 1
     for res in case['resumed']:
         loaded_from = os.path.realpath(res['loaded_from'])
-        assert [(os.path.realpath(read['folder']), read['thread'])
-                for read in res['read_ahead']] == [(loaded_from, 'checkpoint-read-ahead')]
+        assert [(os.path.realpath(read['folder']), read['thread'], read['while_choosing'])
+                for read in res['read_ahead']] == [
+                    (loaded_from, 'checkpoint-read-ahead', True)]
         assert res['loaded_read_ahead'] == [n_optimizers]
     for res in case['full']:  # nothing to resume from: nothing read
         assert res['read_ahead'] == res['loaded_read_ahead'] == []

@@ -242,3 +242,24 @@ def test_a_rank_that_checks_the_chosen_checkpoint_itself_reads_ahead_meanwhile(
     assert reads == [folder]
     assert len(loaded_with) == 1 and len(loaded_with[0]) == 1
     assert_same(net.optimizer_.state_dict(), trained.optimizer_.state_dict())
+
+
+def test_a_rank_takes_what_it_read_while_waiting_for_the_choice_only_for_that_folder(
+        tmp_path, monkeypatch):
+    """A rank that waits for rank 0's choice reads the optimizers' files of
+    the folder rank 0 checks first; where rank 0 chose another (it found
+    that one damaged), the rank reads and loads the chosen one's."""
+    saved_net(tmp_path)
+    reads = reads_of(monkeypatch)
+    chosen, expected = (str(tmp_path / 'ck' / f'epoch-000{epoch}') for epoch in (1, 2))
+    for guess in (expected, chosen):
+        net = make_net(make_accelerator(), max_epochs=2).initialize()
+        reads.clear()
+        read_ahead = OptimizerReadAhead(net.accelerator)
+        read_ahead.begin(guess)
+        read_checkpoint(net, Chosen(chosen, read_ahead=read_ahead), ResumeChecks(),
+                        *make_data(n=96))
+        assert reads == ([guess, chosen] if guess != chosen else [chosen])
+        saved = torch.load(tmp_path / 'ck' / 'epoch-0001' / 'optimizer.bin', weights_only=True)
+        assert saved['state']
+        assert_same(net.optimizer_.state_dict()['state'], saved['state'])

@@ -45,7 +45,8 @@ random states) and ``<TAG>-rank<r>.json`` to RESULT_DIR when training ends.
 A resumed run's rank 0 also writes ``<TAG>-resumed-rank0.pt``, the same when
 its first epoch begins, and every rank's JSON has the digests of its random
 states then (``at_resume``), the folders whose optimizers' files it read
-ahead and on which thread (``read_ahead``), how many optimizer states
+ahead, on which thread and whether it began before the checkpoint was
+chosen (``read_ahead``), how many optimizer states
 each load was handed instead of reading its files (``loaded_read_ahead``),
 and the folders whose files it read into the page cache while the net
 initialized (``page_cache_fills``).
@@ -87,7 +88,9 @@ from common import (
 )
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState, TrainingPreempted
 from skorch_accel_callbacks._core import accelerate_io, sync
+from skorch_accel_callbacks.callbacks import load_state as load_state_callback
 from skorch_accel_callbacks.engine import PageCacheFill, _writer as writer
+from skorch_accel_callbacks.engine._read_ahead import OptimizerReadAhead
 from skorch_accel_callbacks.state import find_train_loader
 from skorch_accel_callbacks.storage import _local as local_storage
 
@@ -169,14 +172,34 @@ def fail_save(failing_rank, epoch):
 
 
 def record_read_ahead():
-    """What each resume read ahead and handed to the load, as it happens
-    (replaced where the read ahead and the load look them up); returns the
-    lists that fill."""
+    """What each resume read ahead, whether it began that read before the
+    checkpoint was chosen (while the committer checked it), and what it
+    handed to the load, as it happens (replaced where the read ahead, the
+    resume and the load look them up); returns the lists that fill."""
     reads, handed = [], []
     read, load = accelerate_io.read_optimizer_states, accelerate_io.load_state
+    begin, choose = OptimizerReadAhead.begin, load_state_callback.choose_checkpoint
+    choosing = threading.local()
+
+    def recorded_begin(self, folder):
+        reads.append({'folder': os.fspath(folder),
+                      'while_choosing': getattr(choosing, 'now', False)})
+        begin(self, folder)
+
+    def recorded_choose(*args, **kwargs):
+        choosing.now = True
+        try:
+            return choose(*args, **kwargs)
+        finally:
+            choosing.now = False
 
     def recorded_read(folder, *args):
-        reads.append({'folder': os.fspath(folder), 'thread': threading.current_thread().name})
+        begun = [entry for entry in reads
+                 if entry['folder'] == os.fspath(folder) and 'thread' not in entry]
+        entry = begun[0] if begun else {'folder': os.fspath(folder), 'while_choosing': None}
+        entry['thread'] = threading.current_thread().name
+        if not begun:  # a read that no read ahead began
+            reads.append(entry)
         return read(folder, *args)
 
     def recorded_load(accelerator, folder, frozen_parts=None, optimizer_states=None):
@@ -191,6 +214,8 @@ def record_read_ahead():
 
         return load(accelerator, folder, frozen_parts, take)
 
+    OptimizerReadAhead.begin = recorded_begin
+    load_state_callback.choose_checkpoint = recorded_choose
     accelerate_io.read_optimizer_states = recorded_read
     accelerate_io.load_state = recorded_load
     return reads, handed
