@@ -27,6 +27,9 @@ the rounds):
   while it runs (``engine/_read_ahead.py`` turned off: the load before it);
   and from it without the page cache filled with its files while the net
   initializes (``engine/_prefetch.py`` turned off: the relaunch before it);
+  in several processes, from it with the ranks that wait for rank 0's
+  choice reading the optimizers' files only once it reached them, not
+  while rank 0 checks the checkpoint (the load before that);
 - the peers, each loading in a callback when training begins, as skorch's
   ``LoadInitState`` does: torch DCP (``get_state_dict``, ``load``,
   ``set_state_dict``, its documented resume), ``torch.load(weights_only=True)``
@@ -83,6 +86,7 @@ LABELS = {
     'ours_mid': 'ours, resumed inside an epoch',
     'ours_serial': 'ours at an epoch end, optimizers not read ahead',
     'ours_unfilled': 'ours at an epoch end, page cache not filled',
+    'ours_late': 'ours at an epoch end, waiting ranks read after the choice',
     'dcp': 'DCP get_state_dict + load + set_state_dict',
     'torch': 'torch.load(weights_only=True) + load_state_dict',
     'load_state': 'accelerator.load_state',
@@ -99,6 +103,8 @@ RATIOS = (
     ('load: ours at an epoch end / accelerator.load_state', 'ours_end', 'load_state', 'load'),
     ('load: ours at an epoch end / optimizers not read ahead', 'ours_end', 'ours_serial',
      'load'),
+    ('load: ours at an epoch end / waiting ranks read after the choice', 'ours_end',
+     'ours_late', 'load'),
     ('relaunch: ours at an epoch end / page cache not filled', 'ours_end', 'ours_unfilled',
      'fit'),
     ('relaunch: ours at an epoch end / DCP', 'ours_end', 'dcp', 'fit'),
@@ -107,6 +113,8 @@ RATIOS = (
     ('relaunch: ours at an epoch end / read into new memory', 'ours_end', 'disk_fresh', 'fit'),
 )
 MEASURES = ('fit', 'load')
+# variants that differ from ours_end only where a rank waits for another's choice
+SEVERAL_PROCESSES_ONLY = ('ours_late',)
 # one epoch of two batches of 8 rows on every rank
 BATCHES_PER_RANK = 2
 BATCH_ROWS = 8
@@ -319,6 +327,7 @@ def run_variant(variant, root, size, cache, out):
     names = json.loads((root / 'names.json').read_text())
     files = {'fresh': None, 'ours_end': names['ours_end'], 'ours_mid': names['ours_mid'],
              'ours_serial': names['ours_end'], 'ours_unfilled': names['ours_end'],
+             'ours_late': names['ours_end'],
              'dcp': root / 'dcp', 'torch': root / 'torch.pt',
              'load_state': root / 'load_state', 'disk': names['ours_end'],
              'disk_fresh': names['ours_end']}[variant]
@@ -332,6 +341,10 @@ def run_variant(variant, root, size, cache, out):
         # internals: no page cache fill while the net initializes
         from skorch_accel_callbacks.callbacks import load_state
         load_state.fills_on_this_process = lambda: False
+    if variant == 'ours_late':
+        # internals: a rank that waits for the choice reads nothing meanwhile
+        from skorch_accel_callbacks.engine import _restore
+        _restore._read_expected_choice = lambda *args: None
     if variant.startswith('ours'):
         load = TimedLoadInitState(cp, resume=str(files))
     elif variant != 'fresh':
@@ -404,7 +417,7 @@ def bench(size, nproc, caches, repeats, root, timeout):
     script = Path(__file__).resolve()
     launch(script, '--worker', 'prepare', root, size, nproc=nproc, timeout=timeout).check()
     nbytes = json.loads((root / 'names.json').read_text())['nbytes']
-    variants = list(LABELS)
+    variants = [v for v in LABELS if nproc > 1 or v not in SEVERAL_PROCESSES_ONLY]
     times = {(cache, v, m): [] for cache in caches for v in variants for m in MEASURES}
     for round_ in range(repeats):
         shift = round_ % len(variants)
@@ -436,6 +449,8 @@ def ratio_rows(size, cache, times):
     """Ours over each peer, of medians and of mins, taken within one run."""
     rows = []
     for label, ours_key, peer_key, measure in RATIOS:
+        if (cache, peer_key, measure) not in times:  # a variant of several processes
+            continue
         ours = spread(times[cache, ours_key, measure])
         peer = spread(times[cache, peer_key, measure])
         rows.append([f"{size / 1e6:g}M", cache, label, ms(ours[1]), ms(peer[1]),
@@ -456,6 +471,8 @@ def report(runs, args, root, caches, cold_refused):
         for size, times, nbytes in results:
             for cache in caches:
                 for variant, label in LABELS.items():
+                    if (cache, variant, 'fit') not in times:
+                        continue
                     row = [f"{size / 1e6:g}M", f"{nbytes / 2 ** 20:.0f}", cache, label]
                     for measure in MEASURES:
                         if variant == 'fresh' and measure == 'load':
