@@ -217,10 +217,10 @@ def choose_checkpoint(net: Any, storage: CheckpointStorage, which: str | os.Path
 def _read_expected_choice(read_ahead: OptimizerReadAhead, storage: CheckpointStorage,
                           which: str | os.PathLike) -> None:
     """Begin to read the optimizers' files of the folder the committer will
-    most likely choose, while it checks its files: a rank that waits for
-    the choice and then read them would add that read to the check's time
-    (the choice decides whether the read is taken, and nothing is applied
-    before it)."""
+    most likely choose, while it checks its files: a rank that read them
+    only once the choice reached it would add that read to the check's
+    time (the choice decides whether the read is taken, and nothing is
+    applied before it)."""
     try:
         folder = storage.folder_to_check(which)
     except (OSError, ValueError):  # the committer's search reports it to every rank
