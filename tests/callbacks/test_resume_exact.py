@@ -68,6 +68,7 @@ def test_every_rank_loads_the_optimizers_it_read_while_checking(case):
     own read would pass every other test)."""
     n_optimizers = 2 if case['scenario'] == 'twomodules' else 1
     for res in case['resumed']:
+        assert res['num_processes'] == case['nproc']
         loaded_from = os.path.realpath(res['loaded_from'])
         assert [(os.path.realpath(read['folder']), read['thread'], read['while_choosing'])
                 for read in res['read_ahead']] == [
