@@ -8,7 +8,11 @@ write of it (renewal, takeover, removal) is conditional on the ETag of the
 version the writer last saw (``If-Match``): of two writers, exactly one
 succeeds. The holder renews it from a background thread; a holder that was
 killed stops renewing, its lease expires, and the next job takes it over
-with a warning.
+with a warning. A write the store made whose answer never came back (the
+connection dropped, or the client gave up at its deadline) leaves the lease
+at a version its writer did not hear of, and the writer's next conditional
+write fails: where the lease holds the writer's own token, the writer takes
+that version as its own, instead of counting the lease as lost (to itself).
 
 ``expires_at`` is wall-clock UTC: the jobs that read it run on other hosts,
 where a monotonic clock means nothing. Hosts' clocks differ, so a lease
@@ -218,9 +222,13 @@ class ObjectLease:
         try:
             new_etag = _write(self.fs, self.path, record, self.ttl_seconds, IfMatch=etag)
         except OSError:
-            if _changed(self.fs, self.path, etag):
+            now = _read(self.fs, self.path)
+            if now is not None and now[1] == etag:
+                raise
+            if _written_by(now, record):
+                new_etag = now[1]  # the store took it; its answer was lost
+            else:
                 return None  # another job took it over first
-            raise
         warnings.warn(
             f"took over the lease {self.url} of checkpoint folder {self._folder()} from "
             + (f"{holder}, a process of this machine that is gone (killed)" if gone else
@@ -295,11 +303,24 @@ class _Held:
                                        IfMatch=self.etag)
                     self.record = record
                 except OSError:
-                    if not _changed(self.fs, self.path, self.etag):
-                        raise
-                    self.lost_to = _current_holder(self.fs, self.path)
+                    now = _read(self.fs, self.path)
+                    if now is not None and now[1] == self.etag:
+                        raise  # not for the lease: the next renewal tries again
+                    if not self._caught_up(now):
+                        self.lost_to = _holder_of(now)
             if self.lost_to is not None:
                 raise LeaseLostError(self.lost_message())
+
+    def _caught_up(self, now: tuple[Any, str] | None) -> bool:
+        """Whether the lease as read now (:func:`_read`) is still this
+        holding's, at a version that a write of its own made: one the store
+        took though its answer never came back (the connection dropped, or
+        the write was given up at its deadline while under way). Its record
+        and ETag are then taken as this holding's."""
+        if not _written_by(now, self.record):
+            return False
+        self.record, self.etag = now
+        return True
 
     def lost_message(self) -> str:
         folder = self.fs.unstrip_protocol(posixpath.dirname(self.path))
@@ -326,8 +347,20 @@ class _Held:
         """Remove the lease; why it is still there if it could not be."""
         bucket, key, _ = self.fs.split_path(self.path)
         try:
-            self.fs.call_s3('delete_object', Bucket=bucket, Key=key, IfMatch=self.etag,
-                            **transfer.deadline(self.fs, RELEASE_SECONDS))
+            for attempt in range(_ATTEMPTS):
+                try:
+                    self.fs.call_s3('delete_object', Bucket=bucket, Key=key, IfMatch=self.etag,
+                                    **transfer.deadline(self.fs, RELEASE_SECONDS))
+                    return None
+                except (FileNotFoundError, TimeoutError):
+                    raise
+                except OSError:
+                    # a renewal of ours that the store took after its answer
+                    # was lost moved the lease on: remove that version
+                    now = _read(self.fs, self.path)
+                    if (attempt + 1 == _ATTEMPTS or now is None or now[1] == self.etag
+                            or not self._caught_up(now)):
+                        raise
         except FileNotFoundError:
             self.lost_to = 'a job that removed it'
         except TimeoutError as error:
@@ -412,9 +445,20 @@ def _describe(record: dict[str, Any]) -> str:
     return f"pid {record['holder']} on host {record['host']}"
 
 
+def _written_by(found: tuple[Any, str] | None, record: dict[str, Any]) -> bool:
+    """Whether the lease as read (:func:`_read`) is the holding of
+    ``record``: its token, which no other job's lease has."""
+    return (found is not None and isinstance(found[0], dict)
+            and found[0].get('token') == record['token'])
+
+
 def _current_holder(fs: Any, path: str) -> str:
     """Who holds the lease at ``path`` now, for a message."""
-    found = _read(fs, path)
+    return _holder_of(_read(fs, path))
+
+
+def _holder_of(found: tuple[Any, str] | None) -> str:
+    """Who holds the lease as read (:func:`_read`), for a message."""
     if found is None:
         return 'a job that removed it'
     try:

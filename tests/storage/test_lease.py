@@ -1,6 +1,7 @@
 """The lease of a remote checkpoint folder (skorch_accel_callbacks.storage._lease),
 against a real S3 server (moto, over HTTP, through s3fs)."""
 
+import contextlib
 import json
 import os
 import pickle
@@ -271,6 +272,98 @@ def test_renewal_keeps_a_short_lease_alive(s3):
     lease.check()
     lease.release()
     assert not fs.exists(path)
+
+
+def lose_the_answer_of_a_lease_write(proxy, path, passed=0):
+    """From now on, the proxy drops the answer of a write (PUT) of the lease
+    ``path``, the first after ``passed`` of them (the store has made it; the
+    job never hears so); the list it returns names that request once the
+    store answered it."""
+    key = path.split('/', 1)[1].encode()
+    writes, lost = [], []
+
+    def on_request(line):
+        if not (line.startswith(b'PUT /') and key in line):
+            return None
+        writes.append(line)
+        if len(writes) == passed + 1:
+            return lambda: lost.append(line)  # at the answer, instead of forwarding it
+        return None
+
+    proxy.on_request = on_request
+    return lost
+
+
+def test_a_renewal_whose_answer_was_lost_is_no_loss_of_the_lease(s3_endpoint):
+    """The store took a renewal whose answer never came back (a dropped
+    connection, or a write given up at its deadline while under way): the
+    lease is at a version whose ETag the holder never heard of, and its next
+    conditional write fails. The lease is still its own (its token): the
+    renewals go on, nothing is reported lost, the release removes it."""
+    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
+    fs, direct = filesystem(proxy.endpoint), filesystem(s3_endpoint)
+    path = f'{new_bucket(direct)}/run1/.lease.json'
+    lease = ObjectLease(fs, path, ttl_seconds=3.0, clock_skew_seconds=0).acquire()
+    token = stored(direct, path)['token']
+    lost = lose_the_answer_of_a_lease_write(proxy, path)
+    try:
+        wait_for(lambda: lost)
+        after_loss = stored(direct, path)['expires_at']
+        seen = {after_loss}
+        wait_for(lambda: seen.add(stored(direct, path)['expires_at']) or len(seen) > 3)
+        lease.check()
+        assert lease.held and stored(direct, path)['token'] == token
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            lease.release()
+        assert not direct.exists(path)
+    finally:
+        proxy.cut()
+
+
+def test_a_check_whose_renewal_answer_was_lost_and_the_release_after_it(s3_endpoint):
+    """The same loss in ``check()`` (the thread's renewals far apart): it
+    raises nothing and the release removes the lease without a warning."""
+    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
+    fs, direct = filesystem(proxy.endpoint), filesystem(s3_endpoint)
+    path = f'{new_bucket(direct)}/run1/.lease.json'
+    lease = ObjectLease(fs, path, ttl_seconds=600, clock_skew_seconds=0).acquire()
+    before = stored(direct, path)
+    lost = lose_the_answer_of_a_lease_write(proxy, path)
+    try:
+        with contextlib.suppress(OSError):  # the store out of reach, as check() says
+            lease.check()
+        wait_for(lambda: lost)
+        assert stored(direct, path)['expires_at'] != before['expires_at']  # the store took it
+        assert lease.held
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            lease.release()
+        assert not direct.exists(path)
+    finally:
+        proxy.cut()
+
+
+def test_a_takeover_whose_answer_was_lost_takes_the_lease(s3_endpoint):
+    """The write that takes over an expired lease, taken by the store with
+    its answer lost: the lease found then is this job's own (its token),
+    not another job's that got there first."""
+    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
+    fs, direct = filesystem(proxy.endpoint), filesystem(s3_endpoint)
+    path = f'{new_bucket(direct)}/run1/.lease.json'
+    write_dead_lease(direct, path)
+    lost = lose_the_answer_of_a_lease_write(proxy, path, passed=1)  # after the create-only one
+    try:
+        with pytest.warns(UserWarning, match='took over'):
+            lease = ObjectLease(fs, path, clock_skew_seconds=0).acquire()
+        assert lost, 'the takeover was answered'
+        assert lease.held and stored(direct, path)['token'] == lease._held.record['token']
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            lease.release()
+        assert not direct.exists(path)
+    finally:
+        proxy.cut()
 
 
 def expire_and_take_over(fs, path):
