@@ -294,76 +294,68 @@ def lose_the_answer_of_a_lease_write(proxy, path, passed=0):
     return lost
 
 
-def test_a_renewal_whose_answer_was_lost_is_no_loss_of_the_lease(s3_endpoint):
+@pytest.fixture
+def proxied(s3_endpoint):
+    """A lease's path in a new bucket, the store seen through a test proxy
+    (``fs``) and directly (``direct``, for the test's own reads)."""
+    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
+    direct = filesystem(s3_endpoint)
+    yield proxy, filesystem(proxy.endpoint), direct, f'{new_bucket(direct)}/run1/.lease.json'
+    proxy.cut()
+
+
+def assert_released_silently(lease, direct, path):
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        lease.release()
+    assert not direct.exists(path)
+
+
+def test_a_renewal_whose_answer_was_lost_is_no_loss_of_the_lease(proxied):
     """The store took a renewal whose answer never came back (a dropped
     connection, or a write given up at its deadline while under way): the
     lease is at a version whose ETag the holder never heard of, and its next
     conditional write fails. The lease is still its own (its token): the
     renewals go on, nothing is reported lost, the release removes it."""
-    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
-    fs, direct = filesystem(proxy.endpoint), filesystem(s3_endpoint)
-    path = f'{new_bucket(direct)}/run1/.lease.json'
+    proxy, fs, direct, path = proxied
     lease = ObjectLease(fs, path, ttl_seconds=3.0, clock_skew_seconds=0).acquire()
     token = stored(direct, path)['token']
     lost = lose_the_answer_of_a_lease_write(proxy, path)
-    try:
-        wait_for(lambda: lost)
-        after_loss = stored(direct, path)['expires_at']
-        seen = {after_loss}
-        wait_for(lambda: seen.add(stored(direct, path)['expires_at']) or len(seen) > 3)
-        lease.check()
-        assert lease.held and stored(direct, path)['token'] == token
-        with warnings.catch_warnings():
-            warnings.simplefilter('error')
-            lease.release()
-        assert not direct.exists(path)
-    finally:
-        proxy.cut()
+    wait_for(lambda: lost)
+    seen = {stored(direct, path)['expires_at']}
+    wait_for(lambda: seen.add(stored(direct, path)['expires_at']) or len(seen) > 3)
+    lease.check()
+    assert lease.held and stored(direct, path)['token'] == token
+    assert_released_silently(lease, direct, path)
 
 
-def test_a_check_whose_renewal_answer_was_lost_and_the_release_after_it(s3_endpoint):
+def test_a_check_whose_renewal_answer_was_lost_and_the_release_after_it(proxied):
     """The same loss in ``check()`` (the thread's renewals far apart): it
     raises nothing and the release removes the lease without a warning."""
-    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
-    fs, direct = filesystem(proxy.endpoint), filesystem(s3_endpoint)
-    path = f'{new_bucket(direct)}/run1/.lease.json'
+    proxy, fs, direct, path = proxied
     lease = ObjectLease(fs, path, ttl_seconds=600, clock_skew_seconds=0).acquire()
     before = stored(direct, path)
     lost = lose_the_answer_of_a_lease_write(proxy, path)
-    try:
-        with contextlib.suppress(OSError):  # the store out of reach, as check() says
-            lease.check()
-        wait_for(lambda: lost)
-        assert stored(direct, path)['expires_at'] != before['expires_at']  # the store took it
-        assert lease.held
-        with warnings.catch_warnings():
-            warnings.simplefilter('error')
-            lease.release()
-        assert not direct.exists(path)
-    finally:
-        proxy.cut()
+    with contextlib.suppress(OSError):  # the store out of reach, as check() says
+        lease.check()
+    wait_for(lambda: lost)
+    assert stored(direct, path)['expires_at'] != before['expires_at']  # the store took it
+    assert lease.held
+    assert_released_silently(lease, direct, path)
 
 
-def test_a_takeover_whose_answer_was_lost_takes_the_lease(s3_endpoint):
+def test_a_takeover_whose_answer_was_lost_takes_the_lease(proxied):
     """The write that takes over an expired lease, taken by the store with
     its answer lost: the lease found then is this job's own (its token),
     not another job's that got there first."""
-    proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
-    fs, direct = filesystem(proxy.endpoint), filesystem(s3_endpoint)
-    path = f'{new_bucket(direct)}/run1/.lease.json'
+    proxy, fs, direct, path = proxied
     write_dead_lease(direct, path)
     lost = lose_the_answer_of_a_lease_write(proxy, path, passed=1)  # after the create-only one
-    try:
-        with pytest.warns(UserWarning, match='took over'):
-            lease = ObjectLease(fs, path, clock_skew_seconds=0).acquire()
-        assert lost, 'the takeover was answered'
-        assert lease.held and stored(direct, path)['token'] == lease._held.record['token']
-        with warnings.catch_warnings():
-            warnings.simplefilter('error')
-            lease.release()
-        assert not direct.exists(path)
-    finally:
-        proxy.cut()
+    with pytest.warns(UserWarning, match='took over'):
+        lease = ObjectLease(fs, path, clock_skew_seconds=0).acquire()
+    assert lost, 'the takeover was answered'
+    assert lease.held and stored(direct, path)['token'] == lease._held.record['token']
+    assert_released_silently(lease, direct, path)
 
 
 def expire_and_take_over(fs, path):
