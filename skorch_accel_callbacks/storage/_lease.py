@@ -346,42 +346,43 @@ class _Held:
     def _remove(self) -> str | None:
         """Remove the lease; why it is still there if it could not be."""
         bucket, key, _ = self.fs.split_path(self.path)
+        failed = None
         try:
-            for attempt in range(_ATTEMPTS):
+            for _ in range(_ATTEMPTS):
                 try:
                     self.fs.call_s3('delete_object', Bucket=bucket, Key=key, IfMatch=self.etag,
                                     **transfer.deadline(self.fs, RELEASE_SECONDS))
                     return None
-                except (FileNotFoundError, TimeoutError):
-                    raise
-                except OSError:
+                except FileNotFoundError:
+                    self.lost_to = 'a job that removed it'
+                    return None
+                except TimeoutError as error:
+                    # a store that does not answer would not answer whether the
+                    # lease changed either; the lease expires by itself
+                    return (
+                        f"could not remove the lease {self.fs.unstrip_protocol(self.path)}: "
+                        f"the store did not answer within {RELEASE_SECONDS:g} s "
+                        f"({error or type(error).__name__}); a new job is refused the folder "
+                        f"until it expires at {self.record['expires_at']}")
+                except OSError as error:
+                    failed = error
+                    now = _read(self.fs, self.path)
+                    if now is not None and now[1] == self.etag:
+                        return self._not_removed(error)
+                    if not self._caught_up(now):
+                        self.lost_to = _holder_of(now)
+                        return None
                     # a renewal of ours that the store took after its answer
                     # was lost moved the lease on: remove that version
-                    now = _read(self.fs, self.path)
-                    if (attempt + 1 == _ATTEMPTS or now is None or now[1] == self.etag
-                            or not self._caught_up(now)):
-                        raise
-        except FileNotFoundError:
-            self.lost_to = 'a job that removed it'
-        except TimeoutError as error:
-            # a store that does not answer would not answer whether the
-            # lease changed either; the lease expires by itself
-            return (
-                f"could not remove the lease {self.fs.unstrip_protocol(self.path)}: the store "
-                f"did not answer within {RELEASE_SECONDS:g} s ({error or type(error).__name__}); "
-                f"a new job is refused the folder until it expires at "
-                f"{self.record['expires_at']}")
-        except OSError as error:
-            if _changed(self.fs, self.path, self.etag):
-                self.lost_to = _current_holder(self.fs, self.path)
-            else:
-                return (
-                    f"could not remove the lease {self.fs.unstrip_protocol(self.path)} "
-                    f"({error}): a new job is refused the folder until it expires at "
-                    f"{self.record['expires_at']}")
+            return self._not_removed(failed)
         finally:
             self.fs.invalidate_cache(self.path)
-        return None
+
+    def _not_removed(self, error: OSError | None) -> str:
+        return (
+            f"could not remove the lease {self.fs.unstrip_protocol(self.path)} "
+            f"({error}): a new job is refused the folder until it expires at "
+            f"{self.record['expires_at']}")
 
     def release_quietly(self) -> None:
         """Release for a lease dropped without release, or at interpreter
@@ -431,16 +432,6 @@ def _read(fs: Any, path: str) -> tuple[Any, str] | None:
         return content, etag
 
 
-def _changed(fs: Any, path: str, etag: str) -> bool:
-    """Whether ``path`` is no longer the version ``etag``: a failed write
-    conditional on it failed for that reason, not another."""
-    try:
-        fs.invalidate_cache(path)
-        return fs.info(path)['ETag'] != etag
-    except FileNotFoundError:
-        return True
-
-
 def _describe(record: dict[str, Any]) -> str:
     return f"pid {record['holder']} on host {record['host']}"
 
@@ -450,11 +441,6 @@ def _written_by(found: tuple[Any, str] | None, record: dict[str, Any]) -> bool:
     ``record``: its token, which no other job's lease has."""
     return (found is not None and isinstance(found[0], dict)
             and found[0].get('token') == record['token'])
-
-
-def _current_holder(fs: Any, path: str) -> str:
-    """Who holds the lease at ``path`` now, for a message."""
-    return _holder_of(_read(fs, path))
 
 
 def _holder_of(found: tuple[Any, str] | None) -> str:
