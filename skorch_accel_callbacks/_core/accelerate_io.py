@@ -20,6 +20,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,6 +63,7 @@ __all__ = [
     'fsdp_model_file',
     'fsdp_state_dict_type',
     'frozen_keys',
+    'frozen_optimizer_entries',
     'gradients_applied',
     'ATTRIBUTES',
     'GRADIENT_STATE',
@@ -471,56 +473,109 @@ def optimizer_map_location(accelerator: Accelerator) -> str | torch.device:
 
 
 def read_optimizer_states(folder: str | os.PathLike, count: int,
-                          map_location: str | torch.device) -> list[dict[str, Any]]:
+                          map_location: str | torch.device,
+                          frozen_parts: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """The states of the files of the first ``count`` optimizers in
     ``folder`` (:func:`optimizer_file`), read with
     ``torch.load(weights_only=True)`` onto ``map_location``
-    (:func:`optimizer_map_location`), as ``load_state`` reads them; on any
-    thread (accelerate's own loader widens torch's allowed types for the
-    whole process, for the time of each read: a type that only it allows
-    fails here)."""
-    return [torch.load(os.path.join(folder, optimizer_file(index)),
-                       map_location=map_location, weights_only=True)
+    (:func:`optimizer_map_location`), as ``load_state`` reads them, with the
+    state of the frozen parameters merged in from the file ``frozen_parts``
+    names beside an optimizer's (:func:`_with_frozen_state`); on any thread
+    (accelerate's own loader widens torch's allowed types for the whole
+    process, for the time of each read: a type that only it allows fails
+    here)."""
+    return [_optimizer_state(folder, index, frozen_parts,
+                             partial(torch.load, map_location=map_location, weights_only=True))
             for index in range(count)]
+
+
+def _optimizer_state(folder: str | os.PathLike, index: int,
+                     frozen_parts: Mapping[str, str] | None,
+                     read: Callable[[str], Any]) -> dict[str, Any]:
+    """The state of the optimizer at ``index`` that ``read`` reads from its
+    file in ``folder``, with its frozen part's merged in."""
+    name = optimizer_file(index)
+    path = os.path.join(folder, name)
+    part = (frozen_parts or {}).get(name)
+    if part is None:
+        return read(path)
+    part_path = os.path.join(folder, part)
+    return _with_frozen_state(read(path), path, read(part_path), part_path)
+
+
+def _with_frozen_state(state: Any, path: str, frozen: Any, frozen_path: str) -> dict[str, Any]:
+    """The optimizer state ``state`` (read from ``path``) with the state of
+    its frozen parameters, ``frozen`` (``{'state': {index: ...}}``, read
+    from ``frozen_path``), merged in, in the order of the parameters.
+
+    Raises
+    ------
+    CorruptCheckpointError
+      Naming the file at fault, where either holds no such state, or the
+      frozen part holds a parameter that the optimizer's file holds too or
+      that no group of the optimizer has.
+    """
+    if not (isinstance(state, dict) and isinstance(state.get('state'), dict)
+            and isinstance(state.get('param_groups'), list)):
+        raise CorruptCheckpointError(f"{path} holds no optimizer state")
+    if not (isinstance(frozen, dict) and set(frozen) == {'state'}
+            and isinstance(frozen['state'], dict)):
+        raise CorruptCheckpointError(
+            f"{frozen_path} holds no optimizer state of frozen parameters")
+    twice = sorted(set(frozen['state']) & set(state['state']))
+    if twice:
+        raise CorruptCheckpointError(
+            f"{frozen_path} holds the state of parameters {twice}, which {path} holds too")
+    params = {index for group in state['param_groups'] for index in group.get('params', ())}
+    unknown = sorted(set(frozen['state']) - params)
+    if unknown:
+        raise CorruptCheckpointError(
+            f"{frozen_path} holds the state of parameters {unknown}, which no group of "
+            f"{path} has")
+    merged = {**state['state'], **frozen['state']}
+    return dict(state, state={index: merged[index] for index in sorted(merged)})
 
 
 def load_state(accelerator: Accelerator, folder: str | os.PathLike,
                frozen_parts: Mapping[str, str] | None = None,
                optimizer_states: Callable[[], Sequence[dict[str, Any]] | None] | None = None,
                ) -> None:
-    """``accelerator.load_state(folder)``; with ``frozen_parts`` (model
-    file -> the file of the model's frozen parameters beside it, the model
-    file holding the rest) each such model's two files, each loaded with
-    ``strict=False`` once it is proven that together they hold every entry
-    of the model's state dict. With ``optimizer_states``, the optimizers
-    load last, once everything else is loaded, what it then returns (the
-    states of the folder's optimizer files read ahead,
-    :func:`read_optimizer_states`: a read that may still be under way while
-    the models load), or where it returns None their files, read as
-    ``load_state`` reads them.
+    """``accelerator.load_state(folder)``; with ``frozen_parts`` (model or
+    optimizer file -> the file of its frozen parameters beside it, the
+    model or optimizer file holding the rest) each such model's two files,
+    each loaded with ``strict=False`` once it is proven that together they
+    hold every entry of the model's state dict, and each such optimizer's
+    two files merged (:func:`_with_frozen_state`). With
+    ``optimizer_states``, the optimizers load last, once everything else is
+    loaded, what it then returns (the states of the folder's optimizer
+    files read ahead, :func:`read_optimizer_states`: a read that may still
+    be under way while the models load), or where it returns None their
+    files, read as ``load_state`` reads them.
 
     Raises
     ------
     CorruptCheckpointError
       Naming the file at fault, where a model's two files lack an entry of
-      its state dict or hold one it does not have.
+      its state dict or hold one it does not have, or an optimizer's two
+      files do not merge.
     """
-    if optimizer_states is None:
-        _load_state(accelerator, folder, frozen_parts)
-        return
     optimizers = accelerator._optimizers
+    parts = dict(frozen_parts or {})
+    split_optimizers = any(optimizer_file(index) in parts for index in range(len(optimizers)))
+    if optimizer_states is None and not split_optimizers:
+        _load_state(accelerator, folder, parts)
+        return
     # load_state loads the optimizers of this registry: none, for the time
     # of the call, and each then loads its state as load_state would have
     accelerator._optimizers = []
     try:
-        _load_state(accelerator, folder, frozen_parts)
+        _load_state(accelerator, folder, parts)
     finally:
         accelerator._optimizers = optimizers
-    states = optimizer_states()
+    states = None if optimizer_states is None else optimizer_states()
     if states is None:
-        map_location = optimizer_map_location(accelerator)
-        states = [load(os.path.join(folder, optimizer_file(index)), map_location=map_location)
-                  for index in range(len(optimizers))]
+        read = partial(load, map_location=optimizer_map_location(accelerator))
+        states = [_optimizer_state(folder, index, parts, read) for index in range(len(optimizers))]
     if len(states) != len(optimizers):
         raise ValueError(f"{len(states)} optimizer states for {len(optimizers)} optimizers")
     for optimizer, state in zip(optimizers, states, strict=True):
@@ -528,15 +583,15 @@ def load_state(accelerator: Accelerator, folder: str | os.PathLike,
 
 
 def _load_state(accelerator: Accelerator, folder: str | os.PathLike,
-                frozen_parts: Mapping[str, str] | None) -> None:
+                frozen_parts: Mapping[str, str]) -> None:
     """:func:`load_state`, the optimizers loaded by ``accelerator.load_state``."""
-    if not frozen_parts:
+    split = [(model, model_file(index, safe_serialization=True))
+             for index, model in enumerate(accelerator._models)]
+    split = [(model, name) for model, name in split if name in frozen_parts]
+    if not split:
         accelerator.load_state(folder)
         return
-    for index, model in enumerate(accelerator._models):
-        name = model_file(index, safe_serialization=True)
-        if name not in frozen_parts:
-            continue
+    for model, name in split:
         whole, part = os.path.join(folder, name), frozen_parts[name]
         with safe_open(whole, framework='pt') as opened:
             in_whole = set(opened.keys())
@@ -544,15 +599,15 @@ def _load_state(accelerator: Accelerator, folder: str | os.PathLike,
         if unknown:
             raise CorruptCheckpointError(
                 f"{whole} holds {sorted(unknown)}, which the model's state dict lacks")
-        split = os.path.join(folder, part)
-        missing, unknown = load_model(model, split, strict=False)
+        split_path = os.path.join(folder, part)
+        missing, unknown = load_model(model, split_path, strict=False)
         missing = set(missing) - in_whole
         if unknown:
             raise CorruptCheckpointError(
-                f"{split} holds {sorted(unknown)}, which the model's state dict lacks")
+                f"{split_path} holds {sorted(unknown)}, which the model's state dict lacks")
         if missing:
             raise CorruptCheckpointError(
-                f"{whole} and {split} lack {sorted(missing)} of the model's state dict")
+                f"{whole} and {split_path} lack {sorted(missing)} of the model's state dict")
     # every entry not in a frozen part is in its model file: a strict load
     # of the model files alone would miss the entries of the parts
     accelerator.load_state(folder, strict=False)
@@ -565,6 +620,19 @@ def frozen_keys(accelerator: Accelerator) -> list[set[str]]:
     return [{key for key, value in model.state_dict(keep_vars=True).items()
              if isinstance(value, torch.nn.Parameter) and not value.requires_grad}
             for model in accelerator._models]
+
+
+def frozen_optimizer_entries(accelerator: Accelerator) -> list[set[int]]:
+    """Of each optimizer ``save_state`` saves, the entries of its state
+    dict's ``state`` (a parameter's place in its groups, as
+    ``Optimizer.state_dict`` numbers them) of the parameters that require
+    no gradient: an optimizer state that no step changes while they stay
+    frozen (Adam's moments of a base trained before it was frozen)."""
+    frozen = []
+    for optimizer in accelerator._optimizers:
+        params = [param for group in optimizer.param_groups for param in group['params']]
+        frozen.append({index for index, param in enumerate(params) if not param.requires_grad})
+    return frozen
 
 
 def load_sharded_models(accelerator: Accelerator, models: Mapping[str, torch.nn.Module],

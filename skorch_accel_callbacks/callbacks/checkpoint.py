@@ -218,9 +218,11 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
     reuse_frozen : bool (default=True)
       Save the parameters that require no gradient (a frozen base:
       skorch's ``Freezer``, ``requires_grad_(False)``) of each model in a
-      file of their own beside the model file (with safetensors, outside
+      file of their own beside the model file, and the optimizer's state of
+      them (a base trained before it was frozen: Adam's moments) in a file
+      of their own beside the optimizer's (with safetensors, outside
       FSDP2), and while they are unchanged since the last save of this
-      process, hard-link that save's file instead of writing it again.
+      process, hard-link that save's files instead of writing them again.
       Unchanged means the same tensors with the same version counter, which
       every in-place change through the parameter moves (an optimizer
       step, ``load_params``, ``torch.nn.init``); a write through

@@ -7,7 +7,12 @@ checkpoint of the whole rewrites the rest at every save. Here each model
 whose state dict holds parameters that require no gradient is saved in two
 files: its model file (accelerate's name) with everything else, and beside
 it the frozen part (:func:`~skorch_accel_callbacks.format.frozen_part_name`).
-When the frozen part is unchanged since the last checkpoint this process
+So is each optimizer that holds a state of such parameters (a base trained
+before it was frozen keeps Adam's two moments of each weight, twice the
+frozen weights' bytes, which no step changes while it stays frozen): the
+entries of its state dict's ``state`` of the frozen parameters go into the
+optimizer's frozen part (``optimizer_frozen.bin``), the rest into its file.
+When a frozen part is unchanged since the last checkpoint this process
 committed, the new checkpoint's part is a hard link to that checkpoint's
 file: no byte is written, read or hashed, and the manifest takes the
 checksum its first save computed (``linked`` names that save). Each
@@ -28,7 +33,10 @@ share: an optimizer step, ``load_state_dict`` (skorch's ``load_params``),
 through ``param.data`` or a NumPy view of it is the one change that it does
 not see (torch gives ``.data`` a counter of its own): the frozen flag is a
 promise not to change the parameter, and a run that changes frozen weights
-that way must save with ``AccelerateCheckpoint(reuse_frozen=False)``.
+that way must save with ``AccelerateCheckpoint(reuse_frozen=False)``. An
+optimizer's state of a parameter is checked alike, tensor by tensor, and
+a number in it (a step count that is no tensor) by its value: a step moves
+them only where the parameter has a gradient, which a frozen one lacks.
 
 A checkpoint in a bucket is written to its local staging folder first: a
 link works there while the previous checkpoint is still staged; the upload
@@ -41,9 +49,11 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from skorch_accel_callbacks._core import accelerate_io
 from skorch_accel_callbacks.format import frozen_part_name
@@ -51,48 +61,63 @@ from skorch_accel_callbacks.format import frozen_part_name
 __all__ = ['FrozenPart', 'FrozenParts', 'Split', 'no_split', 'tensor_identity']
 
 
-def tensor_identity(state: Mapping[str, Any], keys: Sequence[str]) -> tuple:
-    """What says that the tensors of ``state`` under ``keys`` are unchanged:
-    of each, its memory, dtype, shape, strides, device and version counter."""
+def tensor_identity(state: Mapping[Any, Any], keys: Sequence[Any]) -> tuple:
+    """What says that the values of ``state`` under ``keys`` are unchanged:
+    of each tensor, its memory, dtype, shape, strides, device and version
+    counter; of a mapping (an optimizer's state of one parameter), that of
+    each of its values; any other value itself (a number, None)."""
     identity = []
     for key in sorted(keys):
-        tensor = state[key]
-        identity.append((key, tensor.data_ptr(), str(tensor.dtype), tuple(tensor.shape),
-                         tensor.stride(), str(tensor.device), tensor._version))
+        value = state[key]
+        if isinstance(value, torch.Tensor):
+            identity.append((key, value.data_ptr(), str(value.dtype), tuple(value.shape),
+                             value.stride(), str(value.device), value._version))
+        elif isinstance(value, Mapping):
+            identity.append((key, tensor_identity(value, list(value))))
+        else:
+            identity.append((key, 'value', value))
     return tuple(identity)
 
 
 @dataclass(frozen=True)
 class FrozenPart:
-    """The frozen parameters of one model of a save."""
+    """The frozen parameters of one model of a save, or the state one
+    optimizer holds of them."""
 
-    #: the model's file, which holds the rest of its state dict
-    model_file: str
-    #: the file of the frozen parameters
+    #: the model's or optimizer's file, which holds the rest of its state dict
+    rest_file: str
+    #: the file of the frozen parameters (or of the optimizer's state of them)
     file: str
     #: :func:`tensor_identity` of them
     identity: tuple
-    #: their state dict, to be written; None where :attr:`linked`
-    state: dict[str, Any] | None
+    #: what the file holds, to be written; None where :attr:`linked`. A
+    #: model's: its state dict of the frozen parameters; an optimizer's:
+    #: ``{'state': {index: state}}`` of them, as ``Optimizer.state_dict``
+    #: numbers the parameters
+    state: dict[Any, Any] | None
     #: ``(origin, checksum)``: the file is a hard link to the bytes that
     #: checkpoint ``origin`` wrote, of that checksum
     linked: tuple[str, str] | None = None
+    #: whether it is an optimizer's (written as its optimizer file is)
+    of_optimizer: bool = False
 
 
 @dataclass(frozen=True)
 class Split:
-    """The model states of a save, split: what goes into the model files,
-    and of each model its frozen part or None."""
+    """The model and optimizer states of a save, split: what goes into the
+    model and optimizer files, and the frozen parts of those that have one
+    (models' first, in accelerate's order, then optimizers')."""
 
     models: list[dict[str, Any]]
-    parts: list[FrozenPart | None]
+    optimizers: list[dict[str, Any]]
+    parts: list[FrozenPart]
 
     def manifest_fields(self) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
         """The arguments of :func:`~skorch_accel_callbacks.format.with_frozen_parts`:
-        model file -> part file, and the linked parts -> ``(origin, checksum)``."""
-        parts = [part for part in self.parts if part is not None]
-        return ({part.model_file: part.file for part in parts},
-                {part.file: part.linked for part in parts if part.linked is not None})
+        model or optimizer file -> part file, and the linked parts ->
+        ``(origin, checksum)``."""
+        return ({part.rest_file: part.file for part in self.parts},
+                {part.file: part.linked for part in self.parts if part.linked is not None})
 
 
 @dataclass(frozen=True)
@@ -123,27 +148,48 @@ class FrozenParts:
         return dict(self.__dict__, _committed={}, _links=True)
 
     def split(self, model_states: Sequence[dict[str, Any]], frozen: Sequence[set[str]],
+              optimizer_states: Sequence[dict[str, Any]], frozen_entries: Sequence[set[int]],
               folder: str | os.PathLike) -> Split:
         """Split ``model_states`` (live tensors, in accelerate's order) by
         ``frozen`` (:func:`~skorch_accel_callbacks._core.accelerate_io.frozen_keys`),
+        and ``optimizer_states`` by ``frozen_entries``
+        (:func:`~skorch_accel_callbacks._core.accelerate_io.frozen_optimizer_entries`),
         linking into ``folder`` each part that is unchanged since the last
         commit; a part that cannot be linked is to be written."""
-        models, parts = [], []
+        models, optimizers, parts = [], [], []
         for index, (state, frozen_keys) in enumerate(zip(model_states, frozen, strict=True)):
             keys = [key for key in state if key in frozen_keys]
             if not keys:
                 models.append(state)
-                parts.append(None)
                 continue
-            model_file = accelerate_io.model_file(index, safe_serialization=True)
-            file = frozen_part_name(model_file)
-            identity = tensor_identity(state, keys)
-            linked = self._link(file, identity, os.path.join(folder, file))
             models.append(type(state)((k, v) for k, v in state.items() if k not in frozen_keys))
-            parts.append(FrozenPart(
-                model_file, file, identity,
-                None if linked else type(state)((k, state[k]) for k in keys), linked))
-        return Split(models, parts)
+            parts.append(self._part(accelerate_io.model_file(index, safe_serialization=True),
+                                    state, keys, folder, type(state)))
+        for index, (state, entries) in enumerate(
+                zip(optimizer_states, frozen_entries, strict=True)):
+            held = state['state']
+            keys = [key for key in held if key in entries]
+            if not keys:
+                optimizers.append(state)
+                continue
+            optimizers.append(dict(state, state={k: v for k, v in held.items()
+                                                 if k not in entries}))
+            parts.append(self._part(accelerate_io.optimizer_file(index), held, keys, folder,
+                                    lambda items: {'state': dict(items)}, of_optimizer=True))
+        return Split(models, optimizers, parts)
+
+    def _part(self, rest_file: str, state: Mapping[Any, Any], keys: Sequence[Any],
+              folder: str | os.PathLike, content: Callable[[Iterator[tuple]], dict[Any, Any]],
+              of_optimizer: bool = False) -> FrozenPart:
+        """The frozen part of ``state`` under ``keys``, split off the file
+        ``rest_file``: linked into ``folder`` where unchanged, else to be
+        written, what ``content`` makes of its entries."""
+        file = frozen_part_name(rest_file)
+        identity = tensor_identity(state, keys)
+        linked = self._link(file, identity, os.path.join(folder, file))
+        return FrozenPart(rest_file, file, identity,
+                          None if linked else content((k, state[k]) for k in keys), linked,
+                          of_optimizer)
 
     def _link(self, file: str, identity: tuple, target: str) -> tuple[str, str] | None:
         """Link ``target`` to the committed part ``file`` if its tensors are
@@ -165,7 +211,7 @@ class FrozenParts:
         return committed.origin, committed.checksum
 
     def committed(self, name: str, path: str, manifest: Mapping[str, Any],
-                  parts: Sequence[FrozenPart | None]) -> None:
+                  parts: Sequence[FrozenPart]) -> None:
         """Remember the frozen ``parts`` of checkpoint ``name``, committed
         at ``path`` with ``manifest``: the next save links those unchanged.
         Only the last commit's are kept: an older one's may be retired."""
@@ -174,8 +220,9 @@ class FrozenParts:
             part.file: _Committed(os.path.join(path, part.file),
                                   part.linked[0] if part.linked else name,
                                   checksums[part.file], part.identity)
-            for part in parts if part is not None and part.file in checksums}
+            for part in parts if part.file in checksums}
 
-def no_split(model_states: Sequence[dict[str, Any]]) -> Split:
-    """``model_states`` unsplit: no model has a frozen part."""
-    return Split(list(model_states), [None] * len(model_states))
+def no_split(model_states: Sequence[dict[str, Any]],
+             optimizer_states: Sequence[dict[str, Any]]) -> Split:
+    """``model_states`` and ``optimizer_states`` unsplit: none has a frozen part."""
+    return Split(list(model_states), list(optimizer_states), [])

@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from skorch_accel_callbacks._core import accelerate_io
+from skorch_accel_callbacks.format import MANIFEST_NAME, frozen_parts_of, read_json
 
 __all__ = ['OptimizerReadAhead']
 
@@ -35,7 +36,8 @@ __all__ = ['OptimizerReadAhead']
 class OptimizerReadAhead:
     """Reads the optimizers' files of the prepared optimizers of
     ``accelerator`` from a checkpoint folder on a thread, as
-    ``Accelerator.load_state`` reads them; one folder at a time.
+    ``Accelerator.load_state`` reads them (with the frozen parts its
+    manifest lists); one folder at a time.
 
     Under FSDP2 (whose optimizers accelerate loads through
     torch.distributed.checkpoint) it reads nothing.
@@ -59,7 +61,7 @@ class OptimizerReadAhead:
         def read() -> None:
             try:
                 future.set_result(accelerate_io.read_optimizer_states(
-                    folder, count, map_location))
+                    folder, count, map_location, _frozen_parts(folder)))
             except Exception as exc:  # handed to take(), which falls back
                 future.set_exception(exc)
             finally:
@@ -87,3 +89,11 @@ class OptimizerReadAhead:
             return reading[1].result()
         except Exception:  # the load's own read reports it, naming the file
             return None
+
+
+def _frozen_parts(folder: str | os.PathLike[str]) -> dict[str, str]:
+    """The frozen parts that the manifest of ``folder`` lists, its files
+    unread (the check reads them); none where it has no manifest (no
+    checkpoint: its check refuses it, and the read is dropped)."""
+    path = os.path.join(folder, MANIFEST_NAME)
+    return frozen_parts_of(read_json(path)) if os.path.exists(path) else {}

@@ -43,20 +43,19 @@ COPY_THREADS = min(2, os.cpu_count() or 1)
 
 @dataclass(frozen=True)
 class Staged:
-    """Host copies of an accelerator's model and optimizer states (of the
-    models' frozen parts, those to be written), and how ``save_state``
-    would write them."""
+    """Host copies of an accelerator's model and optimizer states (of their
+    frozen parts, those to be written), and how ``save_state`` would write
+    them."""
 
     split: Split
-    optimizers: list[Any]
     save_on_each_node: bool
     safe_serialization: bool
 
     def write(self, folder: str, written: Callable[[str], None] | None = None) -> None:
         """Write the model and optimizer files into ``folder``, calling
         ``written`` with each one's path once complete; on any thread."""
-        state_files.write_large_state(folder, self.split, self.optimizers,
-                                      self.save_on_each_node, self.safe_serialization, written)
+        state_files.write_large_state(folder, self.split, self.save_on_each_node,
+                                      self.safe_serialization, written)
 
 
 class HostStager:
@@ -79,33 +78,33 @@ class HostStager:
         """Write the small files of ``accelerator.save_state`` into
         ``folder``, and return a copy of the model and optimizer states
         (``None`` on a process that writes none: ``writer`` is False).
-        With ``frozen``, the models' frozen parameters are split off
-        (:func:`~skorch_accel_callbacks.engine._state_files.split_models`):
+        With ``frozen``, the frozen parameters are split off
+        (:func:`~skorch_accel_callbacks.engine._state_files.split_states`):
         a part linked now is not copied."""
         models, optimizers = accelerate_io.save_state_in_two(
             accelerator, folder, safe_serialization)
         if not writer:
             return None
-        split = state_files.split_models(accelerator, models, folder, safe_serialization, frozen)
+        split = state_files.split_states(accelerator, models, optimizers, folder,
+                                         safe_serialization, frozen)
         memo: dict = {}
         copies: list = []
         staged = Staged(
             Split([self._copy(state, ('model', i), memo, copies)
                    for i, state in enumerate(split.models)],
-                  [self._copy_part(part, i, memo, copies) for i, part in enumerate(split.parts)]),
-            [self._copy(state, ('optimizer', i), memo, copies)
-             for i, state in enumerate(optimizers)],
+                  [self._copy(state, ('optimizer', i), memo, copies)
+                   for i, state in enumerate(split.optimizers)],
+                  [self._copy_part(part, memo, copies) for part in split.parts]),
             accelerate_io.save_on_each_node(accelerator), safe_serialization)
         copy_all(copies)
         return staged
 
-    def _copy_part(self, part: FrozenPart | None, index: int, memo: dict,
-                   copies: list) -> FrozenPart | None:
+    def _copy_part(self, part: FrozenPart, memo: dict, copies: list) -> FrozenPart:
         """``part`` with its state to be written in host buffers."""
-        if part is None or part.state is None:
+        if part.state is None:
             return part
         return dataclasses.replace(
-            part, state=self._copy(part.state, ('frozen', index), memo, copies))
+            part, state=self._copy(part.state, ('frozen', part.file), memo, copies))
 
     def _copy(self, obj: Any, key: tuple, memo: dict, copies: list) -> Any:
         """``obj`` with every tensor replaced by a host buffer kept under

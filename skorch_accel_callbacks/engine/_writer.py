@@ -141,8 +141,9 @@ class StagedSave(NamedTuple):
     content: dict | None
     #: the model and optimizer states still to write, when staged in memory
     large: Staged | None
-    #: of each model, its frozen part (on the process that writes the models)
-    frozen: tuple[FrozenPart | None, ...] = ()
+    #: the frozen parts of its models and optimizers (on the process that
+    #: writes their files)
+    frozen: tuple[FrozenPart, ...] = ()
 
 
 class CheckpointWriter(Protocol):
@@ -238,9 +239,9 @@ class SyncWriter:
 
         With a ``stager``, the model and optimizer states are copied into
         host memory instead of written (the rest of ``save_state`` is).
-        The frozen parameters are split off each model first; a part
-        unchanged since the last commit is linked then, not written nor
-        copied (:mod:`~skorch_accel_callbacks.engine._frozen`).
+        The frozen parameters are split off each model and optimizer state
+        first; a part unchanged since the last commit is linked then, not
+        written nor copied (:mod:`~skorch_accel_callbacks.engine._frozen`).
         With ``early``, each model and optimizer file written begins to be
         flushed to disk at once; the committing process's seal waits for
         it (:meth:`commit`), any other process before it agrees.
@@ -267,7 +268,7 @@ class SyncWriter:
             else:
                 large = stager.stage(net.accelerator, partial, self.safe_serialization,
                                      committer, self._frozen)
-                split = no_split([]) if large is None else large.split
+                split = no_split([], []) if large is None else large.split
             rank = sync.process_index(net)
             save_rank_state(partial, rank, request.train_loader,
                                            request.workers_drew)
@@ -288,10 +289,10 @@ class SyncWriter:
 
     def commit(self, request: SaveRequest, content: dict, started: float,
                early: EarlyFlush | None = None,
-               frozen: tuple[FrozenPart | None, ...] = ()) -> SaveReport:
+               frozen: tuple[FrozenPart, ...] = ()) -> SaveReport:
         """Commit the staged checkpoint of ``request`` and retire old ones;
         ``early``: the fsyncs begun as its files were written; ``frozen``:
-        its models' frozen parts, which the next save links while unchanged.
+        its frozen parts, which the next save links while unchanged.
 
         Runs on the committing process only; it touches no net and runs no
         collective, so it runs in the background too.
@@ -363,7 +364,7 @@ class BackgroundWriter:
 
     def _write_and_commit(self, request: SaveRequest, content: dict,
                           staged: Staged | None, started: float,
-                          frozen: tuple[FrozenPart | None, ...]) -> SaveReport:
+                          frozen: tuple[FrozenPart, ...]) -> SaveReport:
         with _early_flush(self.writer.durable) as early:
             if staged is not None:
                 staged.write(self.storage.partial_path(request.name),

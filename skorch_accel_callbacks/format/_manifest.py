@@ -37,9 +37,12 @@ Its fields:
   the net's ``initialize`` up to the one it was taken in (:func:`fit_calls`),
   so that a relaunched script with several calls goes on in the call that
   wrote it;
-- ``frozen_parts`` (model file -> :func:`frozen_part_name` of it): the
-  models whose parameters that require no gradient lie in a file of their
-  own beside the model's file, which holds the rest; and ``linked`` (such a
+- ``frozen_parts`` (model or optimizer file -> :func:`frozen_part_name` of
+  it): the models whose parameters that require no gradient lie in a file
+  of their own beside the model's file, which holds the rest, and the
+  optimizers whose state of those parameters lies in a file of their own
+  beside the optimizer's (``{'state': {index: ...}}``, the entries of its
+  state dict's ``state`` that the optimizer's file lacks); and ``linked`` (such a
   file -> the checkpoint whose save wrote its bytes): the files that are a
   hard link to the same file of an earlier checkpoint, its bytes unchanged
   and not written again. A linked file is an ordinary file of the folder,
@@ -127,8 +130,9 @@ FORMAT_VERSION = 5
 SHARED_STATES_FORMAT = 3
 #: the format of a checkpoint with ``per_rank`` states
 PER_RANK_FORMAT = 4
-#: the format of a checkpoint whose models' frozen parameters lie in files
-#: of their own (``frozen_parts``): an older reader would find them missing
+#: the format of a checkpoint whose models' frozen parameters, or the
+#: optimizers' state of them, lie in files of their own (``frozen_parts``):
+#: an older reader would find them missing
 FROZEN_PARTS_FORMAT = 5
 
 # ---------------------------------------------------------------- the folder of checkpoints
@@ -310,11 +314,12 @@ def manifest_content(record: CheckpointRecord) -> dict[str, Any]:
     return content
 
 
-def frozen_part_name(model_file: str) -> str:
-    """The file of the frozen parameters split off the model file
-    ``model_file``: ``model.safetensors`` -> ``model_frozen.safetensors``,
-    ``model_1.safetensors`` -> ``model_1_frozen.safetensors``."""
-    stem, dot, extension = model_file.partition('.')
+def frozen_part_name(file: str) -> str:
+    """The file of the frozen parameters split off the model or optimizer
+    file ``file``: ``model.safetensors`` -> ``model_frozen.safetensors``,
+    ``model_1.safetensors`` -> ``model_1_frozen.safetensors``,
+    ``optimizer.bin`` -> ``optimizer_frozen.bin``."""
+    stem, dot, extension = file.partition('.')
     return f'{stem}_frozen{dot}{extension}'
 
 
@@ -340,8 +345,9 @@ def shared_object(manifest: dict[str, Any], rel: str) -> str | None:
 
 def with_frozen_parts(content: dict[str, Any], parts: dict[str, str],
                       linked: dict[str, tuple[str, str]]) -> dict[str, Any]:
-    """The manifest content ``content`` of a checkpoint whose models have
-    the frozen parts ``parts`` (model file -> part file), of which those in
+    """The manifest content ``content`` of a checkpoint whose models and
+    optimizers have the frozen parts ``parts`` (model or optimizer file ->
+    part file), of which those in
     ``linked`` (part file -> ``(origin, checksum)``) are hard links to the
     bytes that checkpoint ``origin`` wrote: the format that older readers
     refuse, the fields, and the checksums of the linked files as their
@@ -497,8 +503,8 @@ def _manifest_problem(path: str, manifest: Any) -> Problem | None:
             and all(isinstance(part, str) and part == frozen_part_name(model)
                     for model, part in parts.items())):
         return Problem(CorruptCheckpointError(
-            f"{path} has frozen_parts {parts!r}, not a mapping of model files to "
-            "the files of their frozen parameters"))
+            f"{path} has frozen_parts {parts!r}, not a mapping of model and optimizer "
+            "files to the files of their frozen parameters"))
     linked = manifest.get('linked', {})
     if not (isinstance(linked, dict) and set(linked) <= set(parts.values())
             and all(isinstance(origin, str) and is_checkpoint_name(origin)
@@ -564,8 +570,9 @@ def merged_manifest(manifests: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def frozen_parts_of(manifest: dict[str, Any]) -> dict[str, str]:
-    """Model file -> the file of its frozen parameters, of the models of
-    ``manifest``'s checkpoint that have one (none before format 5);
+    """Model or optimizer file -> the file of its frozen parameters, of the
+    models and optimizers of ``manifest``'s checkpoint that have one (none
+    before format 5);
     :func:`check_manifest` refused a malformed field."""
     return dict(manifest.get('frozen_parts') or {})
 

@@ -27,10 +27,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from skorch import NeuralNetClassifier
-from skorch.callbacks import Callback
+from skorch.callbacks import Callback, Freezer
 
 from checkpointed import fit as fit_checkpointed, state
 from common import MLP, FrozenBaseMLP
+from skorch_accel_callbacks.engine._read_ahead import OptimizerReadAhead
 from skorch_accel_callbacks.format._manifest import FROZEN_PARTS_FORMAT, SHARED_STATES_FORMAT
 from skorch_accel_callbacks.storage._remote import RemoteStorage
 from skorch_accel_callbacks.tools.export import export
@@ -303,6 +304,110 @@ def test_a_damaged_shared_part_is_reported_for_every_checkpoint_in_the_bucket(s3
         assert why is not None and 'shared/model_frozen-' in why and 'checksum' in why, why
 
 
+# ---------------------------------------------------------------- an optimizer's state of them
+
+OPTIMIZER_PART = 'optimizer_frozen.bin'
+# the first layer (lin.weight, lin.bias: the optimizer's parameters 0 and 1)
+# trains in epoch 1 and is frozen from epoch 2 on: the optimizer (SGD with
+# momentum) keeps its momentum buffers
+fit_frozen_after_training = partial(fit_checkpointed, net_kwargs={'module': MLP})
+
+
+def freezer():
+    return Freezer('lin.*', at=2)
+
+
+def optimizer_file(folder, name, file='optimizer.bin'):
+    return torch.load(os.path.join(folder, name, file), weights_only=True)
+
+
+@pytest.mark.parametrize('async_save', [False, True])
+def test_the_optimizers_state_of_a_base_frozen_after_training_is_written_once_then_linked(
+        tmp_path, async_save):
+    trained, cp, _ = fit_frozen_after_training(tmp_path, freezer(), max_epochs=3, keep_last=3,
+                                               async_save=async_save)
+    assert 'frozen_parts' not in manifest(tmp_path, 'epoch-0001')
+    second = manifest(tmp_path, 'epoch-0002')
+    assert second['frozen_parts'] == {'model.safetensors': PART,
+                                      'optimizer.bin': OPTIMIZER_PART}
+    assert second['linked'] == {}
+    assert manifest(tmp_path, 'epoch-0003')['linked'] == {PART: 'epoch-0002',
+                                                          OPTIMIZER_PART: 'epoch-0002'}
+    assert inode(tmp_path, 'epoch-0002', OPTIMIZER_PART) \
+        == inode(tmp_path, 'epoch-0003', OPTIMIZER_PART)
+    # the frozen layer's momentum in the part, the rest in the optimizer's file
+    live = trained.optimizer_.state_dict()
+    part = optimizer_file(tmp_path, 'epoch-0003', OPTIMIZER_PART)
+    rest = optimizer_file(tmp_path, 'epoch-0003')
+    assert set(part) == {'state'} and set(part['state']) == {0, 1}
+    assert set(rest['state']) == {2, 3} and rest['param_groups'] == live['param_groups']
+    for index in (0, 1):
+        assert_same_tensors(part['state'][index], live['state'][index])
+    for name in cp.committed():
+        assert verify(tmp_path / name).damaged == []
+
+
+@pytest.mark.parametrize('async_save', [False, True])
+@pytest.mark.parametrize('epochs', [2, 3], ids=['from the save that wrote it',
+                                                  'from a save that linked it'])
+def test_a_resume_with_the_optimizers_frozen_part_is_exact(tmp_path, async_save, epochs):
+    full, _, _ = fit_frozen_after_training(tmp_path / 'full', freezer(), max_epochs=4,
+                                           async_save=async_save)
+    fit_frozen_after_training(tmp_path / 'split', freezer(), max_epochs=epochs,
+                              async_save=async_save)
+    resumed, _, load = fit_frozen_after_training(tmp_path / 'split', freezer(), max_epochs=4,
+                                                 async_save=async_save)
+    assert load.loaded_from_.endswith(f'epoch-000{epochs}')
+    assert_identical(state(full), state(resumed))
+
+
+def test_a_resume_whose_read_ahead_failed_reads_the_optimizers_frozen_part_itself(
+        tmp_path, monkeypatch):
+    full, _, _ = fit_frozen_after_training(tmp_path / 'full', freezer(), max_epochs=4)
+    fit_frozen_after_training(tmp_path / 'split', freezer(), max_epochs=3)
+    taken = []
+    monkeypatch.setattr(OptimizerReadAhead, 'take',
+                        lambda self, folder: taken.append(folder))  # hands over nothing
+    resumed, _, _ = fit_frozen_after_training(tmp_path / 'split', freezer(), max_epochs=4)
+    assert taken
+    assert_identical(state(full), state(resumed))
+
+
+class ChangeMoment(Callback):
+    """Changes the frozen layer's momentum in place before epoch 3."""
+
+    def on_epoch_begin(self, net, **kwargs):
+        if len(net.history) == 3:
+            net.optimizer_.state[net.module_.lin.weight]['momentum_buffer'].mul_(0.5)
+
+
+def test_a_change_of_the_optimizers_frozen_state_writes_its_part_again(tmp_path):
+    trained, _, _ = fit_frozen_after_training(tmp_path, freezer(), ChangeMoment(),
+                                              max_epochs=3, keep_last=3)
+    assert manifest(tmp_path, 'epoch-0003')['linked'] == {PART: 'epoch-0002'}
+    assert inode(tmp_path, 'epoch-0002', OPTIMIZER_PART) \
+        != inode(tmp_path, 'epoch-0003', OPTIMIZER_PART)
+    saved = optimizer_file(tmp_path, 'epoch-0003', OPTIMIZER_PART)['state'][0]
+    assert_same_tensors(saved, trained.optimizer_.state_dict()['state'][0])
+    earlier = optimizer_file(tmp_path, 'epoch-0002', OPTIMIZER_PART)['state'][0]
+    assert torch.equal(saved['momentum_buffer'], earlier['momentum_buffer'] * 0.5)
+
+
+def test_a_bucket_holds_the_optimizers_frozen_part_once(s3_bucket, tmp_path):
+    url = f's3://{s3_bucket}/run'
+    full, _, _ = fit_frozen_after_training(tmp_path / 'local', freezer(), max_epochs=4)
+    _, cp, _ = fit_frozen_after_training(url, freezer(), max_epochs=3, keep_last=3)
+    checksum = manifest(cp.folder_.local_dir, 'epoch-0003')['checksums'][OPTIMIZER_PART]
+    files = bucket_files(f'{s3_bucket}/run')
+    assert f"shared/optimizer_frozen-{checksum.split(':')[1]}.bin" in files
+    assert len([file for file in files if file.startswith('shared/')]) == 2
+    assert not [file for file in files if file.endswith(f'/{OPTIMIZER_PART}')]
+    shutil.rmtree(cp.folder_.local_dir)  # a new machine: only the bucket
+    resumed, _, load = fit_frozen_after_training(url, freezer(), max_epochs=4, keep_last=3)
+    assert load.loaded_from_ == f'{url}/epoch-0003'
+    assert_identical(state(full), state(resumed))
+
+
 # ---------------------------------------------------------------- bad input
 
 def reseal(folder, name, edit_part=None, edit_manifest=None):
@@ -339,6 +444,30 @@ def test_a_part_that_does_not_hold_the_frozen_parameters_is_refused_naming_it(
         fit(tmp_path, max_epochs=3, keep_last=2, resume='epoch-0002')
 
 
+@pytest.mark.parametrize('edit, named', [
+    (lambda part, rest: {'state': {**part['state'], 2: rest['state'][2]}},
+     "holds the state of parameters \\[2\\], which .*optimizer.bin holds too"),
+    (lambda part, rest: {'state': {**part['state'], 7: part['state'][0]}},
+     "holds the state of parameters \\[7\\], which no group of .*optimizer.bin has"),
+    (lambda part, rest: part['state'], "holds no optimizer state of frozen parameters"),
+])
+def test_an_optimizers_frozen_part_that_does_not_merge_is_refused_naming_it(
+        tmp_path, edit, named):
+    """Resealed: damage that the checksums cannot see."""
+    from skorch_accel_callbacks import CheckpointError
+    from skorch_accel_callbacks.format import checksum_file
+    fit_frozen_after_training(tmp_path, freezer(), max_epochs=2)
+    path = tmp_path / 'epoch-0002' / OPTIMIZER_PART
+    torch.save(edit(optimizer_file(tmp_path, 'epoch-0002', OPTIMIZER_PART),
+                    optimizer_file(tmp_path, 'epoch-0002')), path)
+    saved = manifest(tmp_path, 'epoch-0002')
+    saved['files'][OPTIMIZER_PART] = os.path.getsize(path)
+    saved['checksums'][OPTIMIZER_PART] = checksum_file(path)
+    (tmp_path / 'epoch-0002' / 'manifest.json').write_text(json.dumps(saved))
+    with pytest.raises(CheckpointError, match=f"{OPTIMIZER_PART}.* {named}"):
+        fit_frozen_after_training(tmp_path, freezer(), max_epochs=3, resume='epoch-0002')
+
+
 def test_a_manifest_naming_another_file_as_a_part_is_refused_naming_it(tmp_path):
     from skorch_accel_callbacks import CorruptCheckpointError
     fit(tmp_path, max_epochs=2, keep_last=2)
@@ -366,7 +495,7 @@ def test_a_file_system_that_refuses_the_link_gets_the_part_written_and_one_warni
         import json, subprocess, sys, warnings
         sys.path[:0] = [{str(root)!r}, {str(root / 'tests' / 'support')!r},
                         {str(root / 'tests' / 'workers')!r}]
-        from skorch.callbacks import Callback
+        from skorch.callbacks import Callback, Freezer
         from checkpointed import fit
         from common import FrozenBaseMLP
 
