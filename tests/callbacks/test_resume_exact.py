@@ -9,6 +9,7 @@ per-epoch losses.
 import os
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from resume_runs import run
@@ -19,7 +20,7 @@ CASES = [
     ('basic', 1), ('basic', 2),
     ('earlystop', 1), ('earlystop', 2),
     ('accumulate', 2), ('twomodules', 2), ('novalid', 2), ('stock', 2),
-    ('frozen', 1), ('frozen', 2),
+    ('frozen', 1), ('frozen', 2), ('frozenlater', 2),
 ]
 # the basic cases stay in the quick subset (make test-quick)
 QUICK = [('basic', 1), ('basic', 2)]
@@ -116,7 +117,7 @@ def test_registries_and_files_do_not_grow(case):
     latest = os.path.join(ckpt, case['resumed'][0]['committed'][-1])
     model_files = sorted(f for f in os.listdir(latest) if f.startswith('model'))
     expected = ['model.safetensors', 'model_1.safetensors'][:n_models]
-    if case['scenario'] == 'frozen':
+    if case['scenario'] in ('frozen', 'frozenlater'):
         expected.append('model_frozen.safetensors')
     assert model_files == expected
 
@@ -147,6 +148,31 @@ def test_a_frozen_layer_is_written_once_a_process_and_linked_after(case):
     with safe_open(os.path.join(latest, 'model_frozen.safetensors'), 'pt') as opened:
         frozen = set(opened.keys())
     assert frozen and all('lin.' in key for key in frozen) and not rest & frozen
+
+
+@pytest.mark.parametrize('case', [case_param(('frozenlater', 2))], indirect=True)
+def test_the_optimizers_state_of_a_layer_frozen_later_is_linked_in_2_processes(case):
+    """Frozen from epoch 2 on, after it trained: each process writes the
+    optimizer's state of the layer (its momentum) into a file of its own at
+    its first save and links it after, as the layer's weights; the resumed
+    run (already compared with the full one) read them back on both ranks."""
+    ckpt = os.path.join(case['folder'], 'ckpt')
+    parts = {'model.safetensors': 'model_frozen.safetensors',
+             'optimizer.bin': 'optimizer_frozen.bin'}
+
+    def manifest(name):
+        return read_json(os.path.join(ckpt, name, 'manifest.json'))
+
+    assert manifest('epoch-0003')['frozen_parts'] == parts
+    assert manifest('epoch-0003')['linked'] == {part: 'epoch-0002' for part in parts.values()}
+    for name in ('epoch-0005', 'epoch-0006'):
+        assert manifest(name)['linked'] == {part: 'epoch-0004' for part in parts.values()}
+    saved = torch.load(os.path.join(ckpt, 'epoch-0006', 'optimizer_frozen.bin'),
+                       weights_only=True)
+    rest = torch.load(os.path.join(ckpt, 'epoch-0006', 'optimizer.bin'), weights_only=True)
+    assert set(saved) == {'state'} and sorted(saved['state']) == [0, 1]
+    assert sorted(rest['state']) == [2, 3]
+    assert all(torch.count_nonzero(buffer['momentum_buffer']) for buffer in saved['state'].values())
 
 
 def test_retention_keeps_the_last_two_and_the_one_resumed_from(case):

@@ -71,7 +71,11 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 SUBSET_SEED = 30
 # the job of tests/faults/workers/killable.py with its first layer frozen
-FROZEN = {'FROZEN_BASE': '1'}
+# after the first step: the optimizer holds that layer's momentum, and each
+# save after the first links both frozen parts, the model's and the
+# optimizer's
+FROZEN = {'FROZEN_BASE': 'trained'}
+FROZEN_PARTS = ('model_frozen.safetensors', 'optimizer_frozen.bin')
 
 
 def test_a_machine_without_strace_fails_the_suite_saying_so(monkeypatch):
@@ -133,8 +137,8 @@ def one_process(zygote, tmp_path_factory):
 @pytest.fixture(scope='module')
 def frozen_base(zygote, tmp_path_factory):
     """The 1-process reference and plan of the job whose first layer is
-    frozen: the save of epoch 2 links epoch 1's frozen part, then its
-    commit retires epoch 1."""
+    frozen after its first step: the save of epoch 2 links epoch 1's frozen
+    parts, then its commit retires epoch 1."""
     folder = tmp_path_factory.mktemp('crash-frozen')
     run_job('killable.py', folder, folder / 'ref-ckpt', 'ref', nproc=1, **FROZEN).check()
     return folder, traced_run(zygote, folder, 1, folder, **FROZEN)
@@ -249,15 +253,17 @@ def links(points):
 
 def test_subset_of_the_crash_points_of_a_save_that_links_a_frozen_part(
         zygote, frozen_base, tmp_path, record_property):
-    """The link of epoch 1's frozen part is a crash point of epoch 2's save
-    (the plan holds it: the save links, it does not write the part), killed
-    there and at one point of each other kind: nothing committed is lost,
-    no checkpoint is left pointing at missing bytes (the relaunch resumes
-    from the one committed, which retention of the other left whole)."""
+    """The links of epoch 1's frozen parts (the model's and the
+    optimizer's) are crash points of epoch 2's save (the plan holds them:
+    the save links, it does not write the parts), killed there and at one
+    point of each other kind: nothing committed is lost, no checkpoint is
+    left pointing at missing bytes (the relaunch resumes from the one
+    committed, which retention of the other left whole)."""
     reference, plans = frozen_base
     linking = links(plans[0])
-    assert linking and all('model_frozen.safetensors' in ' '.join(point.call.paths)
-                           for point in linking), [p.what for p in plans[0]]
+    assert sorted(part for point in linking for part in FROZEN_PARTS
+                  if part in ' '.join(point.call.paths)) == sorted(FROZEN_PARTS), \
+        [p.what for p in plans[0]]
     counts = enumerate_points(
         zygote, plans, reference, 1, tmp_path,
         lambda points: linking + [p for p in subset(points) if p not in linking], FROZEN)
@@ -422,8 +428,8 @@ def test_subset_of_the_requests_of_an_upload_in_2_processes(
 @pytest.fixture(scope='module')
 def frozen_upload_plans(zygote, frozen_base, store, tmp_path_factory):
     """The crash points of the uploads of epochs 1 and 2 of the job with a
-    frozen layer: epoch 1's sends the part into the store's shared folder,
-    epoch 2's finds it there and sends the rest, then retirement removes
+    frozen layer: epoch 1's sends the parts into the store's shared folder,
+    epoch 2's finds them there and sends the rest, then retirement removes
     epoch 1 and what no kept checkpoint lists of the shared folder."""
     reference = frozen_base[0]
     return {epoch: traced_upload(zygote, store, tmp_path_factory.mktemp(f'frozen-up{epoch}'),
@@ -436,12 +442,13 @@ def shared_requests(plan):
 
 
 def sends_shared(lines, epoch):
-    """Whether the requests ``lines`` send a frozen part into the shared
-    folder before the upload of epoch ``epoch`` commits."""
+    """Which frozen parts (of :data:`FROZEN_PARTS`) the requests ``lines``
+    send into the shared folder before the upload of epoch ``epoch`` commits."""
     pointer = f'epoch-{epoch:04d}/manifest.json'.encode()
     end = next(i for i, line in enumerate(lines) if pointer in line)
-    return any(line.startswith(b'PUT ') and b'/shared/model_frozen-' in line
-               for line in lines[:end])
+    stems = {part: f"/shared/{part.partition('.')[0]}-".encode() for part in FROZEN_PARTS}
+    return sorted(part for part, stem in stems.items()
+                  if any(line.startswith(b'PUT ') and stem in line for line in lines[:end]))
 
 
 def test_the_requests_of_an_upload_that_sends_or_finds_a_shared_frozen_part(
@@ -458,8 +465,8 @@ def test_the_requests_of_an_upload_that_sends_or_finds_a_shared_frozen_part(
                 if point[1] == f'PUT epoch-{epoch:04d}/manifest.json']
         chosen = shared_requests(requests) + sent
         assert shared_requests(requests) and sent, [point[1] for point in requests]
-        # epoch 1's upload sends the part; epoch 2's finds it there
-        assert sends_shared(lines, epoch) == (epoch == 1)
+        # epoch 1's upload sends the parts; epoch 2's finds them there
+        assert sends_shared(lines, epoch) == (sorted(FROZEN_PARTS) if epoch == 1 else [])
         done += enumerate_requests(zygote, chosen, store, reference, tmp_path / f'e{epoch}',
                                    1, epoch, **FROZEN)
     record_property('summary', f'crash points of an upload with a frozen part, 1 process: '

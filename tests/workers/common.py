@@ -59,6 +59,19 @@ class FrozenBaseMLP(MLP):
         self.lin.requires_grad_(False)
 
 
+class FreezeBaseAfterFirstStep(Callback):
+    """Freezes the MLP's first layer after the first training step, in one
+    process (a layer frozen after DDP wrapped it would hold DDP's reduction
+    up): the optimizer keeps that layer's state (SGD's momentum), which its
+    checkpoints hold in a file of their own beside the optimizer's, linked
+    while unchanged, as the layer's weights are beside the model's. The step
+    is the run's first: a relaunch after it restores the frozen flags."""
+
+    def on_batch_end(self, net, training=False, **kwargs):
+        if training and len(net.history) == 1 and len(net.history[-1]['batches']) == 1:
+            net.module_.lin.requires_grad_(False)
+
+
 def log_nll(y_pred, y):
     return torch.nn.functional.nll_loss(torch.log(y_pred), y)
 
@@ -80,9 +93,10 @@ def _destroy_process_group():
         dist.destroy_process_group()
 
 
-def make_accelerator(**kwargs):
+def make_accelerator(handlers=(), **kwargs):
     AcceleratorState._reset_state(True)
-    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))]
+    handlers = [InitProcessGroupKwargs(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT)),
+                *handlers]
     accelerator = Accelerator(cpu=TEST_DEVICE == 'cpu', kwargs_handlers=handlers, **kwargs)
     # a launched worker that fell back to one process would pass its test
     # without exercising DDP

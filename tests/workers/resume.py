@@ -11,7 +11,9 @@ Environment:
   data), ``stock`` (skorch's own AccelerateMixin without this package's
   fixes), ``frozen`` (the first layer frozen as the module is built, before
   DDP wraps it: its checkpoints hold it in a file of its own, linked while
-  unchanged);
+  unchanged), ``frozenlater`` (the first layer trains in epoch 1 and
+  skorch's ``Freezer`` freezes it from epoch 2 on: the optimizer's momentum
+  of it lies in a file of its own too);
 - KILL: ``batch:E:B`` SIGKILLs every rank after batch B of epoch E (before
   the checkpoint callback's end of that batch); ``before:E:B`` when batch B
   of epoch E begins (after everything of the batch before); each rank
@@ -63,8 +65,8 @@ import threading
 
 import numpy as np
 import torch
-from accelerate.utils import ProjectConfiguration
-from skorch.callbacks import Callback, EarlyStopping, EpochScoring, LRScheduler
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration
+from skorch.callbacks import Callback, EarlyStopping, EpochScoring, Freezer, LRScheduler
 from skorch.dataset import ValidSplit
 from torch.optim.lr_scheduler import CyclicLR, ReduceLROnPlateau, StepLR
 
@@ -361,6 +363,11 @@ def build(dirname, scenario, ckpt_options):
         ckpt_options = dict(ckpt_options, outage_seconds=float(os.environ['OUTAGE_SECONDS']))
     if scenario in ('accumulate', 'midepoch'):
         accelerator_kwargs['gradient_accumulation_steps'] = 2
+    if scenario == 'frozenlater':
+        # DDP waits for a gradient of every parameter that trained when it
+        # wrapped the module, unless told that some may have none
+        accelerator_kwargs['handlers'] = [DistributedDataParallelKwargs(
+            find_unused_parameters=True)]
     accelerator = make_accelerator(**accelerator_kwargs)
     cp = AccelerateCheckpoint(dirname=dirname, **ckpt_options)
     load_options = json.loads(os.environ.get('LOAD_OPTIONS', '{}'))
@@ -393,6 +400,9 @@ def build(dirname, scenario, ckpt_options):
         kwargs['train_split'] = None
     if scenario == 'frozen':
         kwargs['module'] = FrozenBaseMLP
+    if scenario == 'frozenlater':
+        # a DDP-wrapped module's parameters are named module.lin.*
+        callbacks.append(Freezer('*lin.*', at=2))
     net_cls = TwoModuleNet if scenario == 'twomodules' else FixedNet
     if scenario == 'stock':
         net_cls = StockNet

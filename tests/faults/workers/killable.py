@@ -14,7 +14,10 @@ Environment:
 - FREEZE=EPOCH:RANK: rank RANK stops itself (SIGSTOP) after batch 1 of
   EPOCH, as a hung node would, instead of dying;
 - FROZEN_BASE=1: the module's first layer is frozen (common.FrozenBaseMLP):
-  each save after the first links its frozen part instead of writing it.
+  each save after the first links its frozen part instead of writing it;
+  FROZEN_BASE=trained (one process): the layer is frozen after the first
+  step (common.FreezeBaseAfterFirstStep), and each save after the first
+  links the optimizer's frozen part (its momentum) too.
 
 Every rank writes ``<TAG>-rank<r>.json`` (the folder it resumed from), and
 every rank ``<TAG>-rank<r>.pt`` (final state) when training ends; each rank writes
@@ -33,7 +36,7 @@ import torch
 from skorch.callbacks import Callback
 
 import faultjob
-from common import BatchEnds, FrozenBaseMLP, rank
+from common import BatchEnds, FreezeBaseAfterFirstStep, FrozenBaseMLP, rank
 from faultjob import EpochTracker, die, hold
 from skorch_accel_callbacks._core import accelerate_io, sync
 from skorch_accel_callbacks.engine import _state_files as state_files
@@ -248,6 +251,8 @@ def main():
     if os.environ.get('FREEZE'):
         callbacks.append(Freeze(*map(int, os.environ['FREEZE'].split(':'))))
     module = {'module': FrozenBaseMLP} if os.environ.get('FROZEN_BASE') == '1' else {}
+    if os.environ.get('FROZEN_BASE') == 'trained':
+        callbacks.append(FreezeBaseAfterFirstStep())
     net, _ = faultjob.build(dirname, callbacks=callbacks,
                             async_save=os.environ.get('ASYNC') == '1', **module)
     net.fit(*faultjob.data())

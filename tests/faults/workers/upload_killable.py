@@ -13,7 +13,10 @@ Environment:
   ``_pipe_file``), which the upload goes through.
 
 FROZEN_BASE=1: the module's first layer is frozen (common.FrozenBaseMLP):
-its part is sent once into the store's shared folder.
+its part is sent once into the store's shared folder; FROZEN_BASE=trained
+(one process): the layer is frozen after the first step
+(common.FreezeBaseAfterFirstStep), and the optimizer's frozen part (its
+momentum) is sent once too.
 
 Every rank writes ``resumed-<TAG>-rank<r>.json`` (the folder it resumed
 from, the number of processes) when its first epoch begins, then
@@ -34,7 +37,7 @@ import s3fs
 from skorch.callbacks import Callback
 
 import faultjob
-from common import FrozenBaseMLP, UploadsEnded, write_result
+from common import FreezeBaseAfterFirstStep, FrozenBaseMLP, UploadsEnded, write_result
 from faultjob import EpochTracker, die
 from killable import RecordResume
 from skorch_accel_callbacks.format import MANIFEST_NAME, checkpoint_name, pointer_name
@@ -95,8 +98,9 @@ def main():
     # its kill points never reached), and the points are of one upload
     uploaded = UploadsEnded(epochs=range(1, faultjob.EPOCHS + 1))
     module = {'module': FrozenBaseMLP} if os.environ.get('FROZEN_BASE') == '1' else {}
+    freeze = [FreezeBaseAfterFirstStep()] if os.environ.get('FROZEN_BASE') == 'trained' else []
     net, _ = faultjob.build(url, callbacks=[EpochTracker(), RecordResume(), CountSteps(),
-                                            uploaded], **module)
+                                            uploaded, *freeze], **module)
     try:
         net.fit(*faultjob.data())
     except Exception as exc:  # pylint: disable=broad-except
