@@ -6,13 +6,16 @@ usage: python benchmarks/bench_frozen.py [--size 50e6] [--frozen 0.95]
 On the net of ``bench_checkpoint.py`` (a stack of 1024x1024 linear layers,
 one Adam step), with the first ``--frozen`` of its layers frozen as the
 module is built (``requires_grad_(False)``, before accelerate prepares it,
-as a pretrained base is), and on the same net with nothing frozen. Each
-round times, in an order shuffled anew each round (seeded), ``os.sync()``
-before each:
+as a pretrained base is: Adam holds no state of them); with the same
+layers frozen after the Adam step (a base fine-tuned, then frozen, as
+skorch's ``Freezer(at=...)`` does: Adam keeps its two moments of each of
+their weights); and with nothing frozen. Each round times, in an order
+shuffled anew each round (seeded), ``os.sync()`` before each:
 
 - ours: ``AccelerateCheckpoint.save_model`` durable, ``keep_last=2``, by
-  default (the frozen layers in a file of their own, hard-linked while
-  unchanged: after the first save of the process, every save links them)
+  default (the frozen layers, and the optimizer's state of them, in files
+  of their own, hard-linked while unchanged: after the first save of the
+  process, every save links them)
   and with ``reuse_frozen=False`` (each model whole, written at every
   save);
 - torch DCP's ``save`` of the model and optimizer state dicts (its writer
@@ -59,7 +62,7 @@ from skorch_accel_callbacks import AccelerateCheckpoint
 
 VARIANTS = ('ours', 'ours_whole', 'dcp_save', 'disk')
 LABELS = {
-    'ours': 'ours durable (frozen part linked while unchanged)',
+    'ours': 'ours durable (frozen parts linked while unchanged)',
     'ours_whole': 'ours durable, reuse_frozen=False',
     'dcp_save': 'DCP save',
     'disk': 'disk: one file of our full size + fsync',
@@ -75,18 +78,25 @@ class FrozenStack(Stack):
             layer.requires_grad_(False)
 
 
-def trained_net(size, frozen):
+def trained_net(size, frozen, after_the_step=False):
+    """The net of ``size`` parameters after one Adam step, the first
+    ``frozen`` of its layers frozen as it is built, or ``after_the_step``."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     AcceleratorState._reset_state(True)
     layers = n_layers(size)
+    # one layer at least trains: the loss needs a gradient
+    frozen_layers = min(layers - 1, round(layers * frozen))
     net = Net(FrozenStack, module__n_layers=layers,
-              # one layer at least trains: the loss needs a gradient
-              module__frozen_layers=min(layers - 1, round(layers * frozen)),
+              module__frozen_layers=0 if after_the_step else frozen_layers,
               optimizer=torch.optim.Adam,
               lr=1e-4, batch_size=8, max_epochs=1, train_split=None,
               accelerator=Accelerator(cpu=True), verbose=0)
-    return quiet_fit(net, data())
+    net = quiet_fit(net, data())
+    if after_the_step:
+        for layer in list(net.module_)[:frozen_layers]:
+            layer.requires_grad_(False)
+    return net
 
 
 def written_bytes(folder):
@@ -194,12 +204,15 @@ def main():
     args = parser.parse_args()
     rng = random.Random(0)
     results = {}
-    for frozen in (args.frozen, 0.0):
-        net = trained_net(int(args.size), frozen)
+    for frozen, after_the_step in ((args.frozen, False), (args.frozen, True), (0.0, False)):
+        net = trained_net(int(args.size), frozen, after_the_step)
         share = sum(p.numel() for p in net.module_.parameters() if not p.requires_grad) / sum(
             p.numel() for p in net.module_.parameters())
-        label = f'{share:.1%} frozen'
-        results[label] = bench_net(f'frozen-{share:.3f}', net, args.repeats, args.dir, rng)
+        when = ' after the step' if after_the_step else ''
+        label = f'{share:.1%} frozen{when}'
+        results[label] = bench_net(f'frozen-{share:.3f}{when.replace(" ", "-")}', net,
+                                   args.repeats, args.dir, rng)
+        del net
     print(report(results, args))
 
 
