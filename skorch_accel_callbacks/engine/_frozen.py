@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,11 +61,13 @@ from skorch_accel_callbacks.format import frozen_part_name
 __all__ = ['FrozenPart', 'FrozenParts', 'Split', 'no_split', 'tensor_identity']
 
 
-def tensor_identity(state: Mapping[Any, Any], keys: Sequence[Any]) -> tuple:
+def tensor_identity(state: Mapping[Any, Any], keys: Iterable[Any]) -> tuple:
     """What says that the values of ``state`` under ``keys`` are unchanged:
     of each tensor, its memory, dtype, shape, strides, device and version
-    counter; of a mapping (an optimizer's state of one parameter), that of
-    each of its values; any other value itself (a number, None)."""
+    counter; of a mapping, list or tuple (an optimizer's state of one
+    parameter), that of each of its values; a number, string or None
+    itself. Any other object might change in place unseen: its identity
+    equals no other, and a part that holds one is written at every save."""
     identity = []
     for key in sorted(keys):
         value = state[key]
@@ -73,9 +75,14 @@ def tensor_identity(state: Mapping[Any, Any], keys: Sequence[Any]) -> tuple:
             identity.append((key, value.data_ptr(), str(value.dtype), tuple(value.shape),
                              value.stride(), str(value.device), value._version))
         elif isinstance(value, Mapping):
-            identity.append((key, tensor_identity(value, list(value))))
-        else:
+            identity.append((key, tensor_identity(value, value)))
+        elif isinstance(value, (list, tuple)):
+            identity.append((key, type(value).__name__,
+                             tensor_identity(dict(enumerate(value)), range(len(value)))))
+        elif value is None or isinstance(value, (bool, int, float, str)):
             identity.append((key, 'value', value))
+        else:
+            identity.append((key, 'object', object()))
     return tuple(identity)
 
 

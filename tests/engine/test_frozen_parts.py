@@ -31,6 +31,7 @@ from skorch.callbacks import Callback, Freezer
 
 from checkpointed import fit as fit_checkpointed, state
 from common import MLP, FrozenBaseMLP
+from skorch_accel_callbacks.engine._frozen import tensor_identity
 from skorch_accel_callbacks.engine._read_ahead import OptimizerReadAhead
 from skorch_accel_callbacks.format._manifest import FROZEN_PARTS_FORMAT, SHARED_STATES_FORMAT
 from skorch_accel_callbacks.storage._remote import RemoteStorage
@@ -406,6 +407,27 @@ def test_a_bucket_holds_the_optimizers_frozen_part_once(s3_bucket, tmp_path):
     resumed, _, load = fit_frozen_after_training(url, freezer(), max_epochs=4, keep_last=3)
     assert load.loaded_from_ == f'{url}/epoch-0003'
     assert_identical(state(full), state(resumed))
+
+
+def test_the_identity_of_an_optimizers_state_sees_each_change_of_its_values():
+    """What the check compares of an optimizer's state of one parameter:
+    its tensors' memory and version counters, numbers by value, a list
+    (LBFGS keeps some) by what it holds now, and any other object as
+    changed, always."""
+    buffer, history = torch.zeros(3), [torch.ones(2)]
+    state = {0: {'momentum_buffer': buffer, 'step': 3, 'old_dirs': history, 'note': None}}
+    before = tensor_identity(state, state)
+    assert tensor_identity(state, state) == before
+    buffer.add_(1.0)
+    assert tensor_identity(state, state) != before
+    before = tensor_identity(state, state)
+    history.append(torch.ones(2))
+    assert tensor_identity(state, state) != before
+    before = tensor_identity(state, state)
+    state[0]['step'] = 4
+    assert tensor_identity(state, state) != before
+    state[0]['note'] = {'set'}  # a set might change in place, unseen
+    assert tensor_identity(state, state) != tensor_identity(state, state)
 
 
 # ---------------------------------------------------------------- bad input
