@@ -64,15 +64,23 @@ def compat(session: nox.Session, stack: str) -> None:
     releases = STACKS[stack]
     venv = f'.nox/compat-{stack}'
     session.run(interpreter(releases['python']), '-m', 'venv', '--clear', venv, external=True)
-    python = f'{venv}/bin/python'
-    session.run(python, '-m', 'pip', 'install', '--quiet', f"torch=={releases['torch']}",
-                f"accelerate=={releases['accelerate']}", f"skorch=={releases['skorch']}",
-                '.', *test_requirements(), external=True)
-    session.run(python, '-m', 'pip', 'check', external=True)
-    session.run(python, '-c', VERSIONS.format(**releases), external=True)
-    session.run(python, '-m', 'pytest', '-n', '2', '--dist', 'loadfile',
-                '--no-loadscope-reorder', '-q', '-p', 'no:cacheprovider',
-                '-m', 'not slow and not faults and not release', 'tests', external=True)
+    # a CUDA build of torch is 5-6 GB installed: each environment goes as
+    # soon as its tests ran (the next session would clear it anyway), and
+    # pip keeps no second copy of the wheels in its cache, or CI's disk
+    # holds every combination's at once and the release's install after
+    # them finds it full
+    try:
+        python = f'{venv}/bin/python'
+        session.run(python, '-m', 'pip', 'install', '--quiet', '--no-cache-dir',
+                    f"torch=={releases['torch']}", f"accelerate=={releases['accelerate']}",
+                    f"skorch=={releases['skorch']}", '.', *test_requirements(), external=True)
+        session.run(python, '-m', 'pip', 'check', external=True)
+        session.run(python, '-c', VERSIONS.format(**releases), external=True)
+        session.run(python, '-m', 'pytest', '-n', '2', '--dist', 'loadfile',
+                    '--no-loadscope-reorder', '-q', '-p', 'no:cacheprovider',
+                    '-m', 'not slow and not faults and not release', 'tests', external=True)
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
 
 
 def interpreter(version: str) -> str:

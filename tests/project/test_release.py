@@ -8,6 +8,7 @@ the environment takes a minute or two to install.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -62,9 +63,12 @@ def installed(dist, tmp_path_factory):
     imports: scikit-learn, the ``examples`` extra) installed by pip."""
     venv = tmp_path_factory.mktemp('venv')
     run(sys.executable, '-m', 'venv', venv, cwd=venv)
-    run(venv / 'bin' / 'python', '-m', 'pip', 'install', '--quiet', TORCH,
+    # without pip's cache: its copy of the torch wheel would outlive the run
+    run(venv / 'bin' / 'python', '-m', 'pip', 'install', '--quiet', '--no-cache-dir', TORCH,
         f"{dist['wheel']}[examples]", cwd=venv, env=outside_env(venv), timeout=INSTALL_TIMEOUT)
-    return venv
+    yield venv
+    # a GB that pytest would keep for its last three runs
+    shutil.rmtree(venv, ignore_errors=True)
 
 
 def test_twine_checks_the_sdist_and_the_wheel(dist):
@@ -135,7 +139,7 @@ print('epochs', len(net.history), 'newest', cp.committed()[-1])
 def test_the_installed_wheel_with_s3_checkpoints_into_a_bucket(installed, dist, s3_bucket,
                                                               tmp_path):
     env = outside_env(installed)
-    run(installed / 'bin' / 'python', '-m', 'pip', 'install', '--quiet',
+    run(installed / 'bin' / 'python', '-m', 'pip', 'install', '--quiet', '--no-cache-dir',
         f"{dist['wheel']}[s3]", cwd=tmp_path, env=env, timeout=INSTALL_TIMEOUT)
     script = tmp_path / 's3_run.py'
     script.write_text(S3_SCRIPT)
