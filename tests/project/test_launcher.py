@@ -56,3 +56,23 @@ def test_failed_start_kills_started_ranks_and_removes_logs(tmp_path, tempdir):
     assert running(str(script)) == []
     assert list(tempdir.iterdir()) == []
 
+
+
+def test_a_rank_killed_at_the_deadline_prints_where_each_thread_stood(tmp_path, tempdir):
+    script = tmp_path / 'stalled.py'
+    script.write_text(
+        "import threading, time\n"
+        "def background_stalled_here():\n"
+        "    time.sleep(120)\n"
+        "def main_stalled_here():\n"
+        "    threading.Thread(target=background_stalled_here, daemon=True).start()\n"
+        "    print('started', flush=True)\n"
+        "    time.sleep(120)\n"
+        "main_stalled_here()\n")
+    result = launch(script, nproc=2, timeout=10)
+    assert result.timed_out and result.killed == [0, 1], result.report()
+    # the stacks were printed, and SIGKILL still ended each rank
+    assert result.returncodes == [-9, -9], result.report()
+    for out in result.outputs:
+        assert out.startswith('started'), out
+        assert 'in main_stalled_here' in out and 'in background_stalled_here' in out, out

@@ -19,6 +19,12 @@ from pathlib import Path
 
 WORKERS = Path(__file__).parent.parent / 'workers'
 REPO = Path(__file__).parent.parent.parent
+# on it, each launched process prints every thread's stack
+# (tests/workers/sitecustomize.py): a signal that neither torch nor the
+# package catches, so that it reaches faulthandler
+STACKS_SIGNAL = signal.SIGRTMIN + 7
+# how long the processes get to print their stacks before they are killed
+STACKS_WAIT = 0.5
 
 
 def free_port():
@@ -56,15 +62,20 @@ class LaunchResult:
         return not self.timed_out and all(rc == 0 for rc in self.returncodes)
 
 
-def _kill(proc):
-    """End ``proc``'s process group; whether it was still running."""
-    running = proc.poll() is None
-    if running:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
+def _kill(procs):
+    """End the process group of each of ``procs``, each one still running
+    after it printed its stacks; the indexes of those that were running."""
+    running = [i for i, proc in enumerate(procs) if proc.poll() is None]
+    for signum in (STACKS_SIGNAL, signal.SIGKILL):
+        if signum == signal.SIGKILL and running:
+            time.sleep(STACKS_WAIT)
+        for i in running:
+            try:
+                os.killpg(procs[i].pid, signum)
+            except ProcessLookupError:
+                pass
+    for proc in procs:
+        proc.wait()
     return running
 
 
@@ -106,6 +117,7 @@ def rank_environments(nproc, nnodes=1, env=None):
     base_env.update({
         'OMP_NUM_THREADS': '1',
         'PYTHONUNBUFFERED': '1',
+        'TESTS_STACKS_SIGNAL': str(int(STACKS_SIGNAL)),
         'PYTHONPATH': os.pathsep.join(
             [str(WORKERS), str(REPO), base_env.get('PYTHONPATH', '')]),
     })
@@ -153,7 +165,7 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
         finally:
             # also when a rank failed to start or the test was interrupted:
             # no rank outlives its launch
-            killed = [rank for rank, proc in enumerate(procs) if _kill(proc)]
+            killed = _kill(procs)
             for log in logs:
                 log.close()
         outputs = [(logdir / f'rank{rank}.log').read_text(errors='replace')
