@@ -253,39 +253,41 @@ class SyncWriter:
         """
         committer = is_committer(net)
         partial = self.storage.partial_path(request.name)
-        with sync.agree(net, f"preparing {partial}"), own_registries(net):
-            if committer:
-                self.storage.start(request.name)
-            states = encode_rank_states(net, warn=sync.is_main_process(net))
-        # one copy of what every rank holds alike, every rank's own of the rest
-        per_rank = per_rank_items(sync.gather(net, states.digests()))
-        with sync.agree(net, f"writing checkpoint {partial}"), own_registries(net):
-            large = None
-            if stager is None:
-                split = state_files.save_state(
-                    net.accelerator, partial, self.safe_serialization,
-                    None if early is None else early.begin, self._frozen)
-            else:
-                large = stager.stage(net.accelerator, partial, self.safe_serialization,
-                                     committer, self._frozen)
-                split = no_split([], []) if large is None else large.split
-            rank = sync.process_index(net)
-            save_rank_state(partial, rank, request.train_loader,
-                                           request.workers_drew)
-            write_rank_states(partial, states, rank, per_rank, committer)
-            if request.batches:
-                save_position(partial, rank, request.epoch_start,
-                                             request.batches, request.read_ahead)
-                save_epoch_caches(partial, rank, net)
-            if not committer:
-                if early is not None:
-                    early.wait()  # its failure fails the save on every rank
-                return StagedSave(None, large)
-            record = checkpoint_record(
-                net, request.name, request.best, request.finished, request.stopped_early,
-                request.data, request.position(), request.train_loader, per_rank)
-            content = with_frozen_parts(manifest_content(record), *split.manifest_fields())
-            return StagedSave(content, large, tuple(split.parts))
+        # one block for both steps: unwrapping a module costs a package
+        # lookup in accelerate
+        with own_registries(net):
+            with sync.agree(net, f"preparing {partial}"):
+                if committer:
+                    self.storage.start(request.name)
+                states = encode_rank_states(net, warn=sync.is_main_process(net))
+            # one copy of what every rank holds alike, every rank's own of the rest
+            per_rank = per_rank_items(sync.gather(net, states.digests()))
+            with sync.agree(net, f"writing checkpoint {partial}"):
+                large = None
+                if stager is None:
+                    split = state_files.save_state(
+                        net.accelerator, partial, self.safe_serialization,
+                        None if early is None else early.begin, self._frozen)
+                else:
+                    large = stager.stage(net.accelerator, partial, self.safe_serialization,
+                                         committer, self._frozen)
+                    split = no_split([], []) if large is None else large.split
+                rank = sync.process_index(net)
+                save_rank_state(partial, rank, request.train_loader, request.workers_drew)
+                write_rank_states(partial, states, rank, per_rank, committer)
+                if request.batches:
+                    save_position(partial, rank, request.epoch_start, request.batches,
+                                  request.read_ahead)
+                    save_epoch_caches(partial, rank, net)
+                if not committer:
+                    if early is not None:
+                        early.wait()  # its failure fails the save on every rank
+                    return StagedSave(None, large)
+                record = checkpoint_record(
+                    net, request.name, request.best, request.finished, request.stopped_early,
+                    request.data, request.position(), request.train_loader, per_rank)
+                content = with_frozen_parts(manifest_content(record), *split.manifest_fields())
+                return StagedSave(content, large, tuple(split.parts))
 
     def commit(self, request: SaveRequest, content: dict, started: float,
                early: EarlyFlush | None = None,

@@ -283,8 +283,10 @@ def write_json(path: str | os.PathLike, obj: Any, atomic: bool = True) -> None:
 
 
 def _dump_json(path: str | os.PathLike, obj: Any) -> None:
+    # one write: json.dump writes each token on its own
+    text = json.dumps(obj, indent=1, sort_keys=True)
     with open(path, 'w', encoding='utf-8') as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write(text)
 
 
 def read_json(path: str | os.PathLike) -> Any:

@@ -70,7 +70,10 @@ def model_layout(net: Any) -> list[list[Any]]:
     Raises :class:`CheckpointError` if a module of the net with trainable
     parameters was not prepared by the accelerator.
     """
-    modules = state_modules(net)
+    return _layout_of(net, state_modules(net))
+
+
+def _layout_of(net: Any, modules: Mapping[str, torch.nn.Module]) -> list[list[Any]]:
     by_id = {id(module): name for name, module in modules.items()}
     registered = accelerate_io.models(net.accelerator)
     registered_ids = {id(model) for model in registered}
@@ -117,6 +120,8 @@ def checkpoint_record(net: Any, name: str, best: bool, finished: bool, stopped_e
     training loader of the epoch (for its number of rows); ``per_rank``: the
     states that each rank stores in files of its own.
     """
+    # unwrapping costs a package lookup in accelerate: once a save
+    modules = state_modules(net)
     return CheckpointRecord(
         name=name,
         epoch=len(net.history) - (1 if position['batches'] else 0),
@@ -129,8 +134,8 @@ def checkpoint_record(net: Any, name: str, best: bool, finished: bool, stopped_e
         epoch_settings=settings.epoch_settings(net, loader),
         world_size=sync.num_processes(net),
         save_on_each_node=accelerate_io.save_on_each_node(net.accelerator),
-        models=model_layout(net),
-        frozen=frozen_parameters(net),
+        models=_layout_of(net, modules),
+        frozen=_frozen_of(modules),
         optimizers=optimizer_layout(net),
         versions=_package_versions(),
         fsdp=fsdp_layout.shard_layout(net.accelerator),
@@ -141,9 +146,13 @@ def checkpoint_record(net: Any, name: str, best: bool, finished: bool, stopped_e
 def frozen_parameters(net: Any) -> dict[str, list[str]]:
     """Of each module and criterion of ``net`` by name, its parameters that
     require no gradient: frozen (skorch's ``Freezer``) or built so."""
+    return _frozen_of(state_modules(net))
+
+
+def _frozen_of(modules: Mapping[str, torch.nn.Module]) -> dict[str, list[str]]:
     return {name: sorted(key for key, param in module.named_parameters()
                          if not param.requires_grad)
-            for name, module in state_modules(net).items()}
+            for name, module in modules.items()}
 
 
 def restore_frozen(modules: Mapping[str, torch.nn.Module], manifest: dict[str, Any]) -> None:
