@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -253,10 +253,12 @@ class SyncWriter:
         """
         committer = is_committer(net)
         partial = self.storage.partial_path(request.name)
-        # one block for both steps: unwrapping a module costs a package
-        # lookup in accelerate
-        with own_registries(net):
+        # the registries swapped once for both steps (unwrapping a module
+        # costs a package lookup in accelerate), inside the first agreement,
+        # so that a rank whose swap fails fails the save on every rank
+        with ExitStack() as registries:
             with sync.agree(net, f"preparing {partial}"):
+                registries.enter_context(own_registries(net))
                 if committer:
                     self.storage.start(request.name)
                 states = encode_rank_states(net, warn=sync.is_main_process(net))
