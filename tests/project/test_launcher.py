@@ -57,7 +57,6 @@ def test_failed_start_kills_started_ranks_and_removes_logs(tmp_path, tempdir):
     assert list(tempdir.iterdir()) == []
 
 
-
 def test_a_rank_killed_at_the_deadline_prints_where_each_thread_stood(tmp_path, tempdir):
     script = tmp_path / 'stalled.py'
     script.write_text(

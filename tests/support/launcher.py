@@ -62,18 +62,23 @@ class LaunchResult:
         return not self.timed_out and all(rc == 0 for rc in self.returncodes)
 
 
+def _signal_groups(procs, signum):
+    for proc in procs:
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 def _kill(procs):
-    """End the process group of each of ``procs``, each one still running
-    after it printed its stacks; the indexes of those that were running."""
+    """End the process group of each of ``procs`` still running, after it
+    printed its stacks; the indexes of those that were running."""
     running = [i for i, proc in enumerate(procs) if proc.poll() is None]
-    for signum in (STACKS_SIGNAL, signal.SIGKILL):
-        if signum == signal.SIGKILL and running:
-            time.sleep(STACKS_WAIT)
-        for i in running:
-            try:
-                os.killpg(procs[i].pid, signum)
-            except ProcessLookupError:
-                pass
+    if running:
+        stalled = [procs[i] for i in running]
+        _signal_groups(stalled, STACKS_SIGNAL)
+        time.sleep(STACKS_WAIT)
+        _signal_groups(stalled, signal.SIGKILL)
     for proc in procs:
         proc.wait()
     return running
