@@ -12,7 +12,8 @@ with a warning. A write the store made whose answer never came back (the
 connection dropped, or the client gave up at its deadline) leaves the lease
 at a version its writer did not hear of, and the writer's next conditional
 write fails: where the lease holds the writer's own token, the writer takes
-that version as its own, instead of counting the lease as lost (to itself).
+that version as its own, instead of counting the lease as lost (to itself),
+or, for the create that takes it, as held by another job (itself).
 
 ``expires_at`` is wall-clock UTC: the jobs that read it run on other hosts,
 where a monotonic clock means nothing. Hosts' clocks differ, so a lease
@@ -150,6 +151,16 @@ class ObjectLease:
                 etag = self._take_over(record)
                 if etag is None:
                     continue
+            except OSError:
+                # given up at its deadline, or its connection lost past the
+                # client's retries: the store may have made it all the same;
+                # a store that took it and went silent must not hold the job
+                found = _read(self.fs, self.path, self.ttl_seconds / 3)
+                if found is None:
+                    raise  # it made nothing: the store is slow or out of reach
+                if not _written_by(found, record):
+                    continue  # another job's, made meanwhile: look at it again
+                etag = found[1]
             held = _Held(self.fs, self.path, record, etag, self.ttl_seconds)
             held.start(interval, f'lease renewal {self.url}')
             # the finalizer and the thread hold the state, not the lease: a
@@ -207,6 +218,10 @@ class ObjectLease:
         found = _read(self.fs, self.path)
         if found is None:
             return None
+        if _written_by(found, record):
+            # this job's create: the store made it, its answer was lost, and
+            # the client's retry of it found the lease there
+            return found[1]
         previous, etag = found
         try:
             expires_at = datetime.fromisoformat(previous['expires_at'])
@@ -415,15 +430,17 @@ def _write(fs: Any, path: str, record: dict[str, Any], ttl_seconds: float,
     return etag
 
 
-def _read(fs: Any, path: str) -> tuple[Any, str] | None:
-    """The lease at ``path`` and its ETag, or None if there is none."""
+def _read(fs: Any, path: str, seconds: float | None = None) -> tuple[Any, str] | None:
+    """The lease at ``path`` and its ETag, or None if there is none; each
+    request given up after ``seconds``, where given."""
+    deadline = {} if seconds is None else transfer.deadline(fs, seconds)
     # the ETag first: a lease read after it is that version or a newer one,
     # and a write conditional on an older ETag than the content read fails;
     # the other order could overwrite a newer, live lease
     try:
         fs.invalidate_cache(path)
-        etag = fs.info(path)['ETag']
-        content = fs.cat_file(path)
+        etag = fs.info(path, **deadline)['ETag']
+        content = fs.cat_file(path, **deadline)
     except FileNotFoundError:
         return None
     try:

@@ -274,20 +274,25 @@ def test_renewal_keeps_a_short_lease_alive(s3):
     assert not fs.exists(path)
 
 
-def lose_the_answer_of_a_lease_write(proxy, path, passed=0):
+def lose_the_answer_of_a_lease_write(proxy, path, passed=0, held_seconds=0):
     """From now on, the proxy drops the answer of a write (PUT) of the lease
     ``path``, the first after ``passed`` of them (the store has made it; the
-    job never hears so); the list it returns names that request once the
-    store answered it."""
+    job never hears so), holding its connection ``held_seconds`` before it
+    closes it; the list it returns names that request once the store
+    answered it."""
     key = path.split('/', 1)[1].encode()
     writes, lost = [], []
+
+    def at_answer(line):  # instead of forwarding it
+        lost.append(line)
+        time.sleep(held_seconds)
 
     def on_request(line):
         if not (line.startswith(b'PUT /') and key in line):
             return None
         writes.append(line)
         if len(writes) == passed + 1:
-            return lambda: lost.append(line)  # at the answer, instead of forwarding it
+            return lambda: at_answer(line)
         return None
 
     proxy.on_request = on_request
@@ -300,7 +305,13 @@ def proxied(s3_endpoint):
     (``fs``) and directly (``direct``, for the test's own reads)."""
     proxy = Proxy(int(s3_endpoint.rsplit(':', 1)[1]))
     direct = filesystem(s3_endpoint)
-    yield proxy, filesystem(proxy.endpoint), direct, f'{new_bucket(direct)}/run1/.lease.json'
+    bucket = new_bucket(direct)
+    fs = filesystem(proxy.endpoint)
+    # the client's first request makes its connection pool (its TLS contexts
+    # read in a thread), which on a busy machine can take longer than a short
+    # lease's deadline for a write: these tests time the store, not that
+    fs.ls(bucket)
+    yield proxy, fs, direct, f'{bucket}/run1/.lease.json'
     proxy.cut()
 
 
@@ -356,6 +367,72 @@ def test_a_takeover_whose_answer_was_lost_takes_the_lease(proxied):
     assert lost, 'the takeover was answered'
     assert lease.held and stored(direct, path)['token'] == lease._held.record['token']
     assert_released_silently(lease, direct, path)
+
+
+def test_a_create_whose_answer_was_lost_takes_the_lease(proxied):
+    """The create-only write that takes a free lease, made by the store with
+    its answer lost: the client's retry of it finds a lease there, and that
+    lease is this job's own (its token), not another running job's."""
+    proxy, fs, direct, path = proxied
+    lost = lose_the_answer_of_a_lease_write(proxy, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        lease = ObjectLease(fs, path, clock_skew_seconds=0).acquire()
+    assert lost, 'the create was answered'
+    assert lease.held and stored(direct, path)['token'] == lease._held.record['token']
+    assert_released_silently(lease, direct, path)
+
+
+def test_a_create_given_up_at_its_deadline_takes_the_lease_the_store_made(proxied):
+    """The same create, its answer held past the write's deadline (a third
+    of the lease's ``ttl_seconds``): the client gives it up, and the lease
+    the store made is this job's."""
+    proxy, fs, direct, path = proxied
+    lost = lose_the_answer_of_a_lease_write(proxy, path, held_seconds=3)
+    began = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        lease = ObjectLease(fs, path, ttl_seconds=3.0, clock_skew_seconds=0).acquire()
+    assert lost, 'the create was answered'
+    assert time.monotonic() - began < 3, 'the create was not given up at its deadline'
+    assert lease.held and stored(direct, path)['token'] == lease._held.record['token']
+    assert_released_silently(lease, direct, path)
+
+
+def test_a_create_the_store_did_not_make_fails_the_acquire(proxied):
+    """A create that never reached the store (its connection closed at it,
+    each retry's too, until the write's deadline) leaves no lease: the
+    acquire, having looked, raises the write's error, taking nothing."""
+    proxy, fs, direct, path = proxied
+    proxy.drop_on = rb'PUT /\S*\.lease\.json'
+    with pytest.raises(TimeoutError):
+        ObjectLease(fs, path, ttl_seconds=3.0, clock_skew_seconds=0).acquire()
+    assert proxy.fired.is_set()
+    key = path.split('/', 1)[1].encode()
+    assert any(line.startswith(b'HEAD /') and key in line for line in proxy.requests)
+    assert not direct.exists(path)
+
+
+def test_a_store_that_made_the_create_and_went_silent_fails_the_acquire_in_time(proxied):
+    """The store makes the create and answers nothing from then on: the
+    acquire gives up the create and then its look at the lease, each at
+    the write's deadline, instead of waiting for the client's read timeout
+    and retries (minutes)."""
+    proxy, fs, direct, path = proxied
+    key = path.split('/', 1)[1].encode()
+
+    def on_request(line):
+        if line.startswith(b'PUT /') and key in line:
+            return proxy.silence  # at the create's answer, instead of it
+        return None
+
+    proxy.on_request = on_request
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        ObjectLease(fs, path, ttl_seconds=3.0, clock_skew_seconds=0).acquire()
+    assert proxy.silent and direct.exists(path), 'the store did not make the create'
+    # two deadlines of 1 s, and room for a busy machine
+    assert time.monotonic() - began < 15
 
 
 def expire_and_take_over(fs, path):
