@@ -3,8 +3,9 @@
 Rank 0 must end by itself with an error, not wait for ever: at once when
 the peer's connection drops, at the latest after the collective timeout
 (``InitProcessGroupKwargs(timeout=...)``, COLLECTIVE_TIMEOUT seconds here)
-when the peer is alive but stuck. The launcher's grace is longer than that
-timeout, so a rank 0 that ended did so on its own. The checkpoint of epoch 1
+when the peer is alive but stuck. Where rank 1 was killed, the launcher's
+grace is longer than that timeout, so a rank 0 that ended did so on its
+own. The checkpoint of epoch 1
 stays complete, and resuming from it ends bit-identical.
 """
 
@@ -47,7 +48,10 @@ def test_rank1_killed(reference, tmp_path):
 
 def test_rank1_hangs(tmp_path):
     ckpt = tmp_path / 'ckpt'
-    result = run_job('killable.py', tmp_path, ckpt, 'frozen', grace=GRACE, FREEZE='2:1')
+    # rank 0 is the first to end, with nothing failed before it: no grace
+    # runs for it. The grace after it is the stopped rank 1's, which only
+    # the launcher's kill ends: a long one would only be waited out
+    result = run_job('killable.py', tmp_path, ckpt, 'frozen', grace=5.0, FREEZE='2:1')
     assert_rank0_failed_on_its_own(result, tmp_path, 'frozen')
     # rank 1 was stopped; only the launcher could end it
     assert result.returncodes[1] == -9, result.report()

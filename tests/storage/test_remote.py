@@ -581,7 +581,9 @@ def test_a_multipart_upload_cut_by_the_network_is_aborted_at_the_next_claim(
     unfinished one."""
     url = f's3://{s3_bucket}/run'
     net = make_net(make_accelerator()).initialize()
-    storage = open_storage(url, local_dir=tmp_path / 'staging', storage_options=NO_RETRIES)
+    # a network that stays down: its requests are sent again for 2 s only
+    storage = open_storage(url, local_dir=tmp_path / 'staging', storage_options=NO_RETRIES,
+                           outage_seconds=2)
     storage.claim(net)
     content = {'format_version': _manifest.FORMAT_VERSION}
     for name, size in (('epoch-0001', 10), ('epoch-0002', 100 * 2**20 + 1)):
