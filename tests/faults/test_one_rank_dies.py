@@ -5,8 +5,8 @@ the peer's connection drops, at the latest after the collective timeout
 (``InitProcessGroupKwargs(timeout=...)``, COLLECTIVE_TIMEOUT seconds here)
 when the peer is alive but stuck. Where rank 1 was killed, the launcher's
 grace is longer than that timeout, so a rank 0 that ended did so on its
-own. The checkpoint of epoch 1
-stays complete, and resuming from it ends bit-identical.
+own. The checkpoint of epoch 1 stays complete, and resuming from it ends
+bit-identical.
 """
 
 import pytest
