@@ -9,7 +9,9 @@ module is built (``requires_grad_(False)``, before accelerate prepares it,
 as a pretrained base is: Adam holds no state of them); with the same
 layers frozen after the Adam step (a base fine-tuned, then frozen, as
 skorch's ``Freezer(at=...)`` does: Adam keeps its two moments of each of
-their weights); and with nothing frozen. Each round times, in an order
+their weights); with the base frozen as it is built and skorch's default
+optimizer (SGD without momentum, which holds no state: what changes at a
+step is the trainable layers alone); and with nothing frozen. Each round times, in an order
 shuffled anew each round (seeded), ``os.sync()`` before each:
 
 - ours: ``AccelerateCheckpoint.save_model`` durable, ``keep_last=2``, by
@@ -78,9 +80,10 @@ class FrozenStack(Stack):
             layer.requires_grad_(False)
 
 
-def trained_net(size, frozen, after_the_step=False):
-    """The net of ``size`` parameters after one Adam step, the first
-    ``frozen`` of its layers frozen as it is built, or ``after_the_step``."""
+def trained_net(size, frozen, after_the_step=False, optimizer=torch.optim.Adam):
+    """The net of ``size`` parameters after one step of ``optimizer``, the
+    first ``frozen`` of its layers frozen as it is built, or
+    ``after_the_step``."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
     AcceleratorState._reset_state(True)
@@ -89,7 +92,7 @@ def trained_net(size, frozen, after_the_step=False):
     frozen_layers = min(layers - 1, round(layers * frozen))
     net = Net(FrozenStack, module__n_layers=layers,
               module__frozen_layers=0 if after_the_step else frozen_layers,
-              optimizer=torch.optim.Adam,
+              optimizer=optimizer,
               lr=1e-4, batch_size=8, max_epochs=1, train_split=None,
               accelerator=Accelerator(cpu=True), verbose=0)
     net = quiet_fit(net, data())
@@ -204,14 +207,17 @@ def main():
     args = parser.parse_args()
     rng = random.Random(0)
     results = {}
-    for frozen, after_the_step in ((args.frozen, False), (args.frozen, True), (0.0, False)):
-        net = trained_net(int(args.size), frozen, after_the_step)
+    nets = ((args.frozen, False, torch.optim.Adam), (args.frozen, True, torch.optim.Adam),
+            (args.frozen, False, torch.optim.SGD), (0.0, False, torch.optim.Adam))
+    for frozen, after_the_step, optimizer in nets:
+        net = trained_net(int(args.size), frozen, after_the_step, optimizer)
         share = sum(p.numel() for p in net.module_.parameters() if not p.requires_grad) / sum(
             p.numel() for p in net.module_.parameters())
         when = ' after the step' if after_the_step else ''
-        label = f'{share:.1%} frozen{when}'
-        results[label] = bench_net(f'frozen-{share:.3f}{when.replace(" ", "-")}', net,
-                                   args.repeats, args.dir, rng)
+        label = f'{share:.1%} frozen{when}, {optimizer.__name__}'
+        results[label] = bench_net(
+            f'frozen-{share:.3f}{when.replace(" ", "-")}-{optimizer.__name__}', net,
+            args.repeats, args.dir, rng)
         del net
     print(report(results, args))
 
