@@ -8,12 +8,14 @@ rank's output instead of hanging CI.
 """
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,16 @@ REPO = Path(__file__).parent.parent.parent
 STACKS_SIGNAL = signal.SIGRTMIN + 7
 # how long the processes get to print their stacks before they are killed
 STACKS_WAIT = 0.5
+# how much of a rank's output a failed launch's report shows
+OUTPUT_KEPT = 6000
+KILLED_OUTPUT_KEPT = 40000
+# how long gdb may take to print one stalled process's C stacks
+GDB_TIMEOUT = 20
+# what begins each stalled process's native state in its rank's output
+NATIVE_HEADER = '----- native state of pid '
+# the libraries whose symbols gdb reads (each a pattern of their paths)
+GDB_SYMBOLS = ('^/lib', '^/usr', 'libpython', 'libgomp', 'libc10', 'libtorch_python', 'libshm',
+               'libuv')
 
 
 def free_port():
@@ -47,8 +59,10 @@ class LaunchResult:
         parts = [f"launch of {self.args} (timed out: {self.timed_out}, "
                  f"{self.duration:.1f} s), exit codes {self.returncodes}"]
         for rank, out in enumerate(self.outputs):
+            # a killed rank's end is its stacks, Python's and the native ones
+            kept = KILLED_OUTPUT_KEPT if rank in self.killed else OUTPUT_KEPT
             parts.append(f"----- rank {rank} (exit {self.returncodes[rank]}) -----\n"
-                         f"{out[-6000:]}")
+                         f"{out[-kept:]}")
         return '\n'.join(parts)
 
     def check(self):
@@ -70,12 +84,67 @@ def _signal_groups(procs, signum):
             pass
 
 
-def _kill(procs):
+def _group_members(pgid):
+    """The pids of the processes of the process group ``pgid``."""
+    members = []
+    for entry in Path('/proc').iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / 'stat').read_text()
+        except OSError:
+            continue
+        # the fields after the command name, which may hold spaces: state,
+        # ppid, pgrp
+        if int(stat[stat.rindex(')') + 2:].split()[2]) == pgid:
+            members.append(int(entry.name))
+    return sorted(members)
+
+
+def _native_stacks(pgid):
+    """Where each process of the group ``pgid`` waits, below Python: its
+    threads' kernel waits (``/proc``) and, where gdb is installed, their C
+    stacks. A process stuck before Python runs again (in a library's fork
+    handler, on a lock) cannot print its own stacks."""
+    parts = []
+    for pid in _group_members(pgid):
+        lines = [f'{NATIVE_HEADER}{pid} (process group {pgid}) -----']
+        task = Path(f'/proc/{pid}/task')
+        try:
+            for tid in sorted(task.iterdir(), key=lambda path: int(path.name)):
+                wchan = (tid / 'wchan').read_text().strip() or '-'
+                syscall = (tid / 'syscall').read_text().split()[0]
+                lines.append(f'thread {tid.name}: waits in {wchan}, syscall {syscall}')
+        except OSError as error:
+            lines.append(f'/proc unreadable: {error}')
+        if shutil.which('gdb'):
+            try:
+                gdb = subprocess.run(
+                    # the symbols of the system's libraries, Python's and the
+                    # small ones of torch read, not libtorch_cpu's: 1 s a
+                    # process, not 4; a frame in it still names its library
+                    ['gdb', '-p', str(pid), '-batch', '-nx', '-iex', 'set auto-solib-add off',
+                     *(arg for name in GDB_SYMBOLS for arg in ('-ex', f'sharedlibrary {name}')),
+                     '-ex', 'thread apply all bt 40'],
+                    capture_output=True, text=True, timeout=GDB_TIMEOUT)
+                lines.extend(line for line in gdb.stdout.splitlines()
+                             if line.startswith(('Thread ', '#')))
+            except subprocess.TimeoutExpired:
+                lines.append(f'gdb took more than {GDB_TIMEOUT} s')
+        parts.append('\n'.join(lines))
+    return '\n'.join(parts)
+
+
+def _kill(procs, logdir):
     """End the process group of each of ``procs`` still running, after it
-    printed its stacks; the indexes of those that were running."""
+    printed its stacks (and its native state went into its rank's log);
+    the indexes of those that were running."""
     running = [i for i, proc in enumerate(procs) if proc.poll() is None]
     if running:
         stalled = [procs[i] for i in running]
+        for i in running:
+            with open(logdir / f'rank{i}.log', 'a', encoding='utf-8') as log:
+                log.write('\n' + _native_stacks(procs[i].pid) + '\n')
         _signal_groups(stalled, STACKS_SIGNAL)
         time.sleep(STACKS_WAIT)
         _signal_groups(stalled, signal.SIGKILL)
@@ -170,7 +239,7 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
         finally:
             # also when a rank failed to start or the test was interrupted:
             # no rank outlives its launch
-            killed = _kill(procs)
+            killed = _kill(procs, logdir)
             for log in logs:
                 log.close()
         outputs = [(logdir / f'rank{rank}.log').read_text(errors='replace')
@@ -181,8 +250,28 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
         args=[script.name, *args], killed=killed)
     port_clash = any('EADDRINUSE' in out or 'address already in use' in out
                      for out in outputs)
-    if not result.ok and port_clash and _retries > 0:
+    fork_deadlock = any(map(forked_into_cpython_deadlock, outputs))
+    if fork_deadlock and _retries > 0:
+        warnings.warn(f"launch of {result.args}: a forked process hung in "
+                      "PyOS_AfterFork_Child (CPython gh-112275, "
+                      "tests/workers/sitecustomize.py); launched again", RuntimeWarning)
+    if not result.ok and (port_clash or fork_deadlock) and _retries > 0:
         return launch(script, *args, nproc=nproc, nnodes=nnodes, timeout=timeout,
                       env=env, grace=grace, preexec_fn=preexec_fn,
                       _retries=_retries - 1)
     return result
+
+
+def forked_into_cpython_deadlock(output):
+    """Whether a process of this rank's output hung right after a fork on
+    the thread-list lock that CPython 3.11 before 3.11.10 does not reset in
+    the child (gh-112275; tests/workers/sitecustomize.py): its native stack,
+    read by gdb, waits in ``_PyThreadState_DeleteExcept`` called from
+    ``PyOS_AfterFork_Child``."""
+    for section in output.split(NATIVE_HEADER)[1:]:
+        frames = [line for line in section.splitlines() if line.startswith('#')]
+        names = [name for name in ('_PyThreadState_DeleteExcept', 'PyOS_AfterFork_Child')
+                 if any(f' {name} ' in frame for frame in frames)]
+        if len(names) == 2:
+            return True
+    return False
