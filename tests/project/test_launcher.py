@@ -77,6 +77,9 @@ def test_a_rank_killed_at_the_deadline_prints_where_each_thread_stood(tmp_path, 
     for out in result.outputs:
         assert out.startswith('started'), out
         assert 'in main_stalled_here' in out and 'in background_stalled_here' in out, out
+        # then the native state, whole: not written over by the stacks
+        native = out[out.index('----- native state of pid '):]
+        assert 'waits in' in native and 'main_stalled_here' not in native, out
 
 
 def test_a_rank_that_cannot_print_its_stacks_still_shows_where_it_waits(tmp_path, tempdir):

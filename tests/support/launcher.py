@@ -137,19 +137,22 @@ def _native_stacks(pgid):
 
 def _kill(procs, logdir):
     """End the process group of each of ``procs`` still running, after it
-    printed its stacks (and its native state went into its rank's log);
-    the indexes of those that were running."""
+    printed its stacks and its native state was read; the indexes of those
+    that were running."""
     running = [i for i, proc in enumerate(procs) if proc.poll() is None]
+    native = {i: _native_stacks(procs[i].pid) for i in running}
     if running:
         stalled = [procs[i] for i in running]
-        for i in running:
-            with open(logdir / f'rank{i}.log', 'a', encoding='utf-8') as log:
-                log.write('\n' + _native_stacks(procs[i].pid) + '\n')
         _signal_groups(stalled, STACKS_SIGNAL)
         time.sleep(STACKS_WAIT)
         _signal_groups(stalled, signal.SIGKILL)
     for proc in procs:
         proc.wait()
+    # once the group is dead: a rank writes its log at its own offset, over
+    # what was appended while it ran
+    for i, text in native.items():
+        with open(logdir / f'rank{i}.log', 'a', encoding='utf-8') as log:
+            log.write('\n' + text + '\n')
     return running
 
 
@@ -251,11 +254,11 @@ def launch(script, *args, nproc=2, nnodes=1, timeout=180, env=None,
     port_clash = any('EADDRINUSE' in out or 'address already in use' in out
                      for out in outputs)
     fork_deadlock = any(map(forked_into_cpython_deadlock, outputs))
-    if fork_deadlock and _retries > 0:
-        warnings.warn(f"launch of {result.args}: a forked process hung in "
-                      "PyOS_AfterFork_Child (CPython gh-112275, "
-                      "tests/workers/sitecustomize.py); launched again", RuntimeWarning)
     if not result.ok and (port_clash or fork_deadlock) and _retries > 0:
+        if fork_deadlock:
+            warnings.warn(f"launch of {result.args}: a forked process hung in "
+                          "PyOS_AfterFork_Child (CPython gh-112275, "
+                          "tests/workers/sitecustomize.py); launched again", RuntimeWarning)
         return launch(script, *args, nproc=nproc, nnodes=nnodes, timeout=timeout,
                       env=env, grace=grace, preexec_fn=preexec_fn,
                       _retries=_retries - 1)
