@@ -44,6 +44,7 @@ from skorch_accel_callbacks.state import (
     model_layout,
     persistent_workers,
     uninstall,
+    warn_forked_workers_can_hang,
     warn_per_rank_buffers,
     worker_draws,
 )
@@ -259,7 +260,11 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
       files (``f_params``, ``f_optimizer``, ``f_criterion``, ``f_history``,
       ``f_pickle``, ``fn_prefix``, ``use_safetensors``), which it ignores:
       the warning says what it writes instead, and that ``ParamsCheckpoint``
-      writes skorch's own files.
+      writes skorch's own files. When training begins, on the main process
+      of several: on Python 3.11 before 3.11.10, loaders whose workers are
+      forked (``num_workers > 0`` with the ``fork`` start method, Linux's
+      default before Python 3.14), which can hang a rank (CPython
+      gh-112275); the warning names the loaders and the ways out.
 
     Raises
     ------
@@ -402,10 +407,11 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         self._workers_checked = None
         self._data = None
         self._epoch_end_seen = None
-        # the warnings of per-rank buffers under FSDP2 and of a net without
-        # AccelerateFixesMixin, once after initialize
+        # the warnings of per-rank buffers under FSDP2, of a net without
+        # AccelerateFixesMixin and of workers whose fork can hang, once after
+        # initialize
         self._buffers_warned = False
-        self._fixes_warned = False
+        self._setup_warned = False
         return self
 
     def _check_arguments(self) -> None:
@@ -698,9 +704,10 @@ class AccelerateCheckpoint(LoadableCheckpoint, FolderStateCallback, Callback):
         # modules of a back-end that shards or wraps them itself
         _check_checkpointable(net, type(self).__name__, self.async_save)
         self._check_no_skorch_loader(net)
-        if not self._fixes_warned:
-            self._fixes_warned = True
+        if not self._setup_warned:
+            self._setup_warned = True
             _warn_without_fixes(net, type(self).__name__)
+            warn_forked_workers_can_hang(net, type(self).__name__)
         with own_registries(net):
             model_layout(net)
             if not self._buffers_warned:

@@ -1,7 +1,8 @@
 """What a checkpoint holds beside accelerate's save_state, and who may resume
 it: the training state, the callbacks' states, the optimizers' settings,
 random and loader states, the position in an epoch, the fingerprint of data
-and settings, the settings and compatibility checks, the FSDP layout.
+and settings, the settings and compatibility checks, the FSDP layout, and
+how the loaders' workers start.
 
 What the other subpackages use of it, and nothing else of it, is named
 here (``__all__``); its modules are its own.
@@ -88,6 +89,9 @@ from skorch_accel_callbacks.state._training_state import (
     save_rank_state,
     write_rank_states,
 )
+from skorch_accel_callbacks.state._worker_start import (
+    warn_forked_workers_can_hang,
+)
 
 __all__ = [
     'apply_callback_states',
@@ -147,6 +151,7 @@ __all__ = [
     'training_params',
     'uninstall',
     'unknown_batch_state',
+    'warn_forked_workers_can_hang',
     'warn_per_rank_buffers',
     'worker_draws',
     'WorkerDraws',

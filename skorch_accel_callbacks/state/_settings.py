@@ -51,10 +51,13 @@ _UNCHECKED_PARAMS = frozenset({
     # move only the position inside an epoch: epoch_settings, checked for a
     # checkpoint taken inside one
     'batch_size', 'iterator_train__batch_size',
-    # how fast the loader reads rows, not which ones
+    # how fast the loader reads rows, not which ones; how its workers start
+    # (seeded from the training process alike: switched to forkserver to
+    # escape CPython gh-112275, state/_worker_start.py)
     'iterator_train__num_workers', 'iterator_train__pin_memory',
     'iterator_train__pin_memory_device', 'iterator_train__persistent_workers',
     'iterator_train__prefetch_factor', 'iterator_train__timeout',
+    'iterator_train__multiprocessing_context',
 })
 # callbacks have their own state in a checkpoint; names with a leading
 # underscore are skorch's bookkeeping (_params_to_validate)

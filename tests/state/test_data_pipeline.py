@@ -1,18 +1,19 @@
 """Exact resumes wherever the training data flows: loader workers (persistent
-or not, pinned, prefetching), shuffling with a generator of the loader's own,
-a user's samplers, and random augmentation in ``__getitem__`` drawing from
-torch's, numpy's or Python's global generator.
+or not, pinned, prefetching, forked or started by ``forkserver``), shuffling
+with a generator of the loader's own, a user's samplers, and random
+augmentation in ``__getitem__`` drawing from torch's, numpy's or Python's
+global generator.
 
 Each case trains uninterrupted, then the same command SIGKILLed on every rank
 (at an epoch's end: after the first batch of epoch 4, resuming from epoch
 3's checkpoint; inside an epoch: after the batch that follows the step-27
 checkpoint of epoch 4 in 1 process, 8 batches an epoch, or the step-15 one in
-2, 4 batches an epoch on each rank) and
-launched again unchanged, right away (the killed job's workers may still
-run: the folder's lock is not theirs); every rank ends bit-identical to the
-uninterrupted run. Before these, a persistent loader's resume, a loader's
-own generator and augmentation inside an epoch (with or without workers)
-each resumed silently differently.
+2, 4 batches an epoch on each rank) and launched again right away, unchanged
+but for the workers' start method in one case (the killed job's workers may
+still run: the folder's lock is not theirs); every rank ends bit-identical
+to the uninterrupted run. Before these, a persistent loader's resume, a
+loader's own generator and augmentation inside an epoch (with or without
+workers) each resumed silently differently.
 """
 
 import json
@@ -20,6 +21,7 @@ import json
 import pytest
 
 from resume_runs import run
+from skorch_accel_callbacks.state._worker_start import python_can_hang_at_fork
 from testutil import assert_identical, final_state
 
 # (name, processes, DATA of tests/workers/resume.py, kill, every_n_steps)
@@ -39,6 +41,12 @@ CASES = [
      'batch:4:5', 3),
     ('augment-torch-workers-epoch-end', 2, {'augment': 'torch', 'num_workers': 2},
      'batch:4:1', None),
+    # forked workers until the kill, then started by forkserver (the way out
+    # of CPython gh-112275 that the warning names): the resume is exact, and
+    # the switch is not refused
+    ('augment-torch-workers-forkserver-at-resume-inside', 2,
+     {'augment': 'torch', 'num_workers': 2,
+      'at_resume': {'multiprocessing_context': 'forkserver'}}, 'batch:4:4', 3),
     ('loader-generator-inside', 1, {'generator': 5}, 'batch:4:5', 3),
     ('loader-generator-epoch-end', 1, {'generator': 5, 'num_workers': 2}, 'batch:4:1', None),
     ('weighted-sampler-augment-inside', 1,
@@ -51,6 +59,7 @@ CASES = [
 # others: make test-extended); the first two also in make test-quick
 IN_MAKE_TEST = {('persistent-epoch-end', 1), ('augment-torch-in-process-inside', 1),
                 ('persistent-pinned-prefetch-inside', 2), ('augment-torch-workers-inside', 2),
+                ('augment-torch-workers-forkserver-at-resume-inside', 2),
                 ('loader-generator-inside', 1)}
 QUICK = {('persistent-epoch-end', 1), ('augment-torch-in-process-inside', 1)}
 
@@ -67,13 +76,18 @@ def case_param(case):
 def case(request, tmp_path_factory):
     name, nproc, data, kill, every = request.param
     folder = tmp_path_factory.mktemp(f'data-{name}-{nproc}')
-    env = dict(DATA=json.dumps(data),
-               CKPT_OPTIONS=json.dumps({'every_n_steps': every} if every else {}))
-    full = run(folder, 'full', nproc, dirname='full', **env)
-    killed = run(folder, 'killed', nproc, expect_ok=False, KILL=kill, **env)
-    resumed = run(folder, 'resumed', nproc, **env)
+    data = dict(data)
+    # the pipeline of the relaunch, where it differs
+    data_at_resume = dict(data, **data.pop('at_resume', {}))
+    ckpt_options = json.dumps({'every_n_steps': every} if every else {})
+    full = run(folder, 'full', nproc, dirname='full', DATA=json.dumps(data),
+               CKPT_OPTIONS=ckpt_options)
+    killed = run(folder, 'killed', nproc, expect_ok=False, KILL=kill, DATA=json.dumps(data),
+                 CKPT_OPTIONS=ckpt_options)
+    resumed = run(folder, 'resumed', nproc, DATA=json.dumps(data_at_resume),
+                  CKPT_OPTIONS=ckpt_options)
     return dict(nproc=nproc, folder=folder, full=full, killed=killed, resumed=resumed,
-                inside=every is not None)
+                inside=every is not None, data={'full': data, 'resumed': data_at_resume})
 
 
 def test_runs_are_really_distributed(case):
@@ -99,6 +113,29 @@ def test_every_rank_ends_bit_identical(case):
         # each rank's own history (its losses of its own shard) and parameters
         assert full['digest'] == resumed['digest']
         assert full['history'] == resumed['history']
+
+
+FORK_HANG_WARNING = 'CPython gh-112275'
+
+
+def test_forked_workers_are_warned_of_on_the_main_process_where_python_can_hang(case):
+    """On Python 3.11 before 3.11.10 a worker forked in a run of several
+    processes can hang (``state/_worker_start.py``): rank 0 warns once a
+    launch, naming the loader; workers that ``forkserver`` starts, one
+    process, and a Python that resets the lock are not warned of."""
+    for launch in ('full', 'resumed'):
+        data = case['data'][launch]
+        expected = (case['nproc'] > 1 and data.get('num_workers', 0) > 0
+                    and data.get('multiprocessing_context') != 'forkserver'
+                    and python_can_hang_at_fork())
+        for rank, res in enumerate(case[launch]):
+            warned = [text for text in res['warnings'] if FORK_HANG_WARNING in text]
+            if expected and rank == 0:
+                assert len(warned) == 1, res['warnings']
+                assert 'iterator_train (2 workers' in warned[0]
+                assert "multiprocessing_context='forkserver'" in warned[0]
+            else:
+                assert warned == [], (rank, warned)
 
 
 def test_persistent_workers_that_draw_are_refused_at_the_first_batch(tmp_path):

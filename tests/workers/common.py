@@ -170,8 +170,8 @@ def data_pipeline(options, train_rows=None):
     (the DATA environment variable, decoded) describes; ``train_rows``, the
     number of training rows, is needed by its samplers."""
     kwargs = {f'iterator_train__{key}': options[key] for key in
-              ('num_workers', 'persistent_workers', 'pin_memory', 'prefetch_factor')
-              if key in options}
+              ('num_workers', 'persistent_workers', 'pin_memory', 'prefetch_factor',
+               'multiprocessing_context') if key in options}
     if options.get('generator') is not None:
         kwargs['iterator_train__generator'] = torch.Generator().manual_seed(options['generator'])
     if options.get('sampler') == 'weighted':

@@ -33,11 +33,12 @@ Environment:
 - MAX_EPOCHS: the epochs to train in total, instead of the scenario's;
 - DATA: JSON of the training data pipeline (:func:`data_pipeline`): the
   loader's ``num_workers``, ``persistent_workers``, ``pin_memory``,
-  ``prefetch_factor``, ``generator`` (a seed: the loader shuffles with a
-  generator of its own), ``sampler`` (``weighted``: a WeightedRandomSampler;
-  ``batch``: a BatchSampler over a RandomSampler) and ``augment`` (``torch``,
-  ``numpy``, ``python``: ``__getitem__`` adds noise drawn from that module's
-  global generator, as random augmentation does);
+  ``prefetch_factor``, ``multiprocessing_context``, ``generator`` (a seed:
+  the loader shuffles with a generator of its own), ``sampler``
+  (``weighted``: a WeightedRandomSampler; ``batch``: a BatchSampler over a
+  RandomSampler) and ``augment`` (``torch``, ``numpy``, ``python``:
+  ``__getitem__`` adds noise drawn from that module's global generator, as
+  random augmentation does);
 - PER_NODE=1: ``save_on_each_node=True`` and a folder per node
   (``DIRNAME/node<k>``), as on machines without a shared filesystem;
   SHARED_PER_NODE=1: ``save_on_each_node=True`` with one shared folder (an error).
@@ -50,8 +51,8 @@ states then (``at_resume``), the folders whose optimizers' files it read
 ahead, on which thread and whether it began before the checkpoint was
 chosen (``read_ahead``), how many optimizer states
 each load was handed instead of reading its files (``loaded_read_ahead``),
-and the folders whose files it read into the page cache while the net
-initialized (``page_cache_fills``).
+the folders whose files it read into the page cache while the net
+initialized (``page_cache_fills``) and the warnings it showed (``warnings``).
 """
 
 import errno
@@ -62,6 +63,7 @@ import random
 import signal
 import sys
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -235,6 +237,20 @@ def record_page_cache_fills():
 
     PageCacheFill.__init__ = recorded
     return folders
+
+
+def record_warnings():
+    """The text of each warning this process shows, shown as before;
+    returns the list that fills."""
+    shown = []
+    show = warnings.showwarning
+
+    def recorded(message, category, *args, **kwargs):
+        shown.append(f'{category.__name__}: {message}')
+        show(message, category, *args, **kwargs)
+
+    warnings.showwarning = recorded
+    return shown
 
 
 class SendSignal(BatchEnds):
@@ -434,6 +450,7 @@ def main():
     trained = Trained()
     reads, handed = record_read_ahead()
     fills = record_page_cache_fills()
+    shown = record_warnings()
     net.callbacks.extend([recorder, at_resume, trained])
     if kill.startswith('batch:'):
         _, epoch, batch = kill.split(':')
@@ -479,6 +496,7 @@ def main():
         'read_ahead': reads,
         'loaded_read_ahead': handed,
         'page_cache_fills': fills,
+        'warnings': shown,
     })
     write_final_state(net, tag, HISTORY_KEYS)
 
