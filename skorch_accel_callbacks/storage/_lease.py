@@ -13,7 +13,10 @@ connection dropped, or the client gave up at its deadline) leaves the lease
 at a version its writer did not hear of, and the writer's next conditional
 write fails: where the lease holds the writer's own token, the writer takes
 that version as its own, instead of counting the lease as lost (to itself),
-or, for the create that takes it, as held by another job (itself).
+or, for the create that takes it, as held by another job (itself). Every
+request for the lease, a read as a write, is given up after a third of its
+``ttl_seconds`` (a renewal's interval): a store that went silent fails the
+job in time, whatever the client's own timeouts.
 
 ``expires_at`` is wall-clock UTC: the jobs that read it run on other hosts,
 where a monotonic clock means nothing. Hosts' clocks differ, so a lease
@@ -155,7 +158,7 @@ class ObjectLease:
                 # given up at its deadline, or its connection lost past the
                 # client's retries: the store may have made it all the same;
                 # a store that took it and went silent must not hold the job
-                found = _read(self.fs, self.path, self.ttl_seconds / 3)
+                found = _read(self.fs, self.path, self.ttl_seconds)
                 if found is None:
                     raise  # it made nothing: the store is slow or out of reach
                 if not _written_by(found, record):
@@ -215,7 +218,7 @@ class ObjectLease:
     def _take_over(self, record: dict[str, Any]) -> str | None:
         """Take over the lease that is there if it expired (its ETag, or None
         if it changed meanwhile: look again); refuse while it is live."""
-        found = _read(self.fs, self.path)
+        found = _read(self.fs, self.path, self.ttl_seconds)
         if found is None:
             return None
         if _written_by(found, record):
@@ -237,7 +240,7 @@ class ObjectLease:
         try:
             new_etag = _write(self.fs, self.path, record, self.ttl_seconds, IfMatch=etag)
         except OSError:
-            now = _read(self.fs, self.path)
+            now = _read(self.fs, self.path, self.ttl_seconds)
             if now is not None and now[1] == etag:
                 raise
             if _written_by(now, record):
@@ -318,7 +321,7 @@ class _Held:
                                        IfMatch=self.etag)
                     self.record = record
                 except OSError:
-                    now = _read(self.fs, self.path)
+                    now = _read(self.fs, self.path, self.ttl_seconds)
                     if now is not None and now[1] == self.etag:
                         raise  # not for the lease: the next renewal tries again
                     if not self._caught_up(now):
@@ -381,7 +384,10 @@ class _Held:
                         f"until it expires at {self.record['expires_at']}")
                 except OSError as error:
                     failed = error
-                    now = _read(self.fs, self.path)
+                    try:
+                        now = _read(self.fs, self.path, self.ttl_seconds)
+                    except OSError:
+                        return self._not_removed(error)
                     if now is not None and now[1] == self.etag:
                         return self._not_removed(error)
                     if not self._caught_up(now):
@@ -430,10 +436,13 @@ def _write(fs: Any, path: str, record: dict[str, Any], ttl_seconds: float,
     return etag
 
 
-def _read(fs: Any, path: str, seconds: float | None = None) -> tuple[Any, str] | None:
-    """The lease at ``path`` and its ETag, or None if there is none; each
-    request given up after ``seconds``, where given."""
-    deadline = {} if seconds is None else transfer.deadline(fs, seconds)
+def _read(fs: Any, path: str, ttl_seconds: float) -> tuple[Any, str] | None:
+    """The lease at ``path`` and its ETag, or None if there is none. Each
+    request is given up after a third of the lease's ``ttl_seconds``, as a
+    write is: a store that went silent fails the acquire, ``check()`` or the
+    release in time, where the client's own read timeout and retries
+    (botocore's defaults: a minute, several times) would hold the job."""
+    deadline = transfer.deadline(fs, ttl_seconds / 3)
     # the ETag first: a lease read after it is that version or a newer one,
     # and a write conditional on an older ETag than the content read fails;
     # the other order could overwrite a newer, live lease

@@ -222,8 +222,8 @@ def test_of_two_takers_of_an_expired_lease_exactly_one_wins(s3, monkeypatch):
     real_read = lease_module._read
     dead_reads = []
 
-    def read_then_meet(fs_, path_):
-        found = real_read(fs_, path_)
+    def read_then_meet(fs_, path_, ttl_seconds):
+        found = real_read(fs_, path_, ttl_seconds)
         if found is not None and found[0]['token'] == 'dead':
             dead_reads.append(found[1])
             both_read.wait()
@@ -435,6 +435,78 @@ def test_a_store_that_made_the_create_and_went_silent_fails_the_acquire_in_time(
     assert proxy.silent and direct.exists(path), 'the store did not make the create'
     # two deadlines of 1 s, and room for a busy machine
     assert time.monotonic() - began < 15
+
+
+# a look at the lease held this long by the store: far past a read's
+# deadline (a third of the 3 s lease), short of botocore's read timeout
+SLOW_LOOK = (rb'HEAD /\S*\.lease\.json', 30)
+
+
+def looks_held(proxy, path):
+    """The looks at the lease (its HEAD) that the proxy held."""
+    key = path.split('/', 1)[1].encode()
+    return [line for line in proxy.delayed if line.startswith(b'HEAD /') and key in line]
+
+
+def test_a_store_slow_to_show_a_live_lease_fails_the_acquire_in_time(proxied):
+    """Another job holds the lease, and the store holds the look at it
+    (the takeover's) unanswered: the acquire gives the look up at its
+    deadline, as it does a write, instead of waiting as long as the store
+    does (until botocore's read timeout, then its retries)."""
+    proxy, fs, direct, path = proxied
+    live = datetime.now(UTC) + timedelta(minutes=10)
+    direct.pipe_file(path, json.dumps({
+        'holder': 4242, 'host': 'another-host', 'token': 'theirs', 'ttl_seconds': 600.0,
+        'acquired_at': datetime.now(UTC).isoformat(), 'expires_at': live.isoformat()}).encode())
+    proxy.delay_on = SLOW_LOOK
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        ObjectLease(fs, path, ttl_seconds=3.0, clock_skew_seconds=0).acquire()
+    assert looks_held(proxy, path), 'the look was not held'
+    assert time.monotonic() - began < SLOW_LOOK[1] / 2
+    assert stored(direct, path)['token'] == 'theirs'
+
+
+def test_a_check_whose_renewal_and_look_go_unanswered_raises_in_time(proxied):
+    """A renewal that never reaches the store, and the look at the lease
+    that follows it held unanswered: ``check()`` raises the store's
+    timeout in time, and the lease is still held once the store answers."""
+    proxy, fs, direct, path = proxied
+    lease = ObjectLease(fs, path, ttl_seconds=3.0, renew_every=2.9,
+                        clock_skew_seconds=0).acquire()
+    proxy.drop_on = rb'PUT /\S*\.lease\.json'
+    proxy.delay_on = SLOW_LOOK
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        lease.check()
+    assert looks_held(proxy, path), 'the look was not held'
+    # the renewal thread's own try may come first: two of each deadline
+    assert time.monotonic() - began < SLOW_LOOK[1] / 2
+    proxy.drop_on = proxy.delay_on = None
+    lease.check()
+    assert lease.held
+    assert_released_silently(lease, direct, path)
+
+
+def test_a_release_whose_look_goes_unanswered_warns_in_time(proxied):
+    """The lease moved on to a version whose answer the job never heard of
+    (a renewal the store took, its answer lost), so the removal, conditional
+    on the version the job knows, fails; the look at the lease that follows
+    is held unanswered. The release gives the look up at its deadline and
+    warns that the lease stays until it expires, instead of waiting as long
+    as the store does."""
+    proxy, fs, direct, path = proxied
+    lease = ObjectLease(fs, path, ttl_seconds=3.0, renew_every=2.9,
+                        clock_skew_seconds=0).acquire()
+    proxy.delay_on = SLOW_LOOK
+    direct.pipe_file(path, json.dumps(dict(stored(direct, path), expires_at=datetime.now(
+        UTC).isoformat())).encode())
+    began = time.monotonic()
+    with pytest.warns(UserWarning, match='could not remove the lease'):
+        lease.release()
+    assert looks_held(proxy, path), 'the look was not held'
+    assert time.monotonic() - began < SLOW_LOOK[1] / 2
+    assert not lease.held and direct.exists(path)
 
 
 def expire_and_take_over(fs, path):

@@ -59,7 +59,8 @@ class Proxy:
     matches it, before forwarding it; with ``drop_on``, it drops every
     request that matches, each retry too, and forwards the others; with
     ``delay_on`` (a pattern and seconds), it holds each request that
-    matches that long before forwarding it, a slow network. Each sets
+    matches that long before forwarding it, a slow network, listing each
+    one's request line in ``delayed`` as it begins to hold it. Each sets
     ``fired`` when it acts. ``requests`` lists the request line of every
     request it forwarded (``b'PUT /bucket/key HTTP/1.1'``). :meth:`silence`
     makes it an endpoint that accepts connections and reads requests but
@@ -72,6 +73,7 @@ class Proxy:
         self.drop_on = None
         self.delay_on = None
         self.requests = []
+        self.delayed = []
         self.silent = False
         self.on_request = None
         self.fired = threading.Event()
@@ -142,6 +144,8 @@ class Proxy:
                     return
                 delay = self.delay_on
                 if request and delay is not None and re.search(delay[0], data):
+                    line = _REQUEST_LINE.match(data)
+                    self.delayed.append(line.group(0) if line else data[:80])
                     self.fired.set()
                     time.sleep(delay[1])
                 if request and (line := _REQUEST_LINE.match(data)):
