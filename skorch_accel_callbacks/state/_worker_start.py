@@ -26,7 +26,8 @@ from typing import Any
 
 from skorch_accel_callbacks._core import sync
 
-__all__ = ['forking_loaders', 'python_can_hang_at_fork', 'warn_forked_workers_can_hang']
+__all__ = ['forking_loaders', 'python_can_hang_at_fork', 'start_method',
+           'warn_forked_workers_can_hang']
 
 # the loaders skorch builds for a fit, by the prefix of their parameters
 LOADERS = ('iterator_train', 'iterator_valid')
