@@ -408,7 +408,9 @@ def test_a_create_the_store_did_not_make_fails_the_acquire(proxied):
     proxy, fs, direct, path = proxied
     proxy.drop_on = rb'PUT /\S*\.lease\.json'
     with pytest.raises(TimeoutError):
-        ObjectLease(fs, path, ttl_seconds=3.0, clock_skew_seconds=0).acquire()
+        # deadlines of 3 s: the look's request, on a new connection, must
+        # reach the store within its deadline on a loaded machine too
+        ObjectLease(fs, path, ttl_seconds=9.0, clock_skew_seconds=0).acquire()
     assert proxy.fired.is_set()
     key = path.split('/', 1)[1].encode()
     assert any(line.startswith(b'HEAD /') and key in line for line in proxy.requests)
@@ -438,8 +440,10 @@ def test_a_store_that_made_the_create_and_went_silent_fails_the_acquire_in_time(
 
 
 # a look at the lease held this long by the store: far past a read's
-# deadline (a third of the 3 s lease), short of botocore's read timeout
+# deadline (a third of LEASE_SECONDS), short of botocore's read timeout
 SLOW_LOOK = (rb'HEAD /\S*\.lease\.json', 30)
+# deadlines of 2 s: room for a loaded machine to send the look in time
+LEASE_SECONDS = 6.0
 
 
 def looks_held(proxy, path):
@@ -461,7 +465,7 @@ def test_a_store_slow_to_show_a_live_lease_fails_the_acquire_in_time(proxied):
     proxy.delay_on = SLOW_LOOK
     began = time.monotonic()
     with pytest.raises(TimeoutError):
-        ObjectLease(fs, path, ttl_seconds=3.0, clock_skew_seconds=0).acquire()
+        ObjectLease(fs, path, ttl_seconds=LEASE_SECONDS, clock_skew_seconds=0).acquire()
     assert looks_held(proxy, path), 'the look was not held'
     assert time.monotonic() - began < SLOW_LOOK[1] / 2
     assert stored(direct, path)['token'] == 'theirs'
@@ -472,7 +476,7 @@ def test_a_check_whose_renewal_and_look_go_unanswered_raises_in_time(proxied):
     that follows it held unanswered: ``check()`` raises the store's
     timeout in time, and the lease is still held once the store answers."""
     proxy, fs, direct, path = proxied
-    lease = ObjectLease(fs, path, ttl_seconds=3.0, renew_every=2.9,
+    lease = ObjectLease(fs, path, ttl_seconds=LEASE_SECONDS, renew_every=LEASE_SECONDS - 0.1,
                         clock_skew_seconds=0).acquire()
     proxy.drop_on = rb'PUT /\S*\.lease\.json'
     proxy.delay_on = SLOW_LOOK
@@ -496,7 +500,7 @@ def test_a_release_whose_look_goes_unanswered_warns_in_time(proxied):
     warns that the lease stays until it expires, instead of waiting as long
     as the store does."""
     proxy, fs, direct, path = proxied
-    lease = ObjectLease(fs, path, ttl_seconds=3.0, renew_every=2.9,
+    lease = ObjectLease(fs, path, ttl_seconds=LEASE_SECONDS, renew_every=LEASE_SECONDS - 0.1,
                         clock_skew_seconds=0).acquire()
     proxy.delay_on = SLOW_LOOK
     direct.pipe_file(path, json.dumps(dict(stored(direct, path), expires_at=datetime.now(
