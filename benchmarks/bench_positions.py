@@ -5,7 +5,7 @@ position.
 usage: python benchmarks/bench_positions.py [--size 50e6] [--repeats 5]
        [--before idle,disk,torch_save,dcp_save,dcp_async,ours_async,ours_durable]
        [--timed ours_durable,dcp_save,disk,ours_async_blocked,dcp_kept_blocked]
-       [--where turn,same,fresh] [--unsynced]
+       [--where turn,same,fresh] [--nproc 1,2] [--unsynced]
        [--dir runs/bench-positions]
 
 On the net of ``bench_checkpoint.py`` (stacks of 1024x1024 linear layers
@@ -27,6 +27,15 @@ that each timed save retires). ``--where``:
   timed save in a new process: what the machine keeps (the page cache, the
   disk) without what a process keeps, so that beside ``same`` it tells the
   process's part from the machine's.
+
+``--nproc``: the process counts (default ``1,2``). In 2 processes
+(``tests/support/launcher.py``, ``Accelerator(cpu=True)``: DDP on gloo)
+``turn`` alone runs, in one launch: every rank takes the pairs in the same
+shuffled order, each save starts together on every rank, and a figure is
+the slower rank's. The disk's file and ``torch.save`` are written by rank 0
+alone (what a job that writes one file does), DCP's saves and ours by every
+rank; DCP's ``async_save`` gets a gloo group of its own (its thread's
+collectives must not meet the main thread's), as in ``bench_peers``.
 
 ``--unsynced``: no ``os.sync()`` between the *before* save and the timed
 one, whose files stay until then: the timed save meets the page cache that
@@ -63,6 +72,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from bench_checkpoint import (
     REPO,
@@ -75,7 +85,7 @@ from bench_checkpoint import (
     table,
     trained_net,
 )
-from bench_peers import state_dicts
+from bench_peers import barrier, on_rank_0, rank, state_dicts
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from skorch_accel_callbacks import AccelerateCheckpoint
@@ -100,6 +110,9 @@ TIMED = {
 # each of ours -> the peers it is compared with, in the same position
 TARGETS = {'ours_durable': ('dcp_save', 'disk'), 'ours_async_blocked': ('dcp_kept_blocked',)}
 WHERE = {'same': 'same process', 'fresh': 'a process apart', 'turn': 'one long process'}
+# the launch of one 2-process run: every pair, every round (6 minutes at 50M
+# parameters and 5 rounds on 2 idle cores)
+LAUNCH_TIMEOUT = 3 * 3600
 
 
 # ---------------------------------------------------------------- the machine
@@ -154,6 +167,7 @@ def observed(fn, device):
     disk = disk_counters(device)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     STAGED.clear()
+    barrier()  # every rank starts the save together
     start = time.perf_counter()
     fn()
     seconds = time.perf_counter() - start
@@ -189,6 +203,8 @@ class Saves:
         self.stager = DefaultStager(StagingOptions(
             use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
             use_non_blocking_copy=False))
+        # DCP's async thread runs collectives: on a group of its own, not the main thread's
+        self.group = dist.new_group(backend='gloo') if dist.is_initialized() else None
         self.durable = AccelerateCheckpoint(dirname=str(self.root / 'ours'), keep_last=1)
         self.asynchronous = AccelerateCheckpoint(dirname=str(self.root / 'ours-async'),
                                                  keep_last=1, async_save=True)
@@ -202,16 +218,19 @@ class Saves:
         return path
 
     def disk(self):
-        disk_write(self.folder('disk'), self.nbytes)
+        path = self.folder('disk')
+        on_rank_0(lambda: disk_write(path, self.nbytes))()
 
     def torch_save(self):
-        torch.save(state_dicts(self.net), self.folder('torch-save'))
+        path = self.folder('torch-save')
+        on_rank_0(lambda: torch.save(state_dicts(self.net), path))()
 
     def dcp_save(self):
         dcp.save(state_dicts(self.net), checkpoint_id=str(self.folder('dcp')))
 
     def dcp_async(self):
-        future = dcp.async_save(state_dicts(self.net), checkpoint_id=str(self.folder('dcp')))
+        future = dcp.async_save(state_dicts(self.net), checkpoint_id=str(self.folder('dcp')),
+                                process_group=self.group)
         getattr(future, 'upload_completion', future).result()
 
     def dcp_kept_blocked(self):
@@ -220,7 +239,7 @@ class Saves:
         (training must wait for it), its write awaited when the saves
         settle."""
         response = dcp.async_save(state_dicts(self.net), checkpoint_id=str(self.folder('dcp')),
-                                  async_stager=self.stager)
+                                  async_stager=self.stager, process_group=self.group)
         staging = getattr(response, 'staging_completion', None)
         if staging is not None:
             staging.result()
@@ -249,14 +268,18 @@ class Saves:
             future.result()
         self.pending.clear()
         if not flush:
+            barrier()
             return
-        for path in self.written:
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+        barrier()  # every rank's files of the peers' saves are written
+        if rank() == 0:
+            for path in self.written:
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.exists():
+                    path.unlink()
+            os.sync()
         self.written.clear()
-        os.sync()
+        barrier()
 
     def close(self):
         self.durable.close()
@@ -272,7 +295,8 @@ def ready_saves(net, root):
     saves.ours_durable()
     saves.settle()
     saves.nbytes = folder_bytes(root / 'ours' / saves.durable.last_saved_)
-    for variant in set(BEFORE) | set(TIMED):
+    # in one order on every rank (a set's order is the process's own)
+    for variant in sorted(set(BEFORE) | set(TIMED)):
         if variant != 'idle':
             getattr(saves, variant)()
     saves.settle()
@@ -295,11 +319,17 @@ def one_process(args):
     """The child: the pair (``--before``, ``--timed``) in this process, one
     JSON line of what the timed save did (none without ``--timed``); with
     ``--turn N``, every pair of ``--before`` and ``--timed`` N times, a JSON
-    line each."""
-    root = Path(args.dir) / f'process-{os.getpid()}'
-    root.mkdir(parents=True)
+    line each. Launched in several processes (``--root``, which every rank
+    shares), each line has the world the rank saw."""
+    root = Path(args.root) if args.root else Path(args.dir) / f'process-{os.getpid()}'
+    # the net's accelerator makes the process group of a launched run: the
+    # ranks are known from here on
+    net = trained_net(args.size)
+    if rank() == 0:
+        root.mkdir(parents=True)
+    barrier()
     try:
-        saves = ready_saves(trained_net(args.size), root)
+        saves = ready_saves(net, root)
         timing_stages()
         if args.turn:
             pairs = [(before, timed) for before in args.before.split(',')
@@ -309,7 +339,8 @@ def one_process(args):
                 order.shuffle(pairs)
                 for before, timed in pairs:
                     result = pair(saves, before, timed, device_of(root), args.unsynced)
-                    print(json.dumps(dict(result, before=before, timed=timed)), flush=True)
+                    print(json.dumps(dict(result, before=before, timed=timed, world=world())),
+                          flush=True)
         elif args.timed:
             print(json.dumps(pair(saves, args.before, args.timed, device_of(root),
                                   args.unsynced)), flush=True)
@@ -318,7 +349,19 @@ def one_process(args):
         saves.settle()
         saves.close()
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if rank() == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    if dist.is_initialized():
+        # leaving gloo's threads to the interpreter's exit sometimes aborts the process
+        barrier()
+        dist.destroy_process_group()
+
+
+def world():
+    """The number of processes and the back-end this rank saw."""
+    if dist.is_initialized():
+        return [dist.get_world_size(), dist.get_backend()]
+    return [1, None]
 
 
 # ---------------------------------------------------------------- the rounds
@@ -334,13 +377,52 @@ def child(args, before, timed, turn=0):
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith('{')]
 
 
+def launched_turn(args, nproc):
+    """Every pair ``args.repeats`` times in one launch of ``nproc``
+    processes: the results of the slower rank, in the order run."""
+    from launcher import launch
+    root = Path(args.dir) / f'launch-{os.getpid()}-{nproc}'
+    command = ['--child', '--size', args.size, '--dir', args.dir, '--root', root,
+               '--before', ','.join(args.before), '--timed', ','.join(args.timed),
+               '--turn', args.repeats] + (['--unsynced'] if args.unsynced else [])
+    try:
+        outputs = launch(Path(__file__).resolve(), *command, nproc=nproc,
+                         timeout=LAUNCH_TIMEOUT).check().outputs
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    ranks = [[json.loads(line) for line in out.splitlines() if line.startswith('{')]
+             for out in outputs]
+    worlds = {tuple(result['world']) for results in ranks for result in results}
+    if worlds != {(nproc, 'gloo')}:
+        raise RuntimeError(f"the launched run saw {worlds}, not {nproc} gloo processes")
+    merged = []
+    for results in zip(*ranks, strict=True):
+        if len({(result['before'], result['timed']) for result in results}) != 1:
+            raise RuntimeError(f"the ranks timed different pairs: {results}")
+        slower = max(results, key=lambda result: result['seconds'])
+        # the machine's counters are rank 0's, the time and the stage the slower rank's
+        merged.append(dict(results[0], seconds=slower['seconds'],
+                           stage_seconds=max(result['stage_seconds'] for result in results)))
+    return merged
+
+
 def run(args):
+    """``(processes, where, before, timed) -> results``."""
+    samples = {}
+    for nproc in args.nproc:
+        wheres = args.where if nproc == 1 else [where for where in args.where if where == 'turn']
+        samples.update({(nproc, where, before, timed): [] for where in wheres
+                        for before in args.before for timed in args.timed})
+        if 'turn' not in wheres:
+            continue
+        results = (child(args, ','.join(args.before), ','.join(args.timed), args.repeats)
+                   if nproc == 1 else launched_turn(args, nproc))
+        for result in results:
+            samples[(nproc, 'turn', result['before'], result['timed'])].append(result)
+    if 1 not in args.nproc:
+        return samples
     pairs = [(where, before, timed) for where in args.where for before in args.before
              for timed in args.timed]
-    samples = {pair: [] for pair in pairs}
-    if 'turn' in args.where:
-        for result in child(args, ','.join(args.before), ','.join(args.timed), args.repeats):
-            samples[('turn', result['before'], result['timed'])].append(result)
     apart = [pair for pair in pairs if pair[0] != 'turn']
     for round_ in range(args.repeats if apart else 0):
         # round r starts r pairs further: each pair in another place every round
@@ -351,7 +433,7 @@ def run(args):
             else:
                 child(args, before, None)
                 [result] = child(args, 'idle', timed)
-            samples[(where, before, timed)].append(result)
+            samples[(1, where, before, timed)].append(result)
         print(f"round {round_ + 1} of {args.repeats} done", file=sys.stderr, flush=True)
     return samples
 
@@ -361,12 +443,12 @@ def report(samples, args):
           f"{args.size / 1e6:g}M parameters, {args.repeats} rounds; ms, MiB")
     MiB = 2 ** 20
     rows = []
-    for (where, before, timed), results in samples.items():
+    for (nproc, where, before, timed), results in samples.items():
         seconds = [r['seconds'] for r in results]
 
         def median(key):
             return statistics.median(r[key] for r in results)
-        rows.append((WHERE[where], BEFORE[before], TIMED[timed], ms(min(seconds)),
+        rows.append((nproc, WHERE[where], BEFORE[before], TIMED[timed], ms(min(seconds)),
                      ms(statistics.median(seconds)), ms(max(seconds)),
                      ms(median('stage_seconds')) if timed == 'ours_durable' else '-',
                      f"{median('checkpoint_bytes') / MiB:.0f}",
@@ -375,26 +457,27 @@ def report(samples, args):
                      f"{median('writeback_before') / MiB:.0f}",
                      f"{median('minor_faults'):.0f}", f"{median('involuntary_switches'):.0f}"))
     print()
-    print("Each save timed after another (ms; MiB; counters: medians)")
+    print("Each save timed after another (ms; MiB; counters: medians; in several "
+          "processes the slower rank's time and stage, rank 0's counters)")
     print()
-    print(table(rows, ('where', 'before', 'timed', 'min', 'median', 'max', 'stage median',
-                       'own MiB',
-                       'device MiB', 'device write ms', 'dirty before', 'writeback before',
-                       'minor faults', 'preempted')))
+    print(table(rows, ('processes', 'where', 'before', 'timed', 'min', 'median', 'max',
+                       'stage median', 'own MiB', 'device MiB', 'device write ms',
+                       'dirty before', 'writeback before', 'minor faults', 'preempted')))
     ratios = []
-    for (where, before, timed), results in samples.items():
+    for (nproc, where, before, timed), results in samples.items():
         for peer in TARGETS.get(timed, ()):
-            if (where, before, peer) not in samples:
+            if (nproc, where, before, peer) not in samples:
                 continue
             ours = [r['seconds'] for r in results]
-            theirs = [r['seconds'] for r in samples[(where, before, peer)]]
-            ratios.append((WHERE[where], BEFORE[before], f"{TIMED[timed]} / {TIMED[peer]}",
+            theirs = [r['seconds'] for r in samples[(nproc, where, before, peer)]]
+            ratios.append((nproc, WHERE[where], BEFORE[before],
+                           f"{TIMED[timed]} / {TIMED[peer]}",
                            f"{statistics.median(ours) / statistics.median(theirs):.2f}",
                            f"{min(ours) / min(theirs):.2f}"))
     print()
     print("Ratios, ours to the peers timed in the same position")
     print()
-    print(table(ratios, ('where', 'before', 'ratio', 'of medians', 'of mins')))
+    print(table(ratios, ('processes', 'where', 'before', 'ratio', 'of medians', 'of mins')))
 
 
 def main():
@@ -404,10 +487,12 @@ def main():
     parser.add_argument('--before')
     parser.add_argument('--timed')
     parser.add_argument('--where', default='turn')
+    parser.add_argument('--nproc', default='1,2', help='process counts, e.g. 1,2')
     parser.add_argument('--dir', default=str(REPO / 'runs' / 'bench-positions'))
     parser.add_argument('--unsynced', action='store_true')
     parser.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
     parser.add_argument('--turn', type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument('--root', help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         one_process(args)
@@ -418,6 +503,14 @@ def main():
         if unknown:
             parser.error(f"--{name}: unknown {unknown}; one or more of {', '.join(known)}")
         setattr(args, name, values)
+    try:
+        args.nproc = [int(n) for n in args.nproc.split(',')]
+    except ValueError:
+        parser.error(f"--nproc: process counts such as 1,2, got {args.nproc!r}")
+    if not args.nproc or min(args.nproc) < 1:
+        parser.error(f"--nproc: counts of at least 1, got {args.nproc}")
+    if max(args.nproc) > 1 and 'turn' not in args.where:
+        parser.error("--nproc: several processes run --where turn only; add turn to --where")
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     report(run(args), args)
 

@@ -136,8 +136,9 @@ def test_bench_resume_quick_reports_every_variant_in_1_and_2_processes(tmp_path)
 
 
 # the positional benchmark: every position of each timed save in the three
-# protocols, on a small net (one round of 2 before-saves x 5 timed saves:
-# about 2 min on 2 loaded cores, which make test cannot spare)
+# protocols in one process and in one launch of 2, on a small net (one round
+# of 2 before-saves x 5 timed saves: about 2.5 min on 2 loaded cores, which
+# make test cannot spare)
 POSITION_BEFORE = ('idle', 'dcp_async')
 POSITION_RATIOS = ('ours durable, keep_last=1 / DCP save',
                    'ours durable, keep_last=1 / disk: one file written + fsync',
@@ -149,26 +150,29 @@ POSITION_RATIOS = ('ours durable, keep_last=1 / DCP save',
 def test_bench_positions_reports_every_position_in_every_protocol(tmp_path):
     output = run_benchmark('bench_positions.py', '--size', '2e6', '--repeats', 1,
                            '--where', 'turn,same,fresh', '--before', ','.join(POSITION_BEFORE),
-                           '--dir', tmp_path, timeout=2 * TIMEOUT)
+                           '--nproc', '1,2', '--dir', tmp_path, timeout=2 * TIMEOUT)
     # the tables' rows without their header rows
-    found = {title: [row for row in rows if row[0] != 'where']
+    found = {title: [row for row in rows if row[0] != 'processes']
              for title, rows in sections(output, ('Each save', 'Ratios,')).items()}
     [rows] = [rows for title, rows in found.items() if title.startswith('Each save')]
-    wheres = {'one long process', 'same process', 'a process apart'}
+    # in 2 processes the launch's ranks take every pair in turn
+    wheres = {('1', 'one long process'), ('1', 'same process'), ('1', 'a process apart'),
+              ('2', 'one long process')}
     befores = {'nothing (os.sync)', 'DCP async_save'}
     assert len(rows) == len(wheres) * len(befores) * 5, rows
-    assert {row[0] for row in rows} == wheres and {row[1] for row in rows} == befores
+    assert {(row[0], row[1]) for row in rows} == wheres
+    assert {row[2] for row in rows} == befores
     for row in rows:
-        low, mid, high = map(float, row[3:6])
+        low, mid, high = map(float, row[4:7])
         assert 0 < low <= mid <= high, row
-        own, device = float(row[7]), float(row[8])
-        if 'blocked' not in row[2]:
+        own, device = float(row[8]), float(row[9])
+        if 'blocked' not in row[3]:
             # a durable save's bytes reach the device while it is timed (a
             # peer's checkpoint is about the size of ours)
             assert device >= 0.9 * own > 0, row
     [ratios] = [rows for title, rows in found.items() if title.startswith('Ratios,')]
-    assert {(row[0], row[1], row[2]) for row in ratios} == {
-        (where, before, ratio) for where in wheres for before in befores
+    assert {(row[0], row[1], row[2], row[3]) for row in ratios} == {
+        (*where, before, ratio) for where in wheres for before in befores
         for ratio in POSITION_RATIOS}, ratios
 
 
