@@ -4,11 +4,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
+import warnings
 
 import pytest
 
 from launcher import forked_into_cpython_deadlock, launch
+from skorch_accel_callbacks.state._worker_start import python_can_hang_at_fork
 
 
 @pytest.fixture
@@ -140,3 +144,85 @@ def test_a_process_hung_in_cpythons_fork_is_told_from_other_stalls():
     # the Python stacks of faulthandler name no C function
     assert not forked_into_cpython_deadlock(
         'File "popen_fork.py", line 66 in _launch\n' + WAITING_FOR_A_WORKER)
+
+
+def thread_list_lock_offset():
+    """Where this interpreter keeps the thread-list lock that CPython takes
+    in a forked child (``_PyRuntime.interpreters.mutex``), as its debug
+    information gives it to gdb; None where that is not known."""
+    library = sys.executable
+    if sysconfig.get_config_var('Py_ENABLE_SHARED'):
+        library = os.path.join(sysconfig.get_config_var('LIBDIR'),
+                               sysconfig.get_config_var('INSTSONAME'))
+    gdb = subprocess.run(
+        ['gdb', '-batch', '-nx', '-ex',
+         'print (long)&((struct pyruntimestate *)0)->interpreters.mutex', library],
+        capture_output=True, text=True, timeout=60)
+    found = re.search(r'^\$1 = (\d+)$', gdb.stdout, re.M)
+    return int(found.group(1)) if found else None
+
+
+# every start is counted, and the first one forks: 'held', holding the lock
+# that the child needs, which on this interpreter waits for it forever, and
+# the rank for the child (the deadlock that the fork grace of
+# tests/workers/sitecustomize.py narrows); 'free', a child that stalls in a
+# sleep instead. A second start ends at once.
+FORKS_HOLDING_THE_LOCK = """\
+import ctypes, os, sys
+starts, offset, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+with open(starts, 'a') as f:
+    f.write('start\\n')
+if open(starts).read().count('start') > 1:
+    print('relaunched', flush=True)
+    sys.exit(0)
+api = ctypes.pythonapi
+api.PyThread_acquire_lock.argtypes = [ctypes.c_void_p, ctypes.c_int]
+api.PyThread_release_lock.argtypes = [ctypes.c_void_p]
+runtime = ctypes.addressof(ctypes.c_char.in_dll(api, '_PyRuntime'))
+lock = ctypes.c_void_p.from_address(runtime + offset).value
+if how == 'held':
+    api.PyThread_acquire_lock(lock, 1)
+child = os.fork()
+if child == 0:
+    if how == 'held':
+        os._exit(0)
+    import time
+    time.sleep(120)
+if how == 'held':
+    api.PyThread_release_lock(lock)
+print('forked', child, flush=True)
+os.waitpid(child, 0)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not python_can_hang_at_fork(),
+                    reason=f'Python {sys.version.split()[0]} resets the thread-list lock '
+                           'in a forked child (gh-112275 fixed in 3.11.10 and 3.12)')
+@pytest.mark.skipif(not shutil.which('gdb'),
+                    reason='without gdb the launcher cannot see the C stack it relaunches on')
+@pytest.mark.parametrize('how', ['held', 'free'])
+def test_a_launch_that_hung_in_cpythons_fork_is_launched_again_once(tmp_path, tempdir, how):
+    # a real fork into the deadlock: the launcher reads the child's C stack
+    # and relaunches; a child that stalls elsewhere fails the launch
+    offset = thread_list_lock_offset()
+    assert offset is not None, 'no debug information of the interpreter for gdb'
+    script = tmp_path / 'forks.py'
+    script.write_text(FORKS_HOLDING_THE_LOCK)
+    starts = tmp_path / 'starts'
+    if how == 'held':
+        with pytest.warns(RuntimeWarning, match='gh-112275') as caught:
+            result = launch(script, starts, offset, how, nproc=1, timeout=5)
+        assert len(caught) == 1
+        assert result.check().outputs == ['relaunched\n']
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')
+            result = launch(script, starts, offset, how, nproc=1, timeout=5)
+        assert result.timed_out and result.returncodes == [-9], result.report()
+        assert forked_into_cpython_deadlock(result.outputs[0]) is False
+        # the child was there to be looked at, waiting in its sleep
+        assert re.search(r'^#0 .*(nanosleep|select|poll)', result.outputs[0], re.M), \
+            result.report()
+    assert starts.read_text().count('start') == (2 if how == 'held' else 1)
+    assert not running(str(script))
