@@ -13,6 +13,7 @@ import pytest
 
 from launcher import forked_into_cpython_deadlock, launch
 from skorch_accel_callbacks.state._worker_start import python_can_hang_at_fork
+from testutil import machine_lacks
 
 
 @pytest.fixture
@@ -199,14 +200,15 @@ os.waitpid(child, 0)
 @pytest.mark.skipif(not python_can_hang_at_fork(),
                     reason=f'Python {sys.version.split()[0]} resets the thread-list lock '
                            'in a forked child (gh-112275 fixed in 3.11.10 and 3.12)')
-@pytest.mark.skipif(not shutil.which('gdb'),
-                    reason='without gdb the launcher cannot see the C stack it relaunches on')
 @pytest.mark.parametrize('how', ['held', 'free'])
 def test_a_launch_that_hung_in_cpythons_fork_is_launched_again_once(tmp_path, tempdir, how):
     # a real fork into the deadlock: the launcher reads the child's C stack
     # and relaunches; a child that stalls elsewhere fails the launch
+    if not shutil.which('gdb'):
+        machine_lacks('gdb: without it the launcher cannot see the C stack it relaunches on')
     offset = thread_list_lock_offset()
-    assert offset is not None, 'no debug information of the interpreter for gdb'
+    if offset is None:
+        machine_lacks("the interpreter's debug information, where gdb finds the lock")
     script = tmp_path / 'forks.py'
     script.write_text(FORKS_HOLDING_THE_LOCK)
     starts = tmp_path / 'starts'
