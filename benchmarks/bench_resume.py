@@ -2,7 +2,7 @@
 trained step, ours beside the peers' resumes of the same state.
 
 usage: python benchmarks/bench_resume.py [--sizes 25e6,50e6,100e6]
-       [--repeats 5] [--nproc 1,2] [--caches cold,warm] [--quick]
+       [--repeats 5] [--nproc 1,2] [--caches cold,warm] [--remote] [--quick]
        [--dir runs/bench-resume]
 
 On the nets of ``bench_checkpoint.py`` (stacks of 1024x1024 linear layers,
@@ -46,6 +46,24 @@ runs, and the report says so). ``warm``: every file of the variant read
 once before. In 2 processes (DDP on gloo) a figure is the slower rank's.
 Printed: min, median and max (ms) of the relaunch and of the load within
 it, and the ratios of medians and of mins, taken within the same run.
+
+``--remote``: the relaunch on a new machine whose checkpoints are in a
+bucket, instead of the above (``bucket`` in the report). The script starts
+a local S3 server (moto's, in a process of its own, its objects in
+``/dev/shm``, as ``bench_remote.py``); the runs that prepare save into it
+(ours through ``dirname='s3://...'``; accelerate's ``save_state`` folder
+put there with s3fs; DCP through its ``FsspecWriter``). Each relaunch
+starts with an empty local staging folder, and the variants are:
+
+- nothing to resume, with ``dirname`` an empty prefix of the bucket;
+- ours, at an epoch's end and inside an epoch: the resume downloads the
+  checkpoint (one process a node), checks it and loads it;
+- the download alone: s3fs's ``get`` of our checkpoint's folder (one
+  process a node), the floor of any resume of those bytes;
+- s3fs's ``get`` of accelerate's folder, then ``accelerator.load_state``;
+- DCP's documented resume from the bucket, its ``FsspecReader`` reading
+  through s3fs. moto reads a whole object for each ranged GET (its reads
+  go through s3fs's read-ahead blocks), which a real store does not.
 """
 
 import argparse
@@ -75,7 +93,9 @@ from bench_checkpoint import (
     table,
 )
 from bench_peers import barrier, rank
+from bench_remote import BUCKET, CREDENTIALS, S3_OPTIONS, start_server_process
 from skorch.callbacks import Callback
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from skorch_accel_callbacks import AccelerateCheckpoint, AccelerateLoadInitState
@@ -111,6 +131,24 @@ RATIOS = (
     ('relaunch: ours at an epoch end / nothing to resume', 'ours_end', 'fresh', 'fit'),
     ('relaunch: ours at an epoch end / disk read', 'ours_end', 'disk', 'fit'),
     ('relaunch: ours at an epoch end / read into new memory', 'ours_end', 'disk_fresh', 'fit'),
+)
+REMOTE_LABELS = {
+    'fresh': 'nothing to resume',
+    'ours_end': 'ours from the bucket, resumed at an epoch end',
+    'ours_mid': 'ours from the bucket, resumed inside an epoch',
+    'download': "s3fs get of our checkpoint's folder",
+    'load_state': "s3fs get of accelerate's folder + accelerator.load_state",
+    'dcp': 'DCP get_state_dict + load (FsspecReader) + set_state_dict',
+}
+REMOTE_RATIOS = (
+    ('load: ours at an epoch end / s3fs get', 'ours_end', 'download', 'load'),
+    ('load: ours inside an epoch / s3fs get', 'ours_mid', 'download', 'load'),
+    ('load: ours at an epoch end / s3fs get + load_state', 'ours_end', 'load_state', 'load'),
+    ('load: ours at an epoch end / DCP', 'ours_end', 'dcp', 'load'),
+    ('relaunch: ours at an epoch end / s3fs get + load_state', 'ours_end', 'load_state',
+     'fit'),
+    ('relaunch: ours at an epoch end / DCP', 'ours_end', 'dcp', 'fit'),
+    ('relaunch: ours at an epoch end / nothing to resume', 'ours_end', 'fresh', 'fit'),
 )
 MEASURES = ('fit', 'load')
 # variants that differ from ours_end only where a rank waits for another's choice
@@ -183,9 +221,23 @@ def warm(folder):
         read_files(folder, bytearray(64 << 20))
 
 
-def checkpoint(dirname):
-    """Ours, as every run of the benchmark has it: a save after every step."""
-    return AccelerateCheckpoint(dirname=str(dirname), every_n_steps=1, keep_last=10)
+def checkpoint(dirname, staging=None):
+    """Ours, as every run of the benchmark has it: a save after every step;
+    ``staging``: the local folder of a ``dirname`` in the bucket."""
+    return AccelerateCheckpoint(dirname=str(dirname), every_n_steps=1, keep_last=10,
+                                local_dir=staging and str(staging),
+                                storage_options=S3_OPTIONS if staging else None)
+
+
+def bucket_url(root):
+    """Where the runs of ``root`` keep their checkpoints in the bucket."""
+    return f's3://{BUCKET}/{root.name}'
+
+
+def s3():
+    """s3fs's client of the local server (the environment names it)."""
+    import s3fs
+    return s3fs.S3FileSystem(skip_instance_cache=True, **S3_OPTIONS)
 
 
 def last_saved(net):
@@ -221,32 +273,53 @@ class StopBeforeSecondStep(Callback):
         pass
 
 
-def prepare(root, size):
+def prepare(root, size, where):
     """Train one epoch into ``ours`` and have the peers save the state of its
     end; train again into ``ours-mid``, stopped after the first step. Rank 0
     writes the names of the two checkpoints and the size of the first to
-    ``root/names.json``."""
+    ``root/names.json``. ``where``: ``local`` (folders under ``root``) or
+    ``bucket`` (the same in the bucket, nothing left under ``root``)."""
     world_size = launched_world_size()
-    net = make_net(size, max_epochs=1, callbacks=[checkpoint(root / 'ours')])
+    url = bucket_url(root) if where == 'bucket' else None
+
+    def ours(name):
+        return checkpoint(f'{url}/{name}', root / f'staging-{name}') if url else \
+            checkpoint(root / name)
+
+    net = make_net(size, max_epochs=1, callbacks=[ours('ours')])
     quiet_fit(net, rows(world_size))
     net.accelerator.save_state(str(root / 'load_state'))
     model_state, optimizer_state = get_state_dict(
         net.accelerator.unwrap_model(net.module_), net.optimizer_)
-    dcp.save({'model': model_state, 'optimizer': optimizer_state},
-             checkpoint_id=str(root / 'dcp'))
-    if rank() == 0:
+    state = {'model': model_state, 'optimizer': optimizer_state}
+    if url:
+        dcp.save(state, storage_writer=FsspecWriter(f'{url}/dcp', **S3_OPTIONS))
+    else:
+        dcp.save(state, checkpoint_id=str(root / 'dcp'))
+    if rank() == 0 and not url:
         torch.save(state_dicts(net), root / 'torch.pt')
-    stopped = make_net(size, max_epochs=1, callbacks=[
-        checkpoint(root / 'ours-mid'), StopBeforeSecondStep()])
+    stopped = make_net(size, max_epochs=1, callbacks=[ours('ours-mid'), StopBeforeSecondStep()])
     try:
         quiet_fit(stopped, rows(world_size))
     except StopBeforeSecondStep.Stopped:
-        pass
+        # the fit ended without its end: its upload waited for here
+        cp = dict(stopped.callbacks_)['AccelerateCheckpoint']
+        cp.wait_for_saves(stopped)
+        cp.close()
     if rank() == 0:
         end, mid = (root / 'ours' / last_saved(net), root / 'ours-mid' / last_saved(stopped))
-        (root / 'names.json').write_text(json.dumps({
-            'ours_end': str(end), 'ours_mid': str(mid), 'nbytes': folder_bytes(end)}))
+        names = {'ours_end': str(end), 'ours_mid': str(mid), 'nbytes': folder_bytes(end)}
+        if url:
+            names.update(ours_end=end.name, ours_mid=mid.name,
+                         nbytes=folder_bytes(root / 'staging-ours' / end.name))
+            s3().put(str(root / 'load_state'), f'{url[len("s3://"):]}/load_state',
+                     recursive=True)
+        (root / 'names.json').write_text(json.dumps(names))
     barrier()
+    if rank() == 0 and url:
+        # a relaunch on a new machine finds nothing of these here
+        for name in ('load_state', 'staging-ours', 'staging-ours-mid'):
+            shutil.rmtree(root / name)
     os.sync()
 
 
@@ -269,6 +342,8 @@ class FirstStep(Callback):
             Path(self.out).write_text(json.dumps({
                 'fit': elapsed, 'load': sum(getattr(self.load, 'seconds_', [0.0])),
                 'world_size': net.accelerator.num_processes}))
+            # its lease in the bucket released for the next relaunch
+            dict(net.callbacks_)['AccelerateCheckpoint'].close()
             barrier()
             os._exit(0)
 
@@ -303,19 +378,25 @@ class PeerLoad(Callback):
 
     unrecorded_params = True
 
-    def __init__(self, variant, path):
+    def __init__(self, variant, path, staging=None):
         self.variant = variant
         self.path = path
+        self.staging = staging
 
     def initialize(self):
         self.seconds_ = []
         # the floor's buffer exists before the timing; the peers allocate their tensors
         self.buffer_ = bytearray(64 << 20) if self.variant == 'disk' else None
+        # so does s3fs's client: what is timed is the download
+        self.s3_ = s3() if str(self.path).startswith('s3://') else None
         return self
 
     def on_train_begin(self, net, **kwargs):
         start = time.perf_counter()
-        load_peer(self.variant, net, Path(self.path), self.buffer_)
+        if self.s3_ is not None:
+            load_remote_peer(self.variant, net, self.path, Path(self.staging), self.s3_)
+        else:
+            load_peer(self.variant, net, Path(self.path), self.buffer_)
         self.seconds_.append(time.perf_counter() - start)
 
 
@@ -325,6 +406,38 @@ def run_variant(variant, root, size, cache, out):
     and the world size it saw to ``out/rank-R.json``."""
     world_size = launched_world_size()
     names = json.loads((root / 'names.json').read_text())
+    if cache == 'bucket':
+        cp, load = remote_variant(variant, root, names)
+        files = None
+    else:
+        cp, load, files = local_variant(variant, root, names)
+    started = [0.0]
+    clock = FirstStep(started, load, Path(out) / f"rank-{os.environ.get('RANK', 0)}.json")
+    net = make_net(size, max_epochs=2, callbacks=[cp, *([load] if load else []), clock])
+    before_timing(cache, files)
+    started[0] = time.perf_counter()
+    quiet_fit(net, rows(world_size))
+    raise RuntimeError(f"{variant}: the fit reached no training batch")
+
+
+def remote_variant(variant, root, names):
+    """The checkpoint callback and the load of ``variant`` relaunched on a
+    new machine, its checkpoints in the bucket."""
+    url = bucket_url(root)
+    # empty at every relaunch: the driver removes it after each
+    staging = root / 'staging-run'
+    if variant in ('ours_end', 'ours_mid'):
+        cp = checkpoint(f"{url}/{'ours' if variant == 'ours_end' else 'ours-mid'}", staging)
+        return cp, TimedLoadInitState(cp, resume=names[variant])
+    cp = checkpoint(f'{url}/fresh', staging)
+    if variant == 'fresh':
+        return cp, None
+    source = f"{url}/ours/{names['ours_end']}" if variant == 'download' else f'{url}/{variant}'
+    return cp, PeerLoad(variant, source, staging / 'peer')
+
+
+def local_variant(variant, root, names):
+    """The checkpoint callback, the load and the files of ``variant``."""
     files = {'fresh': None, 'ours_end': names['ours_end'], 'ours_mid': names['ours_mid'],
              'ours_serial': names['ours_end'], 'ours_unfilled': names['ours_end'],
              'ours_late': names['ours_end'],
@@ -351,18 +464,14 @@ def run_variant(variant, root, size, cache, out):
         load = PeerLoad(variant, files)
     else:
         load = None
-    started = [0.0]
-    clock = FirstStep(started, load, Path(out) / f"rank-{os.environ.get('RANK', 0)}.json")
-    net = make_net(size, max_epochs=2, callbacks=[cp, *([load] if load else []), clock])
-    before_timing(cache, files)
-    started[0] = time.perf_counter()
-    quiet_fit(net, rows(world_size))
-    raise RuntimeError(f"{variant}: the fit reached no training batch")
+    return cp, load, files
 
 
 def before_timing(cache, files):
     if cache == 'cold':
         drop_page_cache()
+    elif cache == 'bucket':
+        os.sync()  # no relaunch pays for the writeback of the one before
     elif files is not None:
         warm(files)
     barrier()
@@ -390,11 +499,30 @@ def load_peer(variant, net, path, buffer):
         read_files(path, buffer)
 
 
+def load_remote_peer(variant, net, url, target, fs):
+    """A peer's resume from the bucket into the empty folder ``target``:
+    the download (one process a node, with the s3fs client ``fs``) and,
+    after it, the load."""
+    if variant == 'dcp':
+        model = net.accelerator.unwrap_model(net.module_)
+        model_state, optimizer_state = get_state_dict(model, net.optimizer_)
+        state = {'model': model_state, 'optimizer': optimizer_state}
+        dcp.load(state, storage_reader=FsspecReader(url, **S3_OPTIONS))
+        set_state_dict(model, net.optimizer_, model_state_dict=state['model'],
+                       optim_state_dict=state['optimizer'])
+        return
+    if os.environ.get('LOCAL_RANK', '0') == '0':
+        fs.get(url[len('s3://'):], str(target), recursive=True)
+    barrier()
+    if variant == 'load_state':
+        net.accelerator.load_state(str(target))
+
+
 def worker(args):
     kind, root, size, *rest = args
     root, size = Path(root), float(size)
     if kind == 'prepare':
-        prepare(root, size)
+        prepare(root, size, *rest)
     else:
         run_variant(kind, root, size, *rest)
     barrier()
@@ -406,18 +534,22 @@ def worker(args):
 # ---------------------------------------------------------------- the driver
 
 def bench(size, nproc, caches, repeats, root, timeout):
-    """Every variant ``repeats`` times in each page cache state, a process
-    (``nproc`` ranks) each: ``({(cache, variant, measure): [seconds]},
-    checkpoint bytes)``, the measures ``'fit'`` (to the first step) and
-    ``'load'``, each the slower rank's."""
+    """Every variant ``repeats`` times in each page cache state (or from
+    the bucket: ``caches == ['bucket']``), a process (``nproc`` ranks) each:
+    ``({(cache, variant, measure): [seconds]}, checkpoint bytes)``, the
+    measures ``'fit'`` (to the first step) and ``'load'``, each the slower
+    rank's."""
     from launcher import launch
-    root = Path(root) / f'{nproc}-processes-{size:g}'
+    remote = caches == ['bucket']
+    root = Path(root) / f"{nproc}-processes-{size:g}{'-bucket' if remote else ''}"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     script = Path(__file__).resolve()
-    launch(script, '--worker', 'prepare', root, size, nproc=nproc, timeout=timeout).check()
+    launch(script, '--worker', 'prepare', root, size, 'bucket' if remote else 'local',
+           nproc=nproc, timeout=timeout).check()
     nbytes = json.loads((root / 'names.json').read_text())['nbytes']
-    variants = [v for v in LABELS if nproc > 1 or v not in SEVERAL_PROCESSES_ONLY]
+    variants = [v for v in (REMOTE_LABELS if remote else LABELS)
+                if nproc > 1 or v not in SEVERAL_PROCESSES_ONLY]
     times = {(cache, v, m): [] for cache in caches for v in variants for m in MEASURES}
     for round_ in range(repeats):
         shift = round_ % len(variants)
@@ -435,7 +567,10 @@ def bench(size, nproc, caches, repeats, root, timeout):
                     times[cache, variant, measure].append(max(r[measure] for r in seen))
                 shutil.rmtree(out)
                 shutil.rmtree(root / 'fresh', ignore_errors=True)
+                shutil.rmtree(root / 'staging-run', ignore_errors=True)
     shutil.rmtree(root)
+    if remote:
+        s3().rm(bucket_url(root)[len('s3://'):], recursive=True)
     return times, nbytes
 
 
@@ -448,7 +583,7 @@ def spread(values):
 def ratio_rows(size, cache, times):
     """Ours over each peer, of medians and of mins, taken within one run."""
     rows = []
-    for label, ours_key, peer_key, measure in RATIOS:
+    for label, ours_key, peer_key, measure in REMOTE_RATIOS if cache == 'bucket' else RATIOS:
         if (cache, peer_key, measure) not in times:  # a variant of several processes
             continue
         ours = spread(times[cache, ours_key, measure])
@@ -461,7 +596,9 @@ def ratio_rows(size, cache, times):
 def report(runs, args, root, caches, cold_refused):
     out = [f"Machine: {machine()}; disk: {disk_of(root)}; torch {torch.__version__}; "
            f"{args.repeats} rounds, a process per variant and round, rotated order; "
-           f"1 thread per rank; ms. Page cache: {', '.join(caches)}"
+           f"1 thread per rank; ms. "
+           + ("From a bucket of a local S3 server (moto), each relaunch a new machine's"
+              if caches == ['bucket'] else f"Page cache: {', '.join(caches)}")
            + (' (cold needs root: /proc/sys/vm/drop_caches)' if cold_refused else '')
            + f". CUDA: {torch.cuda.is_available()}."]
     for nproc, results in runs:
@@ -470,7 +607,7 @@ def report(runs, args, root, caches, cold_refused):
         rows, ratios = [], []
         for size, times, nbytes in results:
             for cache in caches:
-                for variant, label in LABELS.items():
+                for variant, label in (REMOTE_LABELS if cache == 'bucket' else LABELS).items():
                     if (cache, variant, 'fit') not in times:
                         continue
                     row = [f"{size / 1e6:g}M", f"{nbytes / 2 ** 20:.0f}", cache, label]
@@ -497,6 +634,8 @@ def main():
     parser.add_argument('--nproc', default='1,2', help='process counts, e.g. 1,2')
     parser.add_argument('--caches', default='cold,warm',
                         help='page cache states: cold (needs root), warm')
+    parser.add_argument('--remote', action='store_true',
+                        help='relaunches from a bucket of a local S3 server, not a folder')
     parser.add_argument('--quick', action='store_true', help='size 1e6, 2 rounds by default')
     parser.add_argument('--dir', default=str(REPO / 'runs' / 'bench-resume'))
     parser.add_argument('--timeout', type=float, default=600,
@@ -509,19 +648,28 @@ def main():
     if args.quick:
         args.sizes = '1e6'
     args.repeats = args.repeats or (2 if args.quick else 5)
-    caches = args.caches.split(',')
+    caches = ['bucket'] if args.remote else args.caches.split(',')
     cold_refused = 'cold' in caches and not can_drop_page_cache()
     if cold_refused:
         caches.remove('cold')
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for nproc in (int(n) for n in args.nproc.split(',')):
-        results = []
-        for size in (float(s) for s in args.sizes.split(',')):
-            results.append((size, *bench(size, nproc, caches, args.repeats, root, args.timeout)))
-            print(f"{nproc} process(es): size {size:g} done", file=sys.stderr, flush=True)
-        runs.append((nproc, results))
+    with contextlib.ExitStack() as stack:
+        if args.remote:
+            server, endpoint = start_server_process()
+            stack.callback(server.wait, timeout=60)
+            stack.callback(server.stdin.close)
+            # the ranks' way to the server: the environment they inherit
+            os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
+            s3().mkdir(BUCKET)
+        runs = []
+        for nproc in (int(n) for n in args.nproc.split(',')):
+            results = []
+            for size in (float(s) for s in args.sizes.split(',')):
+                results.append((size, *bench(size, nproc, caches, args.repeats, root,
+                                             args.timeout)))
+                print(f"{nproc} process(es): size {size:g} done", file=sys.stderr, flush=True)
+            runs.append((nproc, results))
     print(report(runs, args, root, caches, cold_refused))
 
 

@@ -1,7 +1,7 @@
 """The benchmarks run, so that they cannot rot: ``bench_peers.py --quick``
 (its small sizes, 2 repeats) in one process and in 2, as ``make bench`` runs
-it; ``bench_resume.py``, ``bench_positions.py`` and ``bench_frozen.py`` on small
-nets."""
+it; ``bench_resume.py`` (from a folder and from a bucket),
+``bench_positions.py`` and ``bench_frozen.py`` on small nets."""
 
 import os
 import re
@@ -133,6 +133,47 @@ def test_bench_resume_quick_reports_every_variant_in_1_and_2_processes(tmp_path)
                 assert 0 < load[0] <= load[1] <= load[2] and load[0] < fit[0], row
         ratios = {(row[1], row[2]) for row in found[f'Ratios, {where}']}
         assert {(cache, ratio) for cache in caches for ratio in expected_ratios} <= ratios
+
+
+REMOTE_RESUME_VARIANTS = ('nothing to resume', 'ours from the bucket, resumed at an epoch end',
+                          'ours from the bucket, resumed inside an epoch',
+                          "s3fs get of our checkpoint's folder",
+                          "s3fs get of accelerate's folder + accelerator.load_state",
+                          'DCP get_state_dict + load (FsspecReader) + set_state_dict')
+REMOTE_RESUME_RATIOS = ('load: ours at an epoch end / s3fs get',
+                        'load: ours inside an epoch / s3fs get',
+                        'load: ours at an epoch end / s3fs get + load_state',
+                        'load: ours at an epoch end / DCP',
+                        'relaunch: ours at an epoch end / s3fs get + load_state',
+                        'relaunch: ours at an epoch end / DCP',
+                        'relaunch: ours at an epoch end / nothing to resume')
+
+
+# the same from a bucket of the local S3 server the script starts: about
+# 1.5 min of one round on 2 cores
+@pytest.mark.slow
+@pytest.mark.extended
+def test_bench_resume_remote_quick_reports_every_variant_in_1_and_2_processes(tmp_path):
+    output = run_benchmark('bench_resume.py', '--remote', '--quick', '--repeats', 1,
+                           '--dir', tmp_path, '--timeout', TIMEOUT, timeout=2 * TIMEOUT)
+    found = sections(output, ('A relaunch:', 'Ratios,'))
+    wheres = ('one process', '2 processes (DDP, gloo; the world size the ranks saw), '
+              'the slower rank')
+    for where in wheres:
+        rows = found[f'A relaunch: fit to the first step, and the load within it; {where}']
+        assert sorted((row[2], row[3]) for row in rows) == sorted(
+            ('bucket', variant) for variant in REMOTE_RESUME_VARIANTS), rows
+        for row in rows:
+            fit = list(map(float, row[4:7]))
+            assert 0 < fit[0] <= fit[1] <= fit[2], row
+            if row[3] != 'nothing to resume':
+                load = list(map(float, row[7:10]))
+                assert 0 < load[0] <= load[1] <= load[2] and load[0] < fit[0], row
+        assert sorted((row[1], row[2]) for row in found[f'Ratios, {where}']) == sorted(
+            ('bucket', ratio) for ratio in REMOTE_RESUME_RATIOS)
+    # nothing of the runs is left behind: each relaunch's staging folder
+    # (a new machine's) and the prepared folders are removed
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob('*'))[:20]
 
 
 # the positional benchmark: every position of each timed save in the three
