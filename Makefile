@@ -92,6 +92,7 @@ bench: $(STAMP)
 
 bench-s3: $(STAMP)
 	$(PY) benchmarks/bench_remote.py
+	$(PY) benchmarks/bench_resume.py --remote --sizes 25e6,50e6
 
 clean:
 	rm -rf $(VENV) runs docs/_build docs/_generated
