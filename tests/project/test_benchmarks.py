@@ -105,6 +105,17 @@ SEVERAL_PROCESSES_VARIANTS = ('ours at an epoch end, waiting ranks read after th
 SEVERAL_PROCESSES_RATIOS = ('load: ours at an epoch end / waiting ranks read after the choice',)
 
 
+def check_relaunch_row(row):
+    """A row of the relaunch benchmark's table: min <= median <= max of the
+    relaunch and of the load, the load within the relaunch."""
+    fit = list(map(float, row[4:7]))
+    assert 0 < fit[0] <= fit[1] <= fit[2], row
+    if row[3] != 'nothing to resume':
+        load = list(map(float, row[7:10]))
+        # the load is part of the relaunch it was timed in
+        assert 0 < load[0] <= load[1] <= load[2] and load[0] < fit[0], row
+
+
 # a relaunch per variant, page cache state and process count: 3 min 40 s
 # of one round on 2 loaded cores, which make test cannot spare
 @pytest.mark.slow
@@ -125,12 +136,7 @@ def test_bench_resume_quick_reports_every_variant_in_1_and_2_processes(tmp_path)
         assert {(row[2], row[3]) for row in rows} == {
             (cache, variant) for cache in caches for variant in variants}, rows
         for row in rows:
-            fit = list(map(float, row[4:7]))
-            assert 0 < fit[0] <= fit[1] <= fit[2], row
-            if row[3] != 'nothing to resume':
-                load = list(map(float, row[7:10]))
-                # the load is part of the relaunch it was timed in
-                assert 0 < load[0] <= load[1] <= load[2] and load[0] < fit[0], row
+            check_relaunch_row(row)
         ratios = {(row[1], row[2]) for row in found[f'Ratios, {where}']}
         assert {(cache, ratio) for cache in caches for ratio in expected_ratios} <= ratios
 
@@ -164,11 +170,7 @@ def test_bench_resume_remote_quick_reports_every_variant_in_1_and_2_processes(tm
         assert sorted((row[2], row[3]) for row in rows) == sorted(
             ('bucket', variant) for variant in REMOTE_RESUME_VARIANTS), rows
         for row in rows:
-            fit = list(map(float, row[4:7]))
-            assert 0 < fit[0] <= fit[1] <= fit[2], row
-            if row[3] != 'nothing to resume':
-                load = list(map(float, row[7:10]))
-                assert 0 < load[0] <= load[1] <= load[2] and load[0] < fit[0], row
+            check_relaunch_row(row)
         assert sorted((row[1], row[2]) for row in found[f'Ratios, {where}']) == sorted(
             ('bucket', ratio) for ratio in REMOTE_RESUME_RATIOS)
     # nothing of the runs is left behind: each relaunch's staging folder
