@@ -274,6 +274,12 @@ def test_renewal_keeps_a_short_lease_alive(s3):
     assert not fs.exists(path)
 
 
+# the leases of the tests through the proxy: deadlines of 2 s (a third),
+# room for a loaded machine to send a request through it in time (with 1 s
+# a create under a full make test missed its deadline)
+LEASE_SECONDS = 6.0
+
+
 def lose_the_answer_of_a_lease_write(proxy, path, passed=0, held_seconds=0):
     """From now on, the proxy drops the answer of a write (PUT) of the lease
     ``path``, the first after ``passed`` of them (the store has made it; the
@@ -329,7 +335,8 @@ def test_a_renewal_whose_answer_was_lost_is_no_loss_of_the_lease(proxied):
     conditional write fails. The lease is still its own (its token): the
     renewals go on, nothing is reported lost, the release removes it."""
     proxy, fs, direct, path = proxied
-    lease = ObjectLease(fs, path, ttl_seconds=3.0, clock_skew_seconds=0).acquire()
+    lease = ObjectLease(fs, path, ttl_seconds=LEASE_SECONDS, renew_every=1.0,
+                        clock_skew_seconds=0).acquire()
     token = stored(direct, path)['token']
     lost = lose_the_answer_of_a_lease_write(proxy, path)
     wait_for(lambda: lost)
@@ -394,7 +401,7 @@ def test_a_create_given_up_at_its_deadline_takes_the_lease_the_store_made(proxie
     began = time.monotonic()
     with warnings.catch_warnings():
         warnings.simplefilter('error')
-        lease = ObjectLease(fs, path, ttl_seconds=3.0, clock_skew_seconds=0).acquire()
+        lease = ObjectLease(fs, path, ttl_seconds=LEASE_SECONDS, clock_skew_seconds=0).acquire()
     assert lost, 'the create was answered'
     assert time.monotonic() - began < 10, 'the create was not given up at its deadline'
     assert lease.held and stored(direct, path)['token'] == lease._held.record['token']
@@ -433,17 +440,15 @@ def test_a_store_that_made_the_create_and_went_silent_fails_the_acquire_in_time(
     proxy.on_request = on_request
     began = time.monotonic()
     with pytest.raises(TimeoutError):
-        ObjectLease(fs, path, ttl_seconds=3.0, clock_skew_seconds=0).acquire()
+        ObjectLease(fs, path, ttl_seconds=LEASE_SECONDS, clock_skew_seconds=0).acquire()
     assert proxy.silent and direct.exists(path), 'the store did not make the create'
-    # two deadlines of 1 s, and room for a busy machine
+    # two deadlines of 2 s, and room for a busy machine
     assert time.monotonic() - began < 15
 
 
 # a look at the lease held this long by the store: far past a read's
 # deadline (a third of LEASE_SECONDS), short of botocore's read timeout
 SLOW_LOOK = (rb'HEAD /\S*\.lease\.json', 30)
-# deadlines of 2 s: room for a loaded machine to send the look in time
-LEASE_SECONDS = 6.0
 
 
 def looks_held(proxy, path):
