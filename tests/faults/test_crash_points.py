@@ -32,6 +32,16 @@ in the store intact; the relaunch must resume from it, or from the newer
 one of the staging folder whose upload it finishes, and end bit-identical
 with no unfinished upload and no checkpoint without a manifest left.
 
+A relaunch on a new machine (1 process; a copy of a run whose job was
+killed once epoch 2 was committed, under a URL of its own, so an empty
+staging folder): every request from its first up to the first that names
+``epoch-0003`` (the reachability check and the lease, the choice, the
+download of epoch 2 into the staging folder) is a crash point, each
+request counted among those alike. After the kill the store must still
+hold epoch 2 complete; a relaunch on the same machine must resume from it,
+end bit-identical and leave no unfinished upload and no partial download
+behind.
+
 In 2 processes the points of each rank's process are enumerated (rank 0
 commits; rank 1 writes its own files). The launches go through a fork
 server (tests/faults/workers/zygote.py) that imported torch once: each
@@ -41,7 +51,7 @@ uninterrupted launch is checked bit-identical to a real launch
 
 ``make test`` runs a seeded subset (in 1 process one point of each syscall
 kind, in 2 one point of each rank, 3 requests of the upload in 1 process
-and 1 in 2);
+and 1 in 2, 3 requests of the relaunch);
 ``make test-crash`` (marker ``crash``) every point.
 """
 
@@ -494,3 +504,166 @@ def test_every_request_of_an_upload_in_2_processes(zygote, reference, store, upl
                                f'killed ({", ".join(p[1] for p in upload_plan_2)}); every '
                                'relaunch bit-identical on both ranks, no committed checkpoint '
                                'lost')
+
+
+# ------------------------------------------------- a relaunch on a new machine
+
+class KillAtNth:
+    """The proxy's ``on_request``: SIGKILLs the job once the store has
+    answered the ``occurrence``-th request that :func:`request_what` names
+    ``what`` (s3fs sends a checkpoint's files side by side, so a request's
+    number among all of them varies from launch to launch; its number
+    among those alike does not)."""
+
+    def __init__(self, pid_file, run, what, occurrence):
+        self.pid_file, self.run = pid_file, run
+        self.what, self.occurrence = what, occurrence
+        self.seen = 0
+        self.fired = None
+
+    def __call__(self, line):
+        if request_what(line, self.run, 'epoch-0002') != self.what:
+            return None
+        self.seen += 1
+        if self.seen != self.occurrence:
+            return None
+        return lambda: self.kill(line)
+
+    def kill(self, line):
+        self.fired = line
+        os.kill(int(open(self.pid_file).read()), 9)
+
+
+def copy_run(store, source, run):
+    """The checkpoints of run ``source`` copied into a run of its own (its
+    staging folder is another, as on a new machine); its URL."""
+    import fsspec
+    bucket, _ = store
+    fs = fsspec.filesystem('s3')
+    fs.invalidate_cache()
+    for path in fs.find(f'{bucket}/{source}'):
+        rel = path[len(f'{bucket}/{source}/'):]
+        if not rel.startswith('.lease'):
+            fs.copy(path, f'{bucket}/{run}/{rel}')
+    return f's3://{bucket}/{run}'
+
+
+@pytest.fixture(scope='module')
+def relaunch_source(zygote, store, tmp_path_factory):
+    """A run in the bucket whose job was killed once the upload of epoch 2
+    was committed: what a relaunch on a new machine resumes from."""
+    bucket, _ = store
+    folder = tmp_path_factory.mktemp('relaunch-source')
+    run = f'source-{uuid.uuid4().hex[:8]}'
+    result = zygote.launch('upload_killable.py', folder, f's3://{bucket}/{run}', 'source',
+                           KILL='2:after-pointer')
+    assert result.returncodes == [-9] and (folder / 'killed-source-after-pointer-rank0').exists(), \
+        result.report()
+    assert RemoteStorage(f's3://{bucket}/{run}').committed()[-1] == 'epoch-0002'
+    return run
+
+
+def relaunch_points(counted, run):
+    """``(what, occurrence)`` of each request of a relaunch, from its first
+    up to the first that names ``epoch-0003`` (its upload after training)."""
+    end = next(i for i, line in enumerate(counted) if b'epoch-0003' in line)
+    whats = [request_what(line, run, 'epoch-0002') for line in counted[:end]]
+    return [(what, whats[:number].count(what)) for number, what in enumerate(whats, 1)]
+
+
+@pytest.fixture(scope='module')
+def relaunch_plan(zygote, one_process, store, relaunch_source, tmp_path_factory):
+    """The requests of an uninterrupted relaunch on a new machine, through
+    the proxy: the lease, the choice and the download."""
+    _, proxy = store
+    folder = tmp_path_factory.mktemp('relaunch-dry')
+    run = f'dry-{uuid.uuid4().hex[:8]}'
+    url = copy_run(store, relaunch_source, run)
+    counter = KillAtRequest(folder / 'pid-dry-rank0', skip=0)
+    proxy.on_request = counter
+    try:
+        zygote.launch('upload_killable.py', folder, url, 'dry',
+                      AWS_ENDPOINT_URL=proxy.endpoint).check()
+    finally:
+        proxy.on_request = None
+    assert read_json(folder / 'resumed-dry-rank0.json')['loaded_from'] == f'{url}/epoch-0002'
+    assert_identical(final_state(one_process[0], 'ref'), final_state(folder, 'dry'))
+    return relaunch_points(counter.counted, run)
+
+
+def partial_downloads(url):
+    staging = RemoteStorage(url).local_dir
+    return [name for name in os.listdir(staging) if name.endswith(PARTIAL_SUFFIX)]
+
+
+def relaunch_crash_at(zygote, point, store, source, folder, reference):
+    """Kill a relaunch on a new machine once the store answered ``point``,
+    relaunch on the same machine, check."""
+    (what, occurrence), (_, proxy) = point, store
+    run = f'relaunch-{uuid.uuid4().hex[:8]}'
+    url = copy_run(store, source, run)
+    where = f"relaunch killed at {what} (#{occurrence})"
+    killer = KillAtNth(folder / 'pid-killed-rank0', run, what, occurrence)
+    proxy.on_request = killer
+    try:
+        result = zygote.launch('upload_killable.py', folder, url, 'killed',
+                               AWS_ENDPOINT_URL=proxy.endpoint)
+    finally:
+        proxy.on_request = None
+    assert killer.fired and result.returncodes[0] == -9, \
+        f"{where}: did not fire\n{result.report()}"
+    storage = RemoteStorage(url)
+    assert storage.committed()[-1] == 'epoch-0002' and storage.check('epoch-0002')[1] is None, \
+        f"{where}: the committed epoch-0002 was lost: {storage.committed()}"
+    zygote.launch('upload_killable.py', folder, url, 'relaunch').check()
+    outcome = read_json(folder / 'relaunch-rank0.json')
+    assert (outcome['error'], outcome['loaded_from']) == (None, f'{url}/epoch-0002'), \
+        (where, outcome)
+    assert_identical(final_state(reference, 'ref'), final_state(folder, 'relaunch'))
+    assert leftovers(url) == [], where
+    assert partial_downloads(url) == [], where
+    # a file of the checkpoint (not its manifest, which the choice reads too)
+    return what.startswith('GET epoch-0002/') and what != 'GET epoch-0002/manifest.json'
+
+
+def enumerate_relaunch(zygote, points, store, source, reference, tmp_path):
+    downloads = 0
+    for number, point in enumerate(points, 1):
+        folder = tmp_path / f'relaunch{number}'
+        folder.mkdir()
+        downloads += relaunch_crash_at(zygote, point, store, source, folder, reference)
+    return downloads
+
+
+def test_subset_of_the_requests_of_a_relaunch_on_a_new_machine(
+        zygote, one_process, store, relaunch_source, relaunch_plan, tmp_path, record_property):
+    """Killed at the lease (the job takes the store), at the manifest of
+    the checkpoint it chose and at a file of its download (the one the
+    uninterrupted relaunch requested last: the partial folder holds files,
+    unchecked): the relaunch after it resumes from epoch 2, bit-identical,
+    leaving nothing behind."""
+    whats = [what for what, _ in relaunch_plan]
+    files = [point for point in relaunch_plan if point[0].startswith('GET epoch-0002/')
+             and point[0] != 'GET epoch-0002/manifest.json']
+    # every file of the checkpoint is downloaded, once
+    assert files and all(whats.count(what) == 1 for what, _ in files), whats
+    chosen = [relaunch_plan[whats.index('PUT .lease.json')],
+              relaunch_plan[whats.index('GET epoch-0002/manifest.json')], files[-1]]
+    downloads = enumerate_relaunch(zygote, chosen, store, relaunch_source, one_process[0],
+                                   tmp_path)
+    assert downloads == 1
+    record_property('summary', f'crash points of a relaunch on a new machine, 1 process: '
+                               f'{len(chosen)} of {len(relaunch_plan)} requests killed (the lease, '
+                               'the manifest, a file downloaded); every relaunch '
+                               'bit-identical, nothing left behind')
+
+
+@pytest.mark.crash
+def test_every_request_of_a_relaunch_on_a_new_machine(
+        zygote, one_process, store, relaunch_source, relaunch_plan, tmp_path, record_property):
+    downloads = enumerate_relaunch(zygote, relaunch_plan, store, relaunch_source,
+                                   one_process[0], tmp_path)
+    record_property('summary', f'crash points of a relaunch on a new machine, 1 process: '
+                               f'{len(relaunch_plan)} requests killed ({downloads} of them the '
+                               'files downloaded); every relaunch bit-identical, nothing '
+                               'left behind')
