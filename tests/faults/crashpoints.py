@@ -352,3 +352,25 @@ class KillAtRequest:
     def kill(self, line):
         self.fired = line
         os.kill(int(open(self.pid_file).read()), 9)
+
+
+class KillAtNth(KillAtRequest):
+    """The proxy's ``on_request``: SIGKILLs the job once the store has
+    answered the ``occurrence``-th request that :func:`request_what` names
+    ``what``, the files of ``checkpoint`` named as in ``run`` (s3fs sends a
+    checkpoint's files side by side, so a request's number among all of
+    them varies from launch to launch; its number among those alike does
+    not)."""
+
+    def __init__(self, pid_file, run, checkpoint, what, occurrence):
+        super().__init__(pid_file, skip=0)
+        self.run, self.checkpoint = run, checkpoint
+        self.what, self.occurrence = what, occurrence
+
+    def __call__(self, line):
+        if request_what(line, self.run, self.checkpoint) != self.what:
+            return None
+        self.counted.append(line)
+        if len(self.counted) != self.occurrence:
+            return None
+        return lambda: self.kill(line)

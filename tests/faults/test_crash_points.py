@@ -64,6 +64,7 @@ import pytest
 
 from crashpoints import (
     MUTATING,
+    KillAtNth,
     KillAtRequest,
     kinds,
     parse,
@@ -508,32 +509,6 @@ def test_every_request_of_an_upload_in_2_processes(zygote, reference, store, upl
 
 # ------------------------------------------------- a relaunch on a new machine
 
-class KillAtNth:
-    """The proxy's ``on_request``: SIGKILLs the job once the store has
-    answered the ``occurrence``-th request that :func:`request_what` names
-    ``what`` (s3fs sends a checkpoint's files side by side, so a request's
-    number among all of them varies from launch to launch; its number
-    among those alike does not)."""
-
-    def __init__(self, pid_file, run, what, occurrence):
-        self.pid_file, self.run = pid_file, run
-        self.what, self.occurrence = what, occurrence
-        self.seen = 0
-        self.fired = None
-
-    def __call__(self, line):
-        if request_what(line, self.run, 'epoch-0002') != self.what:
-            return None
-        self.seen += 1
-        if self.seen != self.occurrence:
-            return None
-        return lambda: self.kill(line)
-
-    def kill(self, line):
-        self.fired = line
-        os.kill(int(open(self.pid_file).read()), 9)
-
-
 def copy_run(store, source, run):
     """The checkpoints of run ``source`` copied into a run of its own (its
     staging folder is another, as on a new machine); its URL."""
@@ -603,7 +578,7 @@ def relaunch_crash_at(zygote, point, store, source, folder, reference):
     run = f'relaunch-{uuid.uuid4().hex[:8]}'
     url = copy_run(store, source, run)
     where = f"relaunch killed at {what} (#{occurrence})"
-    killer = KillAtNth(folder / 'pid-killed-rank0', run, what, occurrence)
+    killer = KillAtNth(folder / 'pid-killed-rank0', run, 'epoch-0002', what, occurrence)
     proxy.on_request = killer
     try:
         result = zygote.launch('upload_killable.py', folder, url, 'killed',
