@@ -251,7 +251,10 @@ def test_saving_warns_about_unsaveable_callback_state(tmp_path):
 
 # ---------------------------------------------------------------- launches
 
+# make test-extended: make test kills saves in 2 processes in the crash-point
+# suite (tests/faults/test_crash_points.py), which checks the same after each
 @pytest.mark.slow
+@pytest.mark.extended
 def test_kill_inside_the_save_leaves_a_partial_folder_that_is_ignored(tmp_path):
     full = run(tmp_path, 'full', dirname='full')
     killed = run(tmp_path, 'killed', expect_ok=False, KILL='save:4')

@@ -266,15 +266,23 @@ ONE_PROCESS_INTERRUPTED = {
     'crash-clone': dict(INTERRUPTED, interrupt=dict(INTERRUPTED['interrupt'], kind='crash'),
                         change={'kind': 'clone'}),
 }
-# 2 processes: 8 batches a rank and epoch; batch 11 is the third of epoch 2
+# 2 processes: 8 batches a rank and epoch; batch 11 is the third of epoch 2;
+# in a script of two fit calls of 4 epochs each, batch 43 is the third of
+# epoch 6, in the second call (after the step checkpoint of batch 42), and
+# batch 35 the third of epoch 5, the second call's first
 LAUNCHED_INTERRUPTED = {
     'sigkill': dict(INTERRUPTED, nproc=2, backend='ddp', damage='none', optimizer='adam',
                     interrupt={'batch': 11, 'kind': 'sigkill', 'who': 'all'}),
+    'sigkill-partial_fit': dict(INTERRUPTED, nproc=2, backend='ddp', damage='none',
+                                script='fit+partial_fit',
+                                interrupt={'batch': 43, 'kind': 'sigkill', 'who': 'all'}),
     'sigkill_in_save': dict(INTERRUPTED, nproc=2, backend='ddp', damage='none',
                             interrupt={'batch': 11, 'kind': 'sigkill_in_save', 'who': 'all'}),
-    'sigterm-rank0': dict(INTERRUPTED, nproc=2, backend='ddp', damage='none',
-                          accelerator={'gradient_accumulation_steps': 2},
-                          interrupt={'batch': 11, 'kind': 'sigterm', 'who': 'rank0'}),
+    'sigterm-rank0-warm_start': dict(INTERRUPTED, nproc=2, backend='ddp', damage='none',
+                                     accelerator={'gradient_accumulation_steps': 2},
+                                     script='warm_start',
+                                     interrupt={'batch': 35, 'kind': 'sigterm',
+                                                'who': 'rank0'}),
 }
 
 
@@ -301,6 +309,11 @@ def test_every_interruption_resumes_exactly_in_two_processes():
             # where the ranks agree on the signal (every 0.5 s) decides
             # whether its save is inside an epoch
             assert first['outcomes'][0]['fired'], name
+        if LAUNCHED_INTERRUPTED[name]['script'] != 'fit':
+            # it struck in the script's second fit call
+            facts = result['facts']
+            newest = facts['manifests'][facts['committed'][-1]]
+            assert newest['epochs'] >= INTERRUPTED['max_epochs'], (name, facts)
 
 
 def replay(drawn):

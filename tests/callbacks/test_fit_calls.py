@@ -153,7 +153,12 @@ def test_a_sigkill_inside_an_epoch_of_the_second_call_resumes_there(tmp_path):
                     end_states(tmp_path, 'after-kill', 1)[0])
 
 
+# make test-extended: make test resumes later fit calls in 2 processes in the
+# contract's fixed examples (tests/callbacks/test_contract_fuzz.py: a SIGKILL
+# inside an epoch of partial_fit, a SIGTERM in a warm start's second fit),
+# and here in 1
 @pytest.mark.slow
+@pytest.mark.extended
 def test_the_second_call_resumes_there_in_two_processes(tmp_path):
     nproc = 2
     run_script(tmp_path, 'full', 'full', nproc)

@@ -26,11 +26,19 @@ CASES = [
 ]
 
 
+# make test-extended: in make test the midepoch case resumes inside an epoch
+# in 2 processes, and the basic scenario does in 1
+EXTENDED = [CASES[1]]
+
+
 def case_param(case):
     scenario, nproc, every, kill, *_ = case
     name = f'{scenario}-{nproc}proc-every{every}-kill{kill.replace(":", "_")}'
     # one case in the quick subset (make test-quick)
-    return pytest.param(case, id=name, marks=() if case is CASES[0] else pytest.mark.slow)
+    marks = [] if case is CASES[0] else [pytest.mark.slow]
+    if case in EXTENDED:
+        marks.append(pytest.mark.extended)
+    return pytest.param(case, id=name, marks=marks)
 
 
 @pytest.fixture(scope='module', params=[case_param(case) for case in CASES])

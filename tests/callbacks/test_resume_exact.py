@@ -24,12 +24,17 @@ CASES = [
 ]
 # the basic cases stay in the quick subset (make test-quick)
 QUICK = [('basic', 1), ('basic', 2)]
+# make test-extended: make test accumulates gradients across a resume in 1
+# and 2 processes in tests/callbacks/test_mid_epoch.py (its midepoch scenario)
+EXTENDED = [('accumulate', 2)]
 
 
 def case_param(case):
     scenario, nproc = case
-    return pytest.param(case, id=f'{scenario}-{nproc}proc',
-                        marks=() if case in QUICK else pytest.mark.slow)
+    marks = [] if case in QUICK else [pytest.mark.slow]
+    if case in EXTENDED:
+        marks.append(pytest.mark.extended)
+    return pytest.param(case, id=f'{scenario}-{nproc}proc', marks=marks)
 
 
 @pytest.fixture(scope='module', params=[case_param(case) for case in CASES])
