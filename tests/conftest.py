@@ -12,9 +12,18 @@ imported: pytest owns the name, and tests/faults has one of its own).
 """
 
 import logging
+import os
 import signal
 import tempfile
 import uuid
+
+# One intra-op thread in the test processes, as the launched ranks have
+# (tests/support/launcher.py): each of make test's two workers trains beside
+# the other's launches on 2 cores, where torch's second OpenMP thread mostly
+# spins waiting. Set before anything imports torch, which reads it once.
+# Measured alone on 2 cores: the in-process fuzz 23 s with one thread, 31 s
+# with two (user time 20 s against 37 s).
+os.environ.setdefault('OMP_NUM_THREADS', '1')
 
 import pytest
 
