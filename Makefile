@@ -30,7 +30,7 @@ demo-s3: $(STAMP)
 	$(PY) examples/resume_demo.py --store s3 --out runs/demo-s3
 
 test: $(STAMP)
-	@echo "make test: about 30 minutes on 2 cores; at the start the fault suites print nothing for minutes"
+	@echo "make test: about 27 minutes on 2 cores; at the start the fault suites print nothing for minutes"
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10 -m "not crash and not extended and not release" tests
 
 test-quick: $(STAMP)
