@@ -496,9 +496,8 @@ def test_the_requests_of_an_upload_that_sends_or_finds_a_shared_frozen_part(
     record_property('summary', f'crash points of an upload with a frozen part, 1 process: '
                                f'{len(killed)} requests killed (one of each method among those '
                                f'of the shared folder, and the manifests: {"; ".join(killed)}); '
-                               'every relaunch '
-                               'bit-identical, no committed checkpoint lost, no shared part left '
-                               'over or missing')
+                               'every relaunch bit-identical, no committed checkpoint lost, no '
+                               'shared part left over or missing')
 
 
 @pytest.mark.crash
