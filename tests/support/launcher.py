@@ -32,6 +32,8 @@ OUTPUT_KEPT = 6000
 KILLED_OUTPUT_KEPT = 40000
 # how long gdb may take to print one stalled process's C stacks
 GDB_TIMEOUT = 20
+# how long the other processes of a killed rank's group get to end
+GROUP_EXIT_WAIT = 10
 # what begins each stalled process's native state in its rank's output
 NATIVE_HEADER = '----- native state of pid '
 # the libraries whose symbols gdb reads (each a pattern of their paths)
@@ -84,8 +86,9 @@ def _signal_groups(procs, signum):
             pass
 
 
-def _group_members(pgid):
-    """The pids of the processes of the process group ``pgid``."""
+def _group_members(pgid, live=False):
+    """The pids of the processes of the process group ``pgid`` (with
+    ``live``, those not ended yet: no zombies)."""
     members = []
     for entry in Path('/proc').iterdir():
         if not entry.name.isdigit():
@@ -96,9 +99,22 @@ def _group_members(pgid):
             continue
         # the fields after the command name, which may hold spaces: state,
         # ppid, pgrp
-        if int(stat[stat.rindex(')') + 2:].split()[2]) == pgid:
+        state, _, pgrp = stat[stat.rindex(')') + 2:].split()[:3]
+        if int(pgrp) == pgid and not (live and state in 'ZX'):
             members.append(int(entry.name))
     return sorted(members)
+
+
+def _await_groups_ended(pgids):
+    """Wait, at most ``GROUP_EXIT_WAIT`` s, until no process of the groups
+    ``pgids`` is alive. A rank's own children (a fork of its own, loader
+    workers) get the group's SIGKILL too, but end on their own time:
+    reaping the rank does not wait for them."""
+    deadline = time.monotonic() + GROUP_EXIT_WAIT
+    while any(_group_members(pgid, live=True) for pgid in pgids):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def _native_stacks(pgid):
@@ -148,6 +164,7 @@ def _kill(procs, logdir):
         _signal_groups(stalled, signal.SIGKILL)
     for proc in procs:
         proc.wait()
+    _await_groups_ended([procs[i].pid for i in running])
     # once the group is dead: a rank writes its log at its own offset, over
     # what was appended while it ran
     for i, text in native.items():
