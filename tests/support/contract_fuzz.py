@@ -731,7 +731,7 @@ def check_in_force(config, relaunch):
                          f"but holds the old one's {key}={entry['scheduler'][key]!r}")
 
 
-def _in_last_call(config, facts):
+def in_last_call(config, facts):
     """Whether a checkpoint of ``facts`` (its manifest's) was taken in the
     script's last fit call: epochs past the first call's, or inside the
     epoch after them."""
@@ -752,7 +752,7 @@ def check_retention(config, before, after):
     resumed = before['committed'][-1]
     ends = [name for name in names if re.fullmatch(r'epoch-\d{4}', name)]
     kept = set(names[-config['saves']['keep_last']:]) | set(ends[-1:]) | {after['best']}
-    if _in_last_call(config, before['manifests'][resumed]):
+    if in_last_call(config, before['manifests'][resumed]):
         kept.add(resumed)
     extra = [name for name in names if name not in kept]
     if extra:
