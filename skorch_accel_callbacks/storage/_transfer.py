@@ -19,7 +19,6 @@ invisible to readers and :func:`abort_uploads` removes them.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -166,8 +165,11 @@ class _Progress:
     or a part of one, sent (fsspec's ``Callback`` protocol: ``call`` on
     every update, ``branched`` for each file of a transfer of several)."""
 
-    def __init__(self, moved: list[float] | None = None) -> None:
+    def __init__(self, moved: list[float] | None = None,
+                 requests: list[asyncio.Task] | None = None) -> None:
         self.moved = [time.monotonic()] if moved is None else moved
+        #: the tasks sending the files, as each begins (see :func:`_put_while_moving`)
+        self.requests: list[asyncio.Task] = [] if requests is None else requests
 
     def set_size(self, size: int | None) -> None:
         self.call()
@@ -182,10 +184,11 @@ class _Progress:
         self.moved[0] = time.monotonic()
 
     def branched(self, path_1: str, path_2: str, **kwargs: Any) -> _Progress:
-        return _Progress(self.moved)
+        return _Progress(self.moved, self.requests)
 
     def branch_coro(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         async def with_branch(path_1: str, path_2: str, **kwargs: Any) -> Any:
+            self.requests.append(asyncio.current_task())
             return await fn(path_1, path_2, callback=self.branched(path_1, path_2), **kwargs)
         return with_branch
 
@@ -195,24 +198,45 @@ def put_files(fs: Any, sources: list[str], targets: list[str], seconds: float,
     """``fs.put(sources, targets, **kwargs)``, given up with
     ``FSTimeoutError`` once no file, nor part of a file, got through for
     ``seconds``: a whole checkpoint takes as long as it takes, a store that
-    stopped answering is found out (see :func:`deadline`)."""
+    stopped answering is found out (see :func:`deadline`). No request of
+    the files is left running once it returned or raised."""
     if not _is_async(fs):
         fs.put(sources, targets, **kwargs)
         return
+    putting = asyncio.run_coroutine_threadsafe(
+        _put_while_moving(fs, sources, targets, seconds, kwargs), fs.loop)
+    try:
+        putting.result()
+    except BaseException:
+        # a Ctrl-C while it waits: the requests end with the upload
+        putting.cancel()
+        raise
+
+
+async def _put_while_moving(fs: Any, sources: list[str], targets: list[str], seconds: float,
+                            kwargs: dict[str, Any]) -> None:
+    """:func:`put_files` on the loop of the async filesystem ``fs``."""
     from fsspec.exceptions import FSTimeoutError
     progress = _Progress()
-    # the async API of fsspec's filesystems: ``_put`` on the filesystem's loop
-    sending = asyncio.run_coroutine_threadsafe(
-        fs._put(sources, targets, callback=progress, **kwargs), fs.loop)
-    while True:
-        try:
-            sending.result(timeout=1.0)
-            return
-        except concurrent.futures.TimeoutError:
+    # the async API of fsspec's filesystems, on this (the filesystem's) loop
+    sending = asyncio.ensure_future(fs._put(sources, targets, callback=progress, **kwargs))
+    try:
+        while not (await asyncio.wait({sending}, timeout=1.0))[0]:
             if time.monotonic() - progress.moved[0] > seconds:
-                sending.cancel()
                 raise FSTimeoutError(
-                    f"the store took no part of the files for {seconds:.0f} s") from None
+                    f"the store took no part of the files for {seconds:.0f} s")
+        sending.result()
+    finally:
+        # fsspec's put, cancelled, leaves its files' requests running (it
+        # waits for them with asyncio.wait, which does not cancel them): they
+        # went on sending after the upload gave up, landed in a folder that
+        # a retry or a removal had moved on from, and logged errors nobody
+        # retrieved. A request that began meanwhile is found by the next turn.
+        while unfinished := [task for task in (sending, *progress.requests)
+                             if not task.done()]:
+            for task in unfinished:
+                task.cancel()
+            await asyncio.wait(unfinished)
 
 
 #: the URL schemes of S3 (s3fs's protocols)

@@ -4,18 +4,26 @@ silences: every request of an upload rides out a 10 s outage, and a store
 that accepts connections and never answers fails the save within a bounded
 time, saying so."""
 
+import asyncio
+import os
 import threading
 import time
 import warnings
 
 import fsspec
 import pytest
+from fsspec.exceptions import FSTimeoutError
 from skorch.callbacks import Callback
 
 from checkpointed import fit
 from common import UploadsEnded
 from skorch_accel_callbacks import StoreUnavailableError
-from skorch_accel_callbacks.storage._transfer import S3_CLIENT_DEFAULTS, client_options
+from skorch_accel_callbacks.storage._transfer import (
+    S3_CLIENT_DEFAULTS,
+    client_options,
+    open_filesystem,
+    put_files,
+)
 
 OUTAGE_S = 10
 
@@ -118,6 +126,45 @@ def test_a_store_that_never_answers_fails_the_save_within_a_bounded_time(
     # renewal under way (a third of its 60 s) and its removal (a DELETE,
     # given up after _lease.RELEASE_SECONDS: the lease expires by itself)
     assert failed_after < 5 + 20 + 20 + 10, (failed_after, time.monotonic() - began)
+
+
+def unfinished_tasks(loop):
+    """The tasks of ``loop`` (an fsspec filesystem's, on its own thread)
+    not done yet, this question's own left out."""
+    async def ask():
+        return [task for task in asyncio.all_tasks()
+                if task is not asyncio.current_task() and not task.done()]
+    return asyncio.run_coroutine_threadsafe(ask(), loop).result(timeout=10)
+
+
+@pytest.mark.slow
+def test_a_put_given_up_leaves_no_request_to_land_after_it(s3_bucket, network, tmp_path):
+    """A put of several files whose requests the network holds is given up
+    once nothing moved for its ``seconds``, and with it every file's
+    request: none is left on the filesystem's loop, and none reaches the
+    store once the network lets the held requests go (fsspec's put, when
+    cancelled, leaves its files' requests running: they landed seconds
+    later, in a folder a retry or a removal had moved on from, and logged
+    errors nobody retrieved)."""
+    fs, root = open_filesystem(f's3://{s3_bucket}/run', through(network))
+    sources, targets = [], []
+    for i in range(3):
+        source = tmp_path / f'part-{i}'
+        source.write_bytes(os.urandom(1 << 20))
+        sources.append(str(source))
+        targets.append(f'{root}/part-{i}')
+    held = 5.0
+    network.delay_on = (rb'PUT /[^ ]*/run/part-', held)
+    began = time.monotonic()
+    with pytest.raises(FSTimeoutError, match='took no part of the files for 1 s'):
+        put_files(fs, sources, targets, 1.0)
+    gave_up_after = time.monotonic() - began
+    assert network.fired.is_set() and gave_up_after < held, gave_up_after
+    assert unfinished_tasks(fs.loop) == []
+    # every held request let go, and time to land
+    time.sleep(held + 2 - gave_up_after)
+    fs.invalidate_cache()
+    assert fs.find(root) == []
 
 
 def test_storage_options_override_the_client_defaults_key_by_key():
