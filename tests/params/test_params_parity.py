@@ -435,11 +435,17 @@ def in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture(scope='module')
+def data() -> tuple[np.ndarray, np.ndarray]:
+    # skorch's data of these tests, 10 examples; skorch's own fixture is a
+    # method of its test classes, which pytest deprecates for a module scope
+    return np.zeros((10, 1), dtype='float32'), np.zeros((10, 1), dtype='float32')
+
+
 @pytest.mark.usefixtures('in_tmp_path')
 class TestParamsCheckpointAsSkorchCheckpoint:
     checkpoint_cls = pytest.fixture(lambda self: ParamsCheckpoint)
     net_cls = _SKORCH_CP.net_cls
-    data = _SKORCH_CP.data
     save_params_mock = _SKORCH_CP.save_params_mock
 
     test_init_with_wrong_kwarg_name_raises = _SKORCH_CP.test_init_with_wrong_kwarg_name_raises
@@ -474,7 +480,6 @@ class TestLoadInitParamsAsSkorchLoadInitState:
     loadinitstate_cls = pytest.fixture(lambda self: LoadInitParams)
     checkpoint_cls = pytest.fixture(lambda self: ParamsCheckpoint)
     net_cls = _SKORCH_LOAD.net_cls
-    data = _SKORCH_LOAD.data
     use_safetensors = _SKORCH_LOAD.use_safetensors
 
     # the first fit finds no files: nothing is loaded, and no error
